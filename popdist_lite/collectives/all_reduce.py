@@ -1,0 +1,50 @@
+"""All-reduce: every replica receives the reduction over replicas."""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from ._common import EXTRA, agree, as_array, buf, default_comm, require_same_shape
+from ._reduce import REDUCIBLE, from_wire, to_wire
+
+OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_NAMES = tuple(OPS)
+
+
+def all_reduce(x, op: str = "sum", *, comm=None) -> np.ndarray:
+    """Reduce ``x`` element-wise over replicas; every replica gets the result.
+
+    Args:
+        x: array (or scalar) of a numeric dtype, the same shape and dtype on every replica.
+        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``, the same on every replica.
+            float16 is reduced in float32 and rounded once; ``"mean"`` of integers is float64.
+
+    Returns:
+        array of ``x.shape``; ``x.dtype`` (float64 for the mean of integers).
+
+    Raises:
+        ValueError: on every replica, for an unknown ``op``, ops that differ between
+            replicas, or shapes that differ.
+        TypeError: on every replica, for a non-numeric dtype or dtypes that differ.
+    """
+    comm = default_comm(comm)
+    x = as_array(x)
+    problem = None
+    if op not in OPS:
+        problem = (ValueError, f"argument op: expected one of {list(OPS)}, got {op!r}")
+    elif x.dtype not in REDUCIBLE:
+        problem = (TypeError, f"argument x: expected a numeric dtype, got {x.dtype}")
+    table = agree("all_reduce", x, comm, problem=problem, extra=_NAMES.index(op) if op in OPS else -1)
+    bad = np.flatnonzero(table[:, EXTRA] != table[0, EXTRA])
+    if bad.size:
+        r = int(bad[0])
+        raise ValueError(f"all_reduce: argument op: replica {r} passed {_NAMES[table[r, EXTRA]]!r}, "
+                         f"expected {_NAMES[table[0, EXTRA]]!r} as on replica 0")
+    require_same_shape("all_reduce", table)
+    work = to_wire(x)
+    out = np.empty_like(work)
+    comm.Allreduce(buf(work), buf(out), op=OPS[op])
+    if op == "mean":
+        return out / comm.size if out.dtype.kind in "iu" else from_wire(out / np.asarray(comm.size, out.dtype), x.dtype)
+    return from_wire(out, x.dtype)

@@ -1,0 +1,110 @@
+"""All-to-all: replica ``j`` receives chunk ``j`` of every replica's array."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import agree, as_array, buf, default_comm, require_same_shape
+
+
+def _axis(axis, ndim: int) -> int | None:
+    """``axis`` as a non-negative index, or None when out of range."""
+    if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+        return None
+    return int(axis) % ndim
+
+
+def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, comm=None) -> np.ndarray:
+    """Split ``x`` into ``r`` chunks along ``split_axis``, send chunk ``j`` to replica ``j``,
+    and concatenate the chunks received (in replica order) along ``concat_axis``.
+
+    The seed's ``all-to-all(result, slice_dim, concat_dim)`` (ENCODING strategy) and
+    TensorFlow's ``all_to_all``.
+
+    Args:
+        x: array, the same shape and dtype on every replica, with
+            ``x.shape[split_axis]`` divisible by ``r``.
+        split_axis, concat_axis: axes of ``x`` (negative values count from the end).
+
+    Returns:
+        array of ``x.dtype`` whose shape is ``x.shape`` with ``split_axis`` divided by
+        ``r`` and then ``concat_axis`` multiplied by ``r``.
+
+    Raises:
+        ValueError, TypeError: on every replica, for bad axes, an indivisible split
+            dimension, or shapes/dtypes that differ between replicas.
+    """
+    comm = default_comm(comm)
+    x = as_array(x)
+    r = comm.size
+    split, concat = _axis(split_axis, x.ndim), _axis(concat_axis, x.ndim)
+    problem = None
+    if x.ndim == 0:
+        problem = (ValueError, "argument x: expected at least 1 dimension, got a scalar")
+    elif split is None or concat is None:
+        problem = (ValueError, f"argument split_axis/concat_axis: expected axes in [{-x.ndim}, {x.ndim}), "
+                               f"got {split_axis} and {concat_axis}")
+    elif x.shape[split] % r:
+        problem = (ValueError, f"argument x: expected x.shape[{split_axis}] divisible by {r} "
+                               f"(the number of replicas), got shape {x.shape}")
+    table = agree("all_to_all", x, comm, problem=problem)
+    require_same_shape("all_to_all", table)
+    m = x.shape[split] // r
+    send = np.ascontiguousarray(np.moveaxis(x.reshape(x.shape[:split] + (r, m) + x.shape[split + 1:]), split, 0))
+    recv = np.empty_like(send)
+    comm.Alltoall(buf(send), buf(recv))
+    chunk = recv.shape[1:]
+    return np.moveaxis(recv, 0, concat).reshape(chunk[:concat] + (r * chunk[concat],) + chunk[concat + 1:])
+
+
+def all_to_all_v(x, splits, *, comm=None) -> tuple[np.ndarray, np.ndarray]:
+    """Send rows ``[o_j, o_j + splits[j])`` of ``x`` to replica ``j`` (Horovod's
+    ``alltoall(tensor, splits)``): an all-to-all of the counts, then ``Alltoallv``.
+
+    Args:
+        x: array with at least one dimension; ``x.shape[1:]`` and dtype the same on
+            every replica.
+        splits: ``r`` non-negative integers summing to ``x.shape[0]``.
+
+    Returns:
+        ``(received, received_splits)``: the rows received, concatenated in replica
+        order, shape ``(received_splits.sum(), *x.shape[1:])``, and ``int64[r]``, how
+        many came from each replica.
+
+    Raises:
+        ValueError, TypeError: on every replica, for bad ``splits`` or mismatched
+            trailing shapes or dtypes.
+    """
+    comm = default_comm(comm)
+    x = as_array(x)
+    splits = np.asarray(splits)
+    problem = None
+    if x.ndim == 0:
+        problem = (ValueError, "argument x: expected at least 1 dimension, got a scalar")
+    elif splits.shape != (comm.size,) or splits.dtype.kind not in "iu" or (splits < 0).any() \
+            or splits.sum() != x.shape[0]:
+        problem = (ValueError, f"argument splits: expected {comm.size} non-negative integers summing to "
+                               f"x.shape[0] = {x.shape[0]}, got {splits.tolist()}")
+    table = agree("all_to_all_v", x, comm, problem=problem)
+    require_same_shape("all_to_all_v", table, from_axis=1)
+    send_counts = splits.astype(np.int64)
+    recv_counts = np.empty_like(send_counts)
+    comm.Alltoall(send_counts, recv_counts)
+    return exchange_rows(x, send_counts, recv_counts, comm), recv_counts
+
+
+def exchange_rows(x: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, comm,
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """``Alltoallv`` of whole rows when both sides already know the counts (no checks).
+
+    Args:
+        x: C-contiguous ``(send_counts.sum(), *row)`` array.
+        send_counts, recv_counts: ``int64[r]`` rows to send to / receive from each replica.
+        out: optional preallocated ``(recv_counts.sum(), *row)`` array to receive into.
+    """
+    row = int(np.prod(x.shape[1:], dtype=np.int64))
+    if out is None:
+        out = np.empty((int(recv_counts.sum()), *x.shape[1:]), dtype=x.dtype)
+    s, rc = send_counts * row, recv_counts * row
+    comm.Alltoallv(buf(x, (s, np.cumsum(s) - s)), buf(out, (rc, np.cumsum(rc) - rc)))
+    return out

@@ -1,0 +1,252 @@
+"""Sharded host embedding tables: every replica owns a private partition of the table;
+lookups and updates cross replicas with collectives.
+
+The API follows TensorFlow-IPU's ``create_host_embedding`` / ``HostEmbedding``
+(host-embeddings guide, section 15); the partition strategies are in
+:mod:`.token` and :mod:`.encoding`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Callable
+
+import numpy as np
+
+from .. import topology
+from ..collectives.all_gather import all_gather, gather_rows
+from .encoding import EncodingPartition
+from .optimizer import HostEmbeddingOptimizerSpec
+from .token import TokenPartition
+
+PARTITION_STRATEGIES = {"TOKEN": TokenPartition, "ENCODING": EncodingPartition}
+TABLE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_INIT_BLOCK_ROWS = 1 << 15
+
+
+class HostEmbedding:
+    """A ``(t, e)`` embedding table partitioned over the replicas.
+
+    Create it with :func:`create_host_embedding`. Every method that moves data is a
+    collective: every replica must call it, in the same order, though each may pass
+    indices of a different shape (ragged batches).
+
+    Attributes:
+        name: table name (used in error messages).
+        shape: ``(t, e)``.
+        dtype: table dtype (float16, float32 or float64).
+        partition_strategy: ``"TOKEN"`` or ``"ENCODING"``.
+        optimizer_spec: the SGD spec, or ``None`` (not trainable).
+        local_shard: this replica's partition, TOKEN ``(ceil(t/r), e)``, ENCODING ``(t, ceil(e/r))``.
+    """
+
+    def __init__(self, name: str, shape, dtype, partition_strategy: str,
+                 optimizer_spec: HostEmbeddingOptimizerSpec | None, initializer, seed: int, comm):
+        self.name = name
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.partition_strategy = partition_strategy
+        self.optimizer_spec = optimizer_spec
+        self._comm = comm
+        t, e = self.shape
+        self._partition = PARTITION_STRATEGIES[partition_strategy](t, e, comm.size, comm.rank)
+        self.local_shard = np.zeros(self._partition.shard_shape, dtype=self.dtype)
+        self._initialize(initializer, seed)
+        self._registered = 0
+
+    # -- initial values -------------------------------------------------------------
+    def _initialize(self, initializer, seed: int) -> None:
+        t, e = self.shape
+        if initializer is None:
+            # Counter-based blocks: the same table for any replica count and strategy.
+            for first in range(0, t, _INIT_BLOCK_ROWS):
+                rng = np.random.default_rng([seed, first // _INIT_BLOCK_ROWS])
+                n = min(_INIT_BLOCK_ROWS, t - first)
+                block = (rng.random((n, e), dtype=np.float32) * 0.1 - 0.05).astype(self.dtype)
+                self._partition.shard_from_block(block, first, self.local_shard)
+            return
+        table = initializer(self.shape, self.dtype) if callable(initializer) else initializer
+        table = np.asarray(table)
+        problem = None
+        if table.shape != self.shape:
+            problem = f"initializer: expected a table of shape {self.shape}, got {table.shape}"
+        crc = zlib.crc32(np.ascontiguousarray(table, dtype=self.dtype).tobytes()) if problem is None else -1
+        problems = self._comm.allgather((problem, crc))
+        for r, (p, _) in enumerate(problems):
+            if p:
+                raise ValueError(f"host embedding {self.name!r}: replica {r}: {p}")
+        crcs = [c for _, c in problems]
+        if len(set(crcs)) > 1:
+            r = next(i for i, c in enumerate(crcs) if c != crcs[0])
+            raise ValueError(f"host embedding {self.name!r}: initializer: replica {r} has a different initial "
+                             f"table from replica 0; pass the same array (or a deterministic callable) everywhere")
+        self._partition.shard_from_block(table.astype(self.dtype, copy=False), 0, self.local_shard)
+
+    # -- the seed API ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def register(self, session=None):
+        """Context manager kept from the seed API (``with embedding.register(sess):``).
+
+        Lookups and updates also work outside it; inside it, :attr:`registered` is True.
+        """
+        self._registered += 1
+        try:
+            yield self
+        finally:
+            self._registered -= 1
+
+    @property
+    def registered(self) -> bool:
+        return self._registered > 0
+
+    def _gather_indices(self, indices, clip_indices: bool, grads=None):
+        """All-gather flattened indices, checking everything on every replica.
+
+        Returns ``(flat, gathered, counts, grads2d)``.
+        Raises TypeError/ValueError/IndexError on every replica for any replica's bad input.
+        """
+        t, e = self.shape
+        indices = np.asarray(indices)
+        problem = None
+        flat = np.zeros(0, dtype=np.int64)
+        if indices.dtype.kind not in "iu":
+            problem = (TypeError, f"host embedding {self.name!r}: argument indices: expected an integer "
+                                  f"dtype, got {indices.dtype}")
+        else:
+            flat = indices.reshape(-1).astype(np.int64)
+            if clip_indices:
+                flat = np.clip(flat, 0, t - 1)
+        if grads is not None and problem is None:
+            grads = np.asarray(grads)
+            want = indices.shape + (e,)
+            if grads.shape != want:
+                problem = (ValueError, f"host embedding {self.name!r}: argument grads: expected shape "
+                                       f"indices.shape + (e,) = {want}, got {grads.shape}")
+            elif grads.dtype.kind != "f":
+                problem = (TypeError, f"host embedding {self.name!r}: argument grads: expected a floating "
+                                      f"dtype, got {grads.dtype}")
+            else:
+                grads = np.ascontiguousarray(grads.reshape(-1, e), dtype=self.dtype)
+        gathered, counts = gather_rows(flat, self._comm, problem=problem, name="indices")
+        bad = np.flatnonzero((gathered < 0) | (gathered >= t))
+        if bad.size:
+            p = int(bad[0])
+            r = int(np.searchsorted(np.cumsum(counts), p, side="right"))
+            raise IndexError(f"host embedding {self.name!r}: replica {r} passed index {int(gathered[p])}, "
+                             f"expected indices in [0, {t}) (pass clip_indices=True to clip instead); "
+                             f"nothing was looked up or updated")
+        return flat, gathered, counts, grads
+
+    def lookup(self, indices, clip_indices: bool = False) -> np.ndarray:
+        """Look up rows of the whole table. Collective.
+
+        Args:
+            indices: integer array of any shape and any integer dtype; the shape may
+                differ between replicas.
+            clip_indices: clip out-of-range indices to ``[0, t)`` (the seed API's
+                behaviour) instead of raising.
+
+        Returns:
+            ``indices.shape + (e,)`` array of the table dtype.
+
+        Raises:
+            IndexError: on every replica, when any replica passes an index outside
+                ``[0, t)`` (message names the table, the replica, the value, the range).
+            TypeError: on every replica, for non-integer indices on any replica.
+        """
+        indices = np.asarray(indices)
+        _, gathered, counts, _ = self._gather_indices(indices, clip_indices)
+        rows = self._partition.lookup(self.local_shard, gathered, counts, self._comm)
+        return rows.reshape(indices.shape + (self.shape[1],))
+
+    def apply_gradients(self, indices, grads, clip_indices: bool = False) -> None:
+        """SGD update: every row ``i`` becomes ``row_i - lr * sum_g`` where ``sum_g`` sums
+        every replica's gradients for ``i`` in this call (duplicates accumulate). Collective.
+
+        Args:
+            indices: as for :meth:`lookup`.
+            grads: ``indices.shape + (e,)`` floating array (cast to the table dtype;
+                float16 gradients are summed in float32).
+            clip_indices: as for :meth:`lookup`.
+
+        Raises:
+            IndexError, TypeError, ValueError: on every replica for any replica's bad
+                indices or gradients; the table is left unchanged.
+        """
+        indices = np.asarray(indices)
+        _, gathered, counts, grads = self._gather_indices(indices, clip_indices, grads=grads)
+        spec = self.optimizer_spec
+        if spec is None or not spec.trainable:
+            return
+        rows, sums = self._partition.gradient_sums(gathered, counts, grads, self._comm)
+        if rows.size:
+            updated = self.local_shard[rows].astype(sums.dtype) - spec.learning_rate * sums
+            self.local_shard[rows] = updated.astype(self.dtype)
+
+    def get_embedding_tensor(self) -> np.ndarray:
+        """The full ``(t, e)`` table, on every replica. Collective (an all-gather)."""
+        return self._partition.assemble(all_gather(self.local_shard, comm=self._comm))
+
+    def __repr__(self) -> str:
+        return (f"HostEmbedding({self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, "
+                f"partition_strategy={self.partition_strategy!r}, local_shard={self.local_shard.shape})")
+
+
+def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy: str = "TOKEN",
+                          optimizer_spec: HostEmbeddingOptimizerSpec | None = None,
+                          initializer: np.ndarray | Callable | None = None, seed: int = 0,
+                          *, comm=None) -> HostEmbedding:
+    """Create a ``(t, e)`` embedding table partitioned over the replicas. Collective.
+
+    Args:
+        name: table name.
+        shape: ``[t, e]``, number of tokens (rows) and encoding size (columns).
+        dtype: float16, float32 (default) or float64.
+        partition_strategy: ``"TOKEN"`` (row ``i`` on replica ``i % r``) or
+            ``"ENCODING"`` (replica ``k`` holds columns ``[k*c, (k+1)*c)``, ``c = ceil(e/r)``).
+        optimizer_spec: :class:`HostEmbeddingOptimizerSpec`; ``None`` or a learning rate
+            of 0 means not trainable.
+        initializer: ``None`` (uniform in ``[-0.05, 0.05)`` as Keras's ``Embedding``,
+            from counter-based random blocks of ``seed``, so the table is identical for
+            every replica count and strategy), a full ``(t, e)`` array, or a callable
+            ``initializer(shape, dtype) -> (t, e) array``; an array or callable must give
+            the same table on every replica.
+        seed: seed of the default initializer.
+
+    Returns:
+        :class:`HostEmbedding`.
+
+    Raises:
+        ValueError: an unknown strategy, a bad shape, or arguments that differ between
+            replicas (on every replica).
+        TypeError: an unsupported dtype.
+    """
+    topology.init()
+    comm = topology.replica_comm() if comm is None else comm
+    problem = None
+    try:
+        if partition_strategy not in PARTITION_STRATEGIES:
+            raise ValueError(f"argument partition_strategy: expected 'TOKEN' or 'ENCODING', got {partition_strategy!r}")
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != 2 or min(shape) < 1:
+            raise ValueError(f"argument shape: expected [t, e] with t, e >= 1, got {list(shape)}")
+        if np.dtype(dtype) not in TABLE_DTYPES:
+            raise TypeError(f"argument dtype: expected float16, float32 or float64, got {np.dtype(dtype)}")
+        if optimizer_spec is not None and not isinstance(optimizer_spec, HostEmbeddingOptimizerSpec):
+            raise TypeError(f"argument optimizer_spec: expected a HostEmbeddingOptimizerSpec or None, "
+                            f"got {type(optimizer_spec).__name__}")
+        signature = (name, shape, str(np.dtype(dtype)), partition_strategy,
+                     optimizer_spec.learning_rate if optimizer_spec else 0.0, seed)
+    except (ValueError, TypeError) as exc:
+        problem, signature = exc, None
+    # Creation is rare: a pickled all-gather keeps the check simple.
+    gathered = comm.allgather((type(problem), str(problem)) if problem else (None, signature))
+    for r, (error, message) in enumerate(gathered):
+        if error is not None:
+            raise error(f"create_host_embedding({name!r}): replica {r}: {message}")
+    for r, (_, item) in enumerate(gathered):
+        if item != gathered[0][1]:
+            raise ValueError(f"create_host_embedding({name!r}): replica {r} passed (name, shape, dtype, "
+                             f"strategy, learning rate, seed) = {item}, expected {gathered[0][1]} as on replica 0")
+    return HostEmbedding(name, shape, dtype, partition_strategy, optimizer_spec, initializer, seed, comm)
