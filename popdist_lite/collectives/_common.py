@@ -33,8 +33,9 @@ def default_comm(comm):
 
 
 def as_array(x) -> np.ndarray:
-    """``x`` as a C-contiguous numpy array (no copy when it already is one)."""
-    return np.ascontiguousarray(x)
+    """``x`` as a C-contiguous numpy array (no copy when it already is one; keeps 0-d)."""
+    x = np.asarray(x)
+    return x if x.flags.c_contiguous else np.array(x, order="C")
 
 
 def buf(a: np.ndarray, counts=None):

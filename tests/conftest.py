@@ -1,0 +1,18 @@
+"""Test layout.
+
+- ``tests/*.py``, ``tests/launcher/``: single-process tests (run by plain ``pytest``).
+- ``tests/mpi/``: multi-rank tests, pytest-mpi style (``@pytest.mark.mpi``). They run
+  inside ``mpirun -n N python -m pytest --with-mpi tests/mpi/<module>``, one mpirun per
+  module and rank count, each under a timeout: ``tests/test_multirank.py`` drives them
+  at 1, 2, 3 and 4 ranks, so one ``pytest`` command runs the whole suite and a hang
+  fails one module at one rank count within seconds, never the whole run.
+"""
+
+from pathlib import Path
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    # The multi-rank modules only run under mpirun (driven by test_multirank.py).
+    if "mpi" in collection_path.parts[-2:-1] and not config.getoption("with_mpi", False):
+        return True
+    return None

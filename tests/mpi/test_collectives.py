@@ -1,0 +1,164 @@
+"""Collectives against a numpy reference built from every replica's (known) input."""
+
+import numpy as np
+import pytest
+
+import popdist_lite as pl
+
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+
+
+def inputs(rng, r, shape, dtype):
+    """Every replica's input, shape (r, *shape), drawn identically on every rank."""
+    data = rng.integers(-50, 50, size=(r, *shape))
+    return data.astype(dtype) if np.dtype(dtype).kind in "iu" else (data / 8).astype(dtype)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES + [np.bool_, np.uint8])
+@pytest.mark.parametrize("shape", [(), (5,), (3, 4), (0, 2)])
+def test_all_gather(comm, rng, dtype, shape):
+    x = inputs(rng, comm.size, shape, dtype)
+    out = pl.all_gather(x[comm.rank])
+    assert out.dtype == np.dtype(dtype) and out.shape == (comm.size, *shape)
+    np.testing.assert_array_equal(out, x)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_gather_v_ragged(comm, rng, dtype):
+    rows = [(3 * k + 1) % 4 for k in range(comm.size)]  # 1, 0, 3, 2: includes an empty replica
+    parts = [inputs(rng, 1, (n, 3), dtype)[0] for n in rows]
+    values, counts = pl.all_gather_v(parts[comm.rank])
+    np.testing.assert_array_equal(counts, rows)
+    np.testing.assert_array_equal(values, np.concatenate(parts))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_scatter_sum(comm, rng, dtype):
+    r = comm.size
+    x = inputs(rng, r, (r, 4, 3), dtype)
+    out = pl.reduce_scatter_sum(x[comm.rank])
+    expected = x.astype(np.float64).sum(axis=0)[comm.rank].astype(dtype)
+    assert out.dtype == np.dtype(dtype) and out.shape == (4, 3)
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.mpi
+def test_float16_sums_rounded_once(comm):
+    # 2048 + 1 + ... : float16 accumulation would lose every +1; one rounding keeps them
+    # once they add up to a representable step.
+    r = comm.size
+    base = np.float16(2048) if comm.rank == 0 else np.float16(1)
+    out = pl.all_reduce(np.array([base], np.float16))
+    assert out[0] == np.float16(2048.0 + (r - 1))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("split_axis,concat_axis", [(0, 0), (0, 1), (1, 0), (-1, 1), (2, 0)])
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16])
+def test_all_to_all(comm, rng, split_axis, concat_axis, dtype):
+    r = comm.size
+    shape = [2 * r, 3, 2 * r]
+    shape[split_axis] = 2 * r
+    x = inputs(rng, r, tuple(shape), dtype)
+    out = pl.all_to_all(x[comm.rank], split_axis=split_axis, concat_axis=concat_axis)
+    chunks = [np.split(x[j], r, axis=split_axis)[comm.rank] for j in range(r)]
+    np.testing.assert_array_equal(out, np.concatenate(chunks, axis=concat_axis))
+
+
+@pytest.mark.mpi
+def test_all_to_all_v(comm, rng):
+    r = comm.size
+    splits = rng.integers(0, 4, size=(r, r))  # splits[i, j]: rows replica i sends to j
+    data = [inputs(rng, 1, (int(splits[i].sum()), 2), np.float32)[0] for i in range(r)]
+    out, got = pl.all_to_all_v(data[comm.rank], splits[comm.rank])
+    np.testing.assert_array_equal(got, splits[:, comm.rank])
+    pieces = [np.split(data[i], np.cumsum(splits[i])[:-1])[comm.rank] for i in range(r)]
+    np.testing.assert_array_equal(out, np.concatenate(pieces))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_reduce(comm, rng, op, dtype):
+    x = inputs(rng, comm.size, (3, 5), dtype)
+    out = pl.all_reduce(x[comm.rank], op=op)
+    wide = x.astype(np.float64)
+    expected = {"sum": wide.sum(0), "mean": wide.mean(0), "max": wide.max(0), "min": wide.min(0)}[op]
+    if op == "mean" and np.dtype(dtype).kind in "iu":
+        assert out.dtype == np.float64
+    else:
+        assert out.dtype == np.dtype(dtype)
+        expected = expected.astype(dtype)
+    np.testing.assert_allclose(out, expected, rtol=1e-6 if dtype != np.float16 else 1e-3)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast(comm, rng, dtype):
+    x = inputs(rng, comm.size, (4, 2), dtype)
+    for root in range(comm.size):
+        np.testing.assert_array_equal(pl.broadcast(x[comm.rank], root=root), x[root])
+
+
+# -- bad input: the same error on every replica, never a hang; the runtime keeps working --
+
+def last_rank_differs(comm, good, bad):
+    return bad if comm.rank == comm.size - 1 and comm.size > 1 else good
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shape_mismatch_raises_everywhere(comm):
+    x = last_rank_differs(comm, np.zeros((2, 3), np.float32), np.zeros((3, 3), np.float32))
+    with pytest.raises(ValueError, match=rf"all_gather: argument x: replica {comm.size - 1} passed shape \(3, 3\)"):
+        pl.all_gather(x)
+    assert pl.all_reduce(np.array([1.0]))[0] == comm.size  # still in step
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dtype_mismatch_raises_everywhere(comm):
+    x = last_rank_differs(comm, np.zeros(4, np.float32), np.zeros(4, np.float64))
+    with pytest.raises(TypeError, match=rf"replica {comm.size - 1} passed dtype float64, expected float32"):
+        pl.all_reduce(x)
+
+
+@pytest.mark.mpi
+def test_reduce_scatter_wrong_first_dim_raises_everywhere(comm):
+    x = last_rank_differs(comm, np.zeros((comm.size, 2)), np.zeros((comm.size + 1, 2)))
+    if comm.size == 1:
+        x = np.zeros((2, 2))
+    with pytest.raises(ValueError, match=rf"reduce_scatter_sum: replica {comm.size - 1}: argument x: "
+                                         rf"expected x.shape\[0\] == {comm.size}"):
+        pl.reduce_scatter_sum(x)
+
+
+@pytest.mark.mpi
+def test_bad_op_and_root(comm):
+    with pytest.raises(ValueError, match="argument op: expected one of"):
+        pl.all_reduce(np.zeros(2), op=last_rank_differs(comm, "sum", "prod") if comm.size > 1 else "prod")
+    with pytest.raises(ValueError, match="argument root"):
+        pl.broadcast(np.zeros(2), root=comm.size)
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="argument op: replica"):
+            pl.all_reduce(np.zeros(2), op=last_rank_differs(comm, "sum", "max"))
+
+
+@pytest.mark.mpi
+def test_unsupported_dtype(comm):
+    with pytest.raises(TypeError, match="expected one of the dtypes"):
+        pl.all_gather(np.array(["a", "b"]))
+    with pytest.raises(TypeError, match="numeric dtype"):
+        pl.all_reduce(np.array([True]))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_collectives_are_named_not_deadlocked(comm):
+    x = np.zeros(4, np.float32)
+    with pytest.raises(RuntimeError, match="collective mismatch: replica 0 called all_reduce .* but replica 1 called broadcast"):
+        if comm.rank == 0:
+            pl.all_reduce(x)
+        else:
+            pl.broadcast(x)
+    np.testing.assert_array_equal(pl.all_gather(np.array([comm.rank])).ravel(), np.arange(comm.size))
