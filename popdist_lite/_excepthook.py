@@ -1,0 +1,115 @@
+"""Uncaught exceptions in a rank: name the replica, leave a record, abort the job.
+
+:func:`install` replaces ``sys.excepthook`` and ``threading.excepthook``. On an
+uncaught exception the hook
+
+1. prints a line naming the replica, then the traceback, to stderr;
+2. if ``POPDIST_LITE_ERROR_FILE`` is set (by the poprun-lite agent) writes there,
+   atomically, ``{"rank", "replica", "role", "host", "pid", "time", "exception",
+   "message", "traceback"}``;
+3. calls ``MPI.COMM_WORLD.Abort(1)`` when MPI is initialised and the job has more
+   than one rank (as ``python -m mpi4py`` does), so the other ranks stop within
+   seconds instead of waiting forever in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+_state: dict = {"installed": False, "replica": 0, "role": "replica"}
+
+
+def _mpi_world():
+    """COMM_WORLD if mpi4py is imported and MPI is initialised (never imports MPI)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return None
+    try:
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            return mpi.COMM_WORLD
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+def _rank() -> int | None:
+    world = _mpi_world()
+    if world is not None:
+        return world.Get_rank()
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def _write_record(exc_type, exc_value, text: str, rank) -> None:
+    path = os.environ.get("POPDIST_LITE_ERROR_FILE")
+    if not path:
+        return
+    record = {
+        "rank": rank,
+        "replica": _state["replica"],
+        "role": _state["role"],
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "time": time.time(),
+        "exception": getattr(exc_type, "__name__", str(exc_type)),
+        "message": str(exc_value),
+        "traceback": text,
+    }
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the run directory is gone or not shared: the stderr tail remains
+
+
+def _handle(exc_type, exc_value, exc_tb, where: str = "") -> None:
+    rank = _rank()
+    text = "".join(traceback.format_exception(exc_type, exc_value, exc_tb))
+    rank_text = "" if rank is None else f", rank {rank}"
+    try:
+        sys.stderr.write(f"popdist-lite: uncaught exception in {_state['role']} "
+                         f"{_state['replica']} ({socket.gethostname()}{rank_text}{where}):\n"
+                         f"{text}")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - stderr may be closed
+        pass
+    _write_record(exc_type, exc_value, text, rank)
+    world = _mpi_world()
+    if world is not None and world.Get_size() > 1:
+        world.Abort(1)
+
+
+def _excepthook(exc_type, exc_value, exc_tb) -> None:
+    _handle(exc_type, exc_value, exc_tb)
+
+
+def _threading_excepthook(args) -> None:
+    if args.exc_type is SystemExit:  # ignored in threads, as by the default hook
+        return
+    name = f", thread {args.thread.name}" if args.thread is not None else ""
+    _handle(args.exc_type, args.exc_value, args.exc_traceback, name)
+
+
+def install(replica_index: int, role: str = "replica") -> None:
+    """Install the hooks for this process, driving replica ``replica_index``.
+
+    Idempotent: a second call only updates the replica index and role.
+    """
+    _state["replica"] = int(replica_index)
+    _state["role"] = role
+    if _state["installed"]:
+        return
+    sys.excepthook = _excepthook
+    threading.excepthook = _threading_excepthook
+    _state["installed"] = True
