@@ -1,0 +1,283 @@
+"""``poprun-lite``: options, the rank plan, and ``main``.
+
+The job is planned as a list of :class:`~popdist_lite_launcher.mpirun.RankSpec`
+by :func:`plan_ranks`; :func:`~popdist_lite_launcher.mpirun.build_command` turns
+that list into the MPMD mpirun command. New kinds of ranks (e.g. host feeders)
+only need new specs in :func:`plan_ranks` and new options in :func:`build_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+
+from . import __version__, job, report
+from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,
+                     default_rank_env, detect_implementation, find_mpirun, is_local_host)
+
+EPILOG = """\
+examples:
+  poprun-lite --num-replicas 4 python3 train.py --epochs 2
+      4 replicas, one MPI rank each, on this machine
+  poprun-lite --num-replicas 4 -H host0,host1 python3 train.py
+      2 instances (replicas) on each host
+  poprun-lite --num-replicas 2 --mpi-global-args="--mca btl_tcp_if_include eth0" \\
+      --mpi-local-args="-x MY_VAR" python3 train.py
+  poprun-lite --num-replicas 4 --only-output-from-instance 0 --print-topology python3 train.py
+  poprun-lite -v --timeout 600 --num-replicas 2 python3 train.py
+
+Each rank gets POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_IPUS_PER_REPLICA,
+POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
+POPDIST_REPLICA_INDEX_OFFSET, POPDIST_LOCAL_INSTANCE_INDEX, POPDIST_LITE_ROLE and
+POPDIST_LITE_RUN_DIR; OMP_NUM_THREADS and the BLAS thread variables default to 1.
+mpirun: --mpirun, $POPRUN_LITE_MPIRUN, mpirun/mpiexec on PATH, or next to Python.
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value:g}")
+    return value
+
+
+def _host_list(text: str) -> list[str]:
+    hosts = [h.strip() for h in text.split(",") if h.strip()]
+    if not hosts:
+        raise argparse.ArgumentTypeError("expected host0,host1,...")
+    return hosts
+
+
+def _instance_args(text: str) -> tuple[int, list[str]]:
+    index, sep, args = text.partition(":")
+    if not sep or not index.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected IDX:\"ARGS\", got {text!r}")
+    return int(index), shlex.split(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``poprun-lite`` (options in groups, easy to extend)."""
+    parser = argparse.ArgumentParser(
+        prog="poprun-lite", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # never take a program option (e.g. --mpi) for one of ours
+        description="Launch a replicated program with MPI: one MPI rank (instance) per\n"
+                    "replica, the PopDist environment in every rank, and a failure report\n"
+                    "naming the root cause.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+
+    topo = parser.add_argument_group("topology")
+    topo.add_argument("--num-replicas", type=_positive_int, default=1, metavar="N",
+                      help="number of replicas (default 1)")
+    topo.add_argument("--num-instances", type=_positive_int, default=None, metavar="N",
+                      help="number of instances; must equal --num-replicas (each instance "
+                           "drives exactly one replica)")
+    topo.add_argument("--ipus-per-replica", type=_positive_int, default=1, metavar="N",
+                      help="exported as POPDIST_NUM_IPUS_PER_REPLICA (default 1)")
+    hosts = topo.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--host", type=_host_list, default=None, metavar="HOST0,HOST1",
+                       help="hosts; instances are divided evenly among them")
+    hosts.add_argument("--hostfile", default=None, metavar="FILE",
+                       help="MPI hostfile; its hosts are used like --host")
+
+    mpi = parser.add_argument_group("mpirun")
+    mpi.add_argument("--mpirun", default=None, metavar="PATH",
+                     help="mpirun/mpiexec to use (also $POPRUN_LITE_MPIRUN)")
+    mpi.add_argument("--mpi-global-args", action="append", default=[], metavar='"ARGS"',
+                     help="arguments given to mpirun before the contexts (repeatable)")
+    mpi.add_argument("--mpi-local-args", action="append", default=[], metavar='"ARGS"',
+                     help="arguments added to every instance's context (repeatable)")
+    mpi.add_argument("--instance-mpi-local-args", action="append", default=[],
+                     type=_instance_args, metavar='IDX:"ARGS"',
+                     help="arguments added to instance IDX's context (repeatable)")
+
+    out = parser.add_argument_group("output and control")
+    out.add_argument("--only-output-from-instance", type=_non_negative_int, default=None,
+                     metavar="N", help="discard the output of the other instances (failure "
+                     "reports still show their errors)")
+    out.add_argument("--print-topology", action="store_true",
+                     help="print replica/instance/rank/host before launching")
+    out.add_argument("--tag-output", action="store_true",
+                     help="prefix output lines with the rank (Open MPI --tag-output, "
+                          "MPICH -prepend-rank)")
+    out.add_argument("-v", "--verbose", action="store_true",
+                     help="print the mpirun command before running it")
+    out.add_argument("--timeout", type=_non_negative_float, default=0.0, metavar="SECONDS",
+                     help="stop the job after this long and report it (0: no limit)")
+
+    parser.add_argument("program", help="the program to run in every instance")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and cross-check the options (errors exit via ``parser.error``)."""
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    if opts.num_instances is None:
+        opts.num_instances = opts.num_replicas
+    elif opts.num_instances != opts.num_replicas:
+        parser.error(f"--num-instances {opts.num_instances} must equal --num-replicas "
+                     f"{opts.num_replicas}: each instance drives exactly one replica")
+    for index, _ in opts.instance_mpi_local_args:
+        if index >= opts.num_instances:
+            parser.error(f"--instance-mpi-local-args index {index} is out of range "
+                         f"(0..{opts.num_instances - 1})")
+    if opts.only_output_from_instance is not None \
+            and opts.only_output_from_instance >= opts.num_instances:
+        parser.error(f"--only-output-from-instance {opts.only_output_from_instance} is out "
+                     f"of range (0..{opts.num_instances - 1})")
+    try:
+        opts.hosts = opts.host or (read_hostfile(opts.hostfile) if opts.hostfile else None)
+    except (OSError, LauncherError) as exc:
+        parser.error(str(exc))
+    if opts.hosts and opts.num_instances % len(opts.hosts):
+        parser.error(f"{opts.num_instances} instances cannot be divided evenly among "
+                     f"{len(opts.hosts)} hosts")
+    return opts
+
+
+def read_hostfile(path: str) -> list[str]:
+    """Host names of an Open MPI (``host slots=N``) or MPICH (``host:N``) hostfile.
+
+    Raises:
+        OSError: the file cannot be read.
+        LauncherError: it names no hosts.
+    """
+    hosts = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                hosts.append(line.split()[0].split(":")[0])
+    if not hosts:
+        raise LauncherError(f"hostfile {path} names no hosts")
+    return hosts
+
+
+def plan_ranks(opts: argparse.Namespace, run_dir: str) -> list[RankSpec]:
+    """One :class:`RankSpec` per MPI rank, in rank order, with its PopDist environment.
+
+    Instance ``i`` drives replica ``i``; with hosts, instances are divided evenly
+    (consecutive blocks) among them and ``POPDIST_LOCAL_INSTANCE_INDEX`` counts
+    instances per host.
+    """
+    n = opts.num_instances
+    per_host = n // len(opts.hosts) if opts.hosts else n
+    local_args = [a for text in opts.mpi_local_args for a in shlex.split(text)]
+    instance_args: dict[int, list[str]] = {}
+    for index, args in opts.instance_mpi_local_args:
+        instance_args.setdefault(index, []).extend(args)
+    common = default_rank_env()
+    common.update({
+        "POPDIST_NUM_TOTAL_REPLICAS": str(opts.num_replicas),
+        "POPDIST_NUM_IPUS_PER_REPLICA": str(opts.ipus_per_replica),
+        "POPDIST_NUM_LOCAL_REPLICAS": "1",
+        "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE": "1",
+        "POPDIST_LITE_RUN_DIR": run_dir,
+    })
+    if opts.only_output_from_instance is not None:
+        common["POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE"] = str(opts.only_output_from_instance)
+    ranks = []
+    for i in range(n):
+        env = dict(common)
+        env.update({
+            "POPDIST_REPLICA_INDEX_OFFSET": str(i),
+            "POPDIST_LOCAL_INSTANCE_INDEX": str(i % per_host),
+            "POPDIST_LITE_ROLE": "replica",
+        })
+        ranks.append(RankSpec(role="replica", replica=i,
+                              host=opts.hosts[i // per_host] if opts.hosts else None,
+                              env=env, mpi_args=local_args + instance_args.get(i, [])))
+    return ranks
+
+
+def format_topology(ranks: list[RankSpec]) -> str:
+    """A table of replica, instance, rank, host and role, one row per rank."""
+    rows = [("replica", "instance", "rank", "host", "role")]
+    for rank, spec in enumerate(ranks):
+        rows.append((str(spec.replica), str(spec.replica), str(rank),
+                     spec.host or "localhost", spec.role))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                     for row in rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run ``poprun-lite`` and exit with the job's exit code (0 on success, the root
+    cause's code or 128+signal on failure, 124 on --timeout, 2 on usage errors)."""
+    opts = parse_args(argv)
+    try:
+        mpirun = find_mpirun(opts.mpirun)
+        implementation = detect_implementation(mpirun)
+    except LauncherError as exc:
+        print(f"poprun-lite: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+    run_dir = tempfile.mkdtemp(prefix="poprun-lite-")
+    try:
+        ranks = plan_ranks(opts, run_dir)
+        local = all(is_local_host(spec.host) for spec in ranks)
+        export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
+        cmd = build_command(
+            mpirun, implementation, ranks, [opts.program, *opts.args],
+            global_args=[a for text in opts.mpi_global_args for a in shlex.split(text)],
+            tag_output=opts.tag_output,
+            oversubscribe=local or len(ranks) > (os.cpu_count() or 1),
+            allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+            hostfile=opts.hostfile, export=export)
+        if opts.print_topology:
+            print(format_topology(ranks), flush=True)
+        if opts.verbose:
+            print(shlex.join(cmd), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        try:
+            result = job.run_job(cmd, run_dir, timeout=opts.timeout or None)
+        except OSError as exc:
+            print(f"poprun-lite: error: cannot run {mpirun}: {exc}", file=sys.stderr)
+            sys.exit(2)
+
+        if result.returncode == 0 and not result.stop_reason:
+            code = 0
+        else:
+            code = report.exit_code_for(result.failures, result.returncode)
+            if result.timed_out:
+                code = 124
+            elif result.stop_signal is not None:
+                code = 128 + result.stop_signal
+            print(report.format_report(result.failures, code, reason=result.stop_reason,
+                                       mpirun_tail=result.mpirun_tail),
+                  file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The failure report printed by poprun-lite after a failed job (torchrun style).
+
+Inputs are the JSON records the ranks leave in the run directory:
+
+* ``rank-<R>.exit.json`` by the agent when its program failed: ``rank, replica,
+  role, host, pid, time, exitcode, signal, stderr_tail, terminated``;
+* ``rank-<R>.error.json`` by ``popdist_lite._excepthook`` on an uncaught
+  exception: ``rank, replica, role, host, pid, time, exception, message, traceback``.
+
+The root cause is the earliest failure (by time) that is not a consequence of the
+job being stopped. Pure functions on plain dicts: no MPI, no processes.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal as _signal
+from dataclasses import dataclass
+
+#: Lines of a rank's stderr tail shown in the report.
+SHOWN_TAIL_LINES = 40
+
+
+@dataclass
+class Failure:
+    """What is known about one failed rank (merged exit and error records)."""
+
+    rank: int | None
+    replica: int | None
+    role: str
+    host: str | None
+    pid: int | None
+    time: float
+    exitcode: int | None = None
+    signal: str | None = None
+    terminated: bool = False
+    exception: str | None = None
+    message: str | None = None
+    traceback: str | None = None
+    stderr_tail: str = ""
+    has_exit_record: bool = False
+
+    @property
+    def is_candidate(self) -> bool:
+        """Can this failure be the root cause? Not when the rank was told to stop,
+        unless it had raised an exception of its own (other than KeyboardInterrupt)."""
+        if self.exception and self.exception != "KeyboardInterrupt":
+            return True
+        return not self.terminated
+
+    def status(self) -> str:
+        """``signal SIGX`` or ``exit code N``.
+
+        The failure hook always aborts with code 1, so an exception without an exit
+        record (the agent was killed by the abort first) reads ``exit code 1``."""
+        if self.signal:
+            return f"signal {self.signal}"
+        if self.exitcode is not None:
+            return f"exit code {self.exitcode}"
+        return "exit code 1" if self.exception else "failed"
+
+    def launcher_exit_code(self) -> int:
+        """The exit code the launcher should use for this failure."""
+        if self.signal:
+            try:
+                return 128 + int(_signal.Signals[self.signal])
+            except KeyError:
+                return 1
+        return self.exitcode if self.exitcode else 1
+
+    def title(self) -> str:
+        """``replica 1 (rank 1, host h, pid 123)``, naming the role if not a replica."""
+        name = f"replica {self.replica}" if self.role == "replica" else \
+            f"{self.role} of replica {self.replica}"
+        details = [f"rank {self.rank}" if self.rank is not None else None,
+                   f"host {self.host}" if self.host else None,
+                   f"pid {self.pid}" if self.pid is not None else None]
+        details = ", ".join(d for d in details if d)
+        return f"{name} ({details})" if details else name
+
+
+def load_records(run_dir: str) -> list[dict]:
+    """Read every ``rank-*.exit.json`` / ``rank-*.error.json`` of ``run_dir``.
+
+    Each returned dict gets ``"kind": "exit" | "error"``. Unreadable or partial
+    files are skipped (never raises for a missing directory).
+    """
+    records = []
+    for kind in ("exit", "error"):
+        for path in sorted(glob.glob(os.path.join(run_dir, f"rank-*.{kind}.json"))):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(record, dict):
+                record["kind"] = kind
+                records.append(record)
+    return records
+
+
+def merge_records(records: list[dict]) -> list[Failure]:
+    """Merge exit and error records of the same rank into :class:`Failure`, sorted by time.
+
+    The time of a rank with an error record is the time of the exception.
+    """
+    by_rank: dict = {}
+    for record in records:
+        key = record.get("rank")
+        if key is None:
+            key = ("pid", record.get("pid"))
+        by_rank.setdefault(key, {})[record.get("kind", "exit")] = record
+    failures = []
+    for parts in by_rank.values():
+        exit_rec, error_rec = parts.get("exit"), parts.get("error")
+        base = exit_rec or error_rec
+        failure = Failure(rank=base.get("rank"), replica=base.get("replica"),
+                          role=base.get("role") or "replica", host=base.get("host"),
+                          pid=base.get("pid"), time=float(base.get("time") or 0.0))
+        if exit_rec:
+            failure.has_exit_record = True
+            failure.exitcode = exit_rec.get("exitcode")
+            failure.signal = exit_rec.get("signal")
+            failure.terminated = bool(exit_rec.get("terminated"))
+            failure.stderr_tail = exit_rec.get("stderr_tail") or ""
+        if error_rec:
+            failure.time = float(error_rec.get("time") or failure.time)
+            failure.exception = error_rec.get("exception")
+            failure.message = error_rec.get("message")
+            failure.traceback = error_rec.get("traceback")
+        failures.append(failure)
+    failures.sort(key=lambda f: (f.time, f.rank if f.rank is not None else -1))
+    return failures
+
+
+def root_cause(failures: list[Failure]) -> Failure | None:
+    """The earliest failure that is a root-cause candidate, or None."""
+    for failure in sorted(failures, key=lambda f: f.time):
+        if failure.is_candidate:
+            return failure
+    return None
+
+
+def _indent(text: str, max_lines: int | None = None, prefix: str = "  ") -> list[str]:
+    lines = text.rstrip("\n").splitlines()
+    if max_lines is not None and len(lines) > max_lines:
+        lines = [f"... ({len(lines) - max_lines} earlier lines not shown)"] + lines[-max_lines:]
+    return [prefix + line for line in lines]
+
+
+def format_report(failures: list[Failure], exit_code: int, *, reason: str | None = None,
+                  mpirun_tail: str = "") -> str:
+    """Format the report (no trailing newline).
+
+    ``reason`` replaces "job failed" in the first line (e.g. "job interrupted by
+    SIGINT"); ``mpirun_tail`` is shown when there are no records at all.
+    """
+    lines = [f"poprun-lite: {reason or 'job failed'} (exit code {exit_code})"]
+    if not failures:
+        if reason:  # stopped on purpose: nothing failed on its own
+            return "\n".join(lines)
+        lines.append("no failure records from the ranks; last lines of mpirun's output:"
+                     if mpirun_tail.strip() else "no failure records from the ranks")
+        lines += _indent(mpirun_tail, SHOWN_TAIL_LINES)
+        return "\n".join(lines)
+    cause = root_cause(failures)
+    if cause is not None:
+        lines.append(f"root cause: {cause.title()}: {cause.status()}")
+        if cause.traceback:
+            lines.append(f"  {cause.exception}: {cause.message}")
+            lines += _indent(cause.traceback)
+        elif cause.stderr_tail.strip():
+            lines += _indent(cause.stderr_tail, SHOWN_TAIL_LINES)
+        else:
+            lines.append("  (no output on stderr)")
+    others = [f for f in failures if f is not cause]
+    if others:
+        lines.append("other failures:" if cause is not None else "stopped ranks:")
+        for failure in others:
+            text = f"  {failure.title()}: {failure.status()}"
+            if failure.exception:
+                text += f": {failure.exception}: {failure.message}"
+            if failure.terminated and not failure.is_candidate:
+                text += " (terminated after the root cause)" if cause is not None else \
+                    " (terminated)"
+            lines.append(text)
+            if failure.is_candidate:  # an independent failure: show its error too
+                if failure.traceback:
+                    lines += _indent(failure.traceback, 15, "    ")
+                elif failure.stderr_tail.strip():
+                    lines += _indent(failure.stderr_tail, 15, "    ")
+    return "\n".join(lines)
+
+
+def exit_code_for(failures: list[Failure], mpirun_code: int) -> int:
+    """The launcher's exit code: the root cause's code (128+signal for signals),
+    else mpirun's own code, never 0 for a failed job."""
+    cause = root_cause(failures)
+    if cause is not None:
+        return cause.launcher_exit_code()
+    if mpirun_code < 0:
+        return 128 - mpirun_code
+    return mpirun_code or 1

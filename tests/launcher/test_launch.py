@@ -1,0 +1,284 @@
+"""Integration tests: the real ``poprun-lite`` (``python -m popdist_lite_launcher``)
+over the installed Open MPI, with small programs written to tmp_path.
+
+Every subprocess runs under a timeout (subprocess's and the launcher's own
+``--timeout``), so a hang fails one test, never the suite.
+"""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from popdist_lite_launcher import __version__, job
+
+LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
+EXCEPTHOOK_PY = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
+                                             "popdist_lite", "_excepthook.py"))
+
+
+def launch(*args, timeout=60, env=None, job_timeout=40):
+    """Run poprun-lite with ``args``; the job itself is limited to ``job_timeout`` s."""
+    return subprocess.run([*LAUNCHER, "--timeout", str(job_timeout), *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+
+
+def program(tmp_path, name, code):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(code))
+    return [sys.executable, str(path)]
+
+
+def alive(pid):
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- topology
+
+ENV_DUMP = """
+    import json, os, sys
+    info = {k: v for k, v in os.environ.items()
+            if k.startswith(("POPDIST", "OMP_", "OPENBLAS_", "MKL_"))}
+    if "--mpi" in sys.argv:
+        from mpi4py import MPI
+        info["size"], info["rank"] = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    print("ENV " + json.dumps(info), flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_topology_env_per_rank(tmp_path, n):
+    # 4 ranks on this 2-core machine need oversubscription; check MPI sees them all
+    extra = ["--mpi"] if n == 4 else []
+    env = {"OMP_NUM_THREADS": "3"} if n == 2 else {}
+    proc = launch("--num-replicas", str(n), *program(tmp_path, "env.py", ENV_DUMP), *extra,
+                  env=env)
+    assert proc.returncode == 0, proc.stderr
+    infos = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ENV ")]
+    assert len(infos) == n
+    infos.sort(key=lambda d: int(d["POPDIST_REPLICA_INDEX_OFFSET"]))
+    for i, info in enumerate(infos):
+        assert info["POPDIST_NUM_TOTAL_REPLICAS"] == str(n)
+        assert info["POPDIST_NUM_IPUS_PER_REPLICA"] == "1"
+        assert info["POPDIST_NUM_LOCAL_REPLICAS"] == "1"
+        assert info["POPDIST_UNIFORM_REPLICAS_PER_INSTANCE"] == "1"
+        assert info["POPDIST_REPLICA_INDEX_OFFSET"] == str(i)
+        assert info["POPDIST_LOCAL_INSTANCE_INDEX"] == str(i)
+        assert info["POPDIST_LITE_ROLE"] == "replica"
+        assert info["POPDIST_LITE_ERROR_FILE"] == os.path.join(
+            info["POPDIST_LITE_RUN_DIR"], f"rank-{i}.error.json")
+        assert info["OMP_NUM_THREADS"] == ("3" if n == 2 else "1")
+        assert info["OPENBLAS_NUM_THREADS"] == info["MKL_NUM_THREADS"] == "1"
+        if n == 4:
+            assert (info["size"], info["rank"]) == (4, i)
+    assert not os.path.exists(infos[0]["POPDIST_LITE_RUN_DIR"])  # removed at the end
+    assert proc.stderr == ""  # success: nothing extra
+
+
+def test_print_topology_verbose_and_tag_output(tmp_path):
+    proc = launch("--num-replicas", "2", "--print-topology", "-v", "--tag-output",
+                  *program(tmp_path, "hi.py", "print('hi', flush=True)\n"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["replica", "instance", "rank", "host", "role"]
+    assert lines[1].split()[:3] == ["0", "0", "0"] and lines[2].split()[:3] == ["1", "1", "1"]
+    assert sorted(lines[3:]) == ["[1,0]<stdout>: hi", "[1,1]<stdout>: hi"]
+    cmd = shlex.split(proc.stderr.splitlines()[0])
+    assert os.path.basename(cmd[0]) in ("mpirun", "mpiexec")
+    assert cmd.count("-np") == 2 and cmd.count(":") == 1 and "--tag-output" in cmd
+    assert "POPDIST_REPLICA_INDEX_OFFSET=1" in cmd and "popdist_lite_launcher.agent" in cmd
+
+
+def test_version():
+    proc = subprocess.run([*LAUNCHER, "--version"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"poprun-lite {__version__}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-replicas", "2", "--num-instances", "3"], "each instance drives exactly one"),
+    (["--num-replicas", "-1"], "must be at least 1"),
+])
+def test_bad_option_values(args, message):
+    proc = subprocess.run([*LAUNCHER, *args, "true"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "usage: poprun-lite" in proc.stderr and message in proc.stderr
+
+
+# ---------------------------------------------------------------- failures
+
+def test_exception_under_mpi_aborts_job_and_names_root_cause(tmp_path):
+    prog = program(tmp_path, "boom.py", f"""
+        import importlib.util, time
+        from mpi4py import MPI
+        # popdist_lite._excepthook loaded by path: independent of popdist_lite.init()
+        spec = importlib.util.spec_from_file_location("_excepthook", {EXCEPTHOOK_PY!r})
+        hook = importlib.util.module_from_spec(spec); spec.loader.exec_module(hook)
+        comm = MPI.COMM_WORLD
+        hook.install(comm.Get_rank())
+        comm.Barrier()
+        if comm.Get_rank() == 1:
+            time.sleep(0.2)
+            1 / 0
+        comm.Barrier()   # the others wait here until the abort ends them
+        time.sleep(60)
+    """)
+    start = time.monotonic()
+    proc = launch("--num-replicas", "4", *prog, timeout=60, job_timeout=30)
+    elapsed = time.monotonic() - start
+    assert proc.returncode not in (0, 124), proc.stderr
+    assert elapsed < 20
+    report = proc.stderr[proc.stderr.index("poprun-lite: job failed"):]
+    assert "root cause: replica 1 (rank 1" in report
+    assert "ZeroDivisionError: division by zero" in report and "1 / 0" in report
+    assert "popdist-lite: uncaught exception in replica 1" in proc.stderr
+
+
+def test_plain_program_exception(tmp_path):
+    prog = program(tmp_path, "plain.py", """
+        import os, sys, time
+        if os.environ["POPDIST_REPLICA_INDEX_OFFSET"] == "2":
+            raise ValueError("plain failure in rank two")
+        time.sleep(30)
+    """)
+    proc = launch("--num-replicas", "3", *prog, job_timeout=20)
+    assert proc.returncode == 1, proc.stderr
+    report = proc.stderr[proc.stderr.index("poprun-lite: job failed (exit code 1)"):]
+    assert "root cause: replica 2 (rank 2" in report and ": exit code 1\n" in report
+    assert "ValueError: plain failure in rank two" in report
+
+
+def test_rank_killed_by_sigkill(tmp_path):
+    prog = program(tmp_path, "kill.py", """
+        import os, signal, sys, time
+        if os.environ["POPDIST_REPLICA_INDEX_OFFSET"] == "1":
+            print("about to die", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+    """)
+    proc = launch("--num-replicas", "2", *prog, job_timeout=20)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    assert "root cause: replica 1 (rank 1" in proc.stderr
+    assert "signal SIGKILL\n  about to die" in proc.stderr
+
+
+def test_missing_program(tmp_path):
+    proc = launch("--num-replicas", "1", str(tmp_path / "no-such-program"), job_timeout=20)
+    assert proc.returncode == 127
+    assert "root cause: replica 0 (rank 0" in proc.stderr and "cannot start" in proc.stderr
+
+
+def test_only_output_from_instance_still_reports_hidden_failure(tmp_path):
+    prog = program(tmp_path, "out.py", """
+        import os, sys, time
+        r = os.environ["POPDIST_REPLICA_INDEX_OFFSET"]
+        print(f"stdout from {r}", flush=True)
+        print(f"stderr from {r}", file=sys.stderr, flush=True)
+        time.sleep(0.5)
+        if r == "1":
+            raise RuntimeError("hidden instance failed")
+        time.sleep(30)
+    """)
+    proc = launch("--num-replicas", "3", "--only-output-from-instance", "0", *prog,
+                  job_timeout=20)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.splitlines() == ["stdout from 0"]
+    head, _, report = proc.stderr.partition("poprun-lite: job failed")
+    assert "stderr from 0" in head
+    assert "stderr from 1" not in head and "stderr from 2" not in proc.stderr
+    assert "root cause: replica 1 (rank 1" in report
+    assert "RuntimeError: hidden instance failed" in report
+
+
+# ---------------------------------------------------------------- stopping
+
+SLEEPER = """
+    import os, signal, sys, time
+    if "--ignore-term" in sys.argv:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    r = os.environ["POPDIST_REPLICA_INDEX_OFFSET"]
+    with open(os.path.join(sys.argv[1], f"pids-{r}.tmp"), "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
+    os.replace(os.path.join(sys.argv[1], f"pids-{r}.tmp"), os.path.join(sys.argv[1], f"pids-{r}"))
+    while True:
+        time.sleep(1)
+"""
+
+
+@pytest.mark.parametrize("signum, extra", [(signal.SIGINT, []),
+                                           (signal.SIGTERM, ["--ignore-term"])])
+def test_signal_to_launcher_stops_every_rank(tmp_path, signum, extra):
+    n = 3
+    prog = program(tmp_path, "sleeper.py", SLEEPER)
+    launcher = subprocess.Popen([*LAUNCHER, "--timeout", "40", "--num-replicas", str(n), *prog,
+                                 str(tmp_path), *extra], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("pids-?"))) < n:
+            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
+            time.sleep(0.1)
+        pids = [int(p) for f in tmp_path.glob("pids-?") for p in f.read_text().split()]
+        assert all(alive(p) for p in pids)
+        start = time.monotonic()
+        launcher.send_signal(signum)
+        _, err = launcher.communicate(timeout=20)
+        elapsed = time.monotonic() - start
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert elapsed < 10, err
+    assert launcher.returncode == 128 + signum
+    assert f"poprun-lite: job interrupted by {signal.Signals(signum).name}" in err
+    deadline = time.monotonic() + 2
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "leftover rank processes"
+
+
+def test_timeout_stops_job(tmp_path):
+    prog = program(tmp_path, "sleeper.py", SLEEPER)
+    start = time.monotonic()
+    proc = launch("--num-replicas", "2", *prog, str(tmp_path), job_timeout=1.5, timeout=30)
+    assert time.monotonic() - start < 12
+    assert proc.returncode == 124
+    assert "poprun-lite: job timed out after 1.5 s (exit code 124)" in proc.stderr
+    pids = [int(p) for f in tmp_path.glob("pids-?") for p in f.read_text().split()]
+    time.sleep(0.5)
+    assert not [p for p in pids if alive(p)]
+
+
+def test_run_job_kills_whole_session_when_stop_is_ignored(tmp_path, monkeypatch):
+    """If mpirun itself does not stop, every process of its session is SIGKILLed."""
+    monkeypatch.setattr(job, "KILL_GRACE_SECONDS", 1.0)
+    stubborn = program(tmp_path, "stubborn.py", """
+        import os, signal, subprocess, sys, time
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        # a "rank" in its own process group, as mpirun starts them (ignores signals too)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 preexec_fn=os.setpgrp)
+        with open(sys.argv[1], "w") as f:
+            f.write(f"{os.getpid()} {child.pid}")
+        time.sleep(60)
+    """)
+    pid_file = tmp_path / "pids"
+    start = time.monotonic()
+    result = job.run_job([*stubborn, str(pid_file)], str(tmp_path), timeout=1.0)
+    assert result.timed_out and result.returncode == -signal.SIGKILL
+    assert time.monotonic() - start < 8
+    pids = [int(p) for p in pid_file.read_text().split()]
+    time.sleep(0.3)
+    assert not [p for p in pids if alive(p)]
