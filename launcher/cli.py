@@ -201,6 +201,8 @@ def plan_ranks(opts: argparse.Namespace, run_dir: str) -> list[RankSpec]:
         "POPDIST_NUM_LOCAL_REPLICAS": "1",
         "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE": "1",
         "POPDIST_LITE_RUN_DIR": run_dir,
+        # Open MPI gives every rank a pty, so ranks can't tell a terminal from a pipe.
+        "POPDIST_LITE_STDOUT_ISATTY": "1" if sys.stdout.isatty() else "0",
     })
     if opts.only_output_from_instance is not None:
         common["POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE"] = str(opts.only_output_from_instance)

