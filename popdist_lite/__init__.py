@@ -10,7 +10,7 @@ Topology (PopDist names are aliases of the snake_case ones), collectives on nump
 arrays, sharded host embeddings and data-parallel helpers are re-exported here.
 """
 
-from .collectives import (all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast,
+from .collectives import (comm_stats, all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast,
                           reduce_scatter_sum)
 from .data_parallel import CrossReplicaOptimizer, all_reduce_gradients, broadcast_parameters
 from .embedding import HostEmbedding, HostEmbeddingOptimizerSpec, create_host_embedding
@@ -29,7 +29,7 @@ __all__ = [
     "local_instance_index", "role", "replica_comm", "world_comm", "execute_on_instances",
     "isPopdistEnvSet", "getNumTotalReplicas", "getNumInstances", "getInstanceIndex", "getReplicaIndexOffset",
     "getNumLocalReplicas", "getNumIpusPerReplica", "getLocalInstanceIndex",
-    "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
+    "comm_stats", "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
     "HostEmbedding", "HostEmbeddingOptimizerSpec", "create_host_embedding",
     "MomentumSGD", "CrossReplicaOptimizer", "broadcast_parameters", "all_reduce_gradients",
 ]
