@@ -15,6 +15,8 @@ from .collectives import (comm_stats, all_gather, all_gather_v, all_reduce, all_
 from .data_parallel import CrossReplicaOptimizer, all_reduce_gradients, broadcast_parameters
 from .embedding import HostEmbedding, HostEmbeddingOptimizerSpec, create_host_embedding
 from .optimizers import MomentumSGD
+from .stochastic_rounding import (StochasticRounding, StochasticRoundingBehaviour, round_to_nearest,
+                                  stochastic_round)
 from .topology import (execute_on_instances, getInstanceIndex, getLocalInstanceIndex, getNumInstances,
                        getNumIpusPerReplica, getNumLocalReplicas, getNumTotalReplicas, getReplicaIndexOffset,
                        init, instance_index, is_initialized, is_popdist_env_set, isPopdistEnvSet,
@@ -32,4 +34,5 @@ __all__ = [
     "comm_stats", "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
     "HostEmbedding", "HostEmbeddingOptimizerSpec", "create_host_embedding",
     "MomentumSGD", "CrossReplicaOptimizer", "broadcast_parameters", "all_reduce_gradients",
+    "StochasticRounding", "StochasticRoundingBehaviour", "stochastic_round", "round_to_nearest",
 ]
