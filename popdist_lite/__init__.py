@@ -13,7 +13,9 @@ arrays, sharded host embeddings and data-parallel helpers are re-exported here.
 from .collectives import (comm_stats, all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast,
                           reduce_scatter_sum)
 from .data_parallel import CrossReplicaOptimizer, all_reduce_gradients, broadcast_parameters
-from .embedding import HostEmbedding, HostEmbeddingOptimizerSpec, create_host_embedding
+from .embedding import (EmbeddingOptimizerSpec, HostEmbedding, HostEmbeddingAdagradOptimizerSpec,
+                        HostEmbeddingAdamOptimizerSpec, HostEmbeddingMomentumOptimizerSpec, HostEmbeddingOptimizerSpec,
+                        HostEmbeddingSGDGAOptimizerSpec, create_host_embedding)
 from .optimizers import MomentumSGD
 from .stochastic_rounding import (StochasticRounding, StochasticRoundingBehaviour, round_to_nearest,
                                   stochastic_round)
@@ -33,6 +35,8 @@ __all__ = [
     "getNumLocalReplicas", "getNumIpusPerReplica", "getLocalInstanceIndex",
     "comm_stats", "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
     "HostEmbedding", "HostEmbeddingOptimizerSpec", "create_host_embedding",
+    "EmbeddingOptimizerSpec", "HostEmbeddingSGDGAOptimizerSpec", "HostEmbeddingMomentumOptimizerSpec",
+    "HostEmbeddingAdagradOptimizerSpec", "HostEmbeddingAdamOptimizerSpec",
     "MomentumSGD", "CrossReplicaOptimizer", "broadcast_parameters", "all_reduce_gradients",
     "StochasticRounding", "StochasticRoundingBehaviour", "stochastic_round", "round_to_nearest",
 ]
