@@ -27,6 +27,16 @@ def reduce_scatter_sum(x, *, comm=None) -> np.ndarray:
         ValueError, TypeError: on every replica, for a wrong first dimension, shapes or
             dtypes that differ between replicas, or a non-numeric dtype.
     """
+    return reduce_scatter(x, "sum", comm=comm)
+
+
+def reduce_scatter(x, op: str = "sum", *, comm=None) -> np.ndarray:
+    """:func:`reduce_scatter_sum`, or with ``op="mean"`` the sum divided by ``r`` (for
+    float16, divided before the single rounding, so a mean never overflows where the
+    sum would). Same arguments, checks and errors; ``op`` must be the same everywhere
+    (it is not re-checked: callers pass a constant)."""
+    if op not in ("sum", "mean"):
+        raise ValueError(f"reduce_scatter: argument op: expected 'sum' or 'mean', got {op!r}")
     comm = default_comm(comm)
     x = as_array(x)
     problem = None
@@ -38,10 +48,12 @@ def reduce_scatter_sum(x, *, comm=None) -> np.ndarray:
     table = agree("reduce_scatter_sum", x, comm, problem=problem)
     require_same_shape("reduce_scatter_sum", table)
     if x.dtype == F16:
-        return f16_reduce_scatter(x, comm)
+        return f16_reduce_scatter(x, comm, op)
     out = np.empty(x.shape[1:], dtype=x.dtype)
     comm.Reduce_scatter_block(buf(x), buf(out), op=MPI.SUM)
     record("reduce_scatter_sum", mpi_reduce_bytes(x.nbytes, comm.size, all_reduce=False))
+    if op == "mean":
+        return out / comm.size if out.dtype.kind in "iu" else out / np.asarray(comm.size, out.dtype)
     return out
 
 
