@@ -7,14 +7,21 @@ One MPI rank drives one replica. Import and go::
     emb = popdist_lite.create_host_embedding("chars", shape=[256, 256])
 
 Topology (PopDist names are aliases of the snake_case ones), collectives on numpy
-arrays, sharded host embeddings and data-parallel helpers are re-exported here.
+arrays, sharded host embeddings with their optimizer specs, data-parallel helpers,
+dense optimizers, stochastic rounding and loss scaling are re-exported here
+(reduced precision: see docs/precision.md).
 """
 
-from .collectives import (all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast,
+from .collectives import (comm_stats, all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast,
                           reduce_scatter_sum)
 from .data_parallel import CrossReplicaOptimizer, all_reduce_gradients, broadcast_parameters
-from .embedding import HostEmbedding, HostEmbeddingOptimizerSpec, create_host_embedding
-from .optimizers import MomentumSGD
+from .embedding import (EmbeddingOptimizerSpec, HostEmbedding, HostEmbeddingAdagradOptimizerSpec,
+                        HostEmbeddingAdamOptimizerSpec, HostEmbeddingMomentumOptimizerSpec, HostEmbeddingOptimizerSpec,
+                        HostEmbeddingSGDGAOptimizerSpec, create_host_embedding)
+from .loss_scaling import DynamicLossScale, DynamicLossScaler, FixedLossScale, LossScaler, StaticLossScaler
+from .optimizers import SGD, Adam, DenseOptimizer, MomentumSGD
+from .stochastic_rounding import (StochasticRounding, StochasticRoundingBehaviour, round_to_nearest,
+                                  stochastic_round)
 from .topology import (execute_on_instances, getInstanceIndex, getLocalInstanceIndex, getNumInstances,
                        getNumIpusPerReplica, getNumLocalReplicas, getNumTotalReplicas, getReplicaIndexOffset,
                        init, instance_index, is_initialized, is_popdist_env_set, isPopdistEnvSet,
@@ -29,7 +36,12 @@ __all__ = [
     "local_instance_index", "role", "replica_comm", "world_comm", "execute_on_instances",
     "isPopdistEnvSet", "getNumTotalReplicas", "getNumInstances", "getInstanceIndex", "getReplicaIndexOffset",
     "getNumLocalReplicas", "getNumIpusPerReplica", "getLocalInstanceIndex",
-    "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
+    "comm_stats", "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
     "HostEmbedding", "HostEmbeddingOptimizerSpec", "create_host_embedding",
+    "EmbeddingOptimizerSpec", "HostEmbeddingSGDGAOptimizerSpec", "HostEmbeddingMomentumOptimizerSpec",
+    "HostEmbeddingAdagradOptimizerSpec", "HostEmbeddingAdamOptimizerSpec",
     "MomentumSGD", "CrossReplicaOptimizer", "broadcast_parameters", "all_reduce_gradients",
+    "StochasticRounding", "StochasticRoundingBehaviour", "stochastic_round", "round_to_nearest",
+    "SGD", "Adam", "DenseOptimizer",
+    "LossScaler", "StaticLossScaler", "DynamicLossScaler", "FixedLossScale", "DynamicLossScale",
 ]

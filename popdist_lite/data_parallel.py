@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .collectives import all_reduce, broadcast
+from . import topology
+from .collectives import all_gather, all_reduce, broadcast
+from .collectives.reduce_scatter import reduce_scatter
+from .optimizers import DenseOptimizer
+from .stochastic_rounding import as_stochastic_rounding
 
 
 def broadcast_parameters(params: dict[str, np.ndarray], root: int = 0, *, comm=None) -> None:
@@ -59,33 +63,126 @@ def all_reduce_gradients(grads: dict[str, np.ndarray], op: str = "mean", *, comm
 
 class CrossReplicaOptimizer:
     """Averages gradients over replicas, then applies a local optimizer (the seed's
-    ``cross_replica_optimizer.CrossReplicaOptimizer``).
+    ``cross_replica_optimizer.CrossReplicaOptimizer``), optionally with the optimizer
+    state sharded over the replicas (replicated tensor sharding).
 
-    Replicas that start from the same weights (see :func:`broadcast_parameters`) stay
-    identical: each applies the same averaged gradients.
+    Unsharded (default): one fused all-reduce per gradient dtype (float16 gradients
+    travel as float16, see :func:`popdist_lite.all_reduce`), then every replica applies
+    the same update to its full copy of the parameters. Replicas that start from the
+    same weights (see :func:`broadcast_parameters`) stay bit-identical; float16
+    parameters are rounded with the replica-identical stream of ``stochastic_rounding``.
+
+    Sharded (``shard_optimizer_state=True``; IPU performance guide, section 4.7
+    "Replicated tensor sharding", similar to ZeRO stage 1): per parameter dtype, the
+    gradients are fused into one flat buffer zero-padded to ``r * c`` elements
+    (``c = ceil(n / r)``), reduce-scattered so replica ``k`` receives the averaged
+    elements ``[k*c, (k+1)*c)``, replica ``k`` updates that slice of the parameters and
+    holds the optimizer state for it only (about ``1/r`` of the unsharded state), and
+    the updated slices are all-gathered back into every replica's parameters. Bytes on
+    the wire equal the unsharded all-reduce's (a reduce-scatter plus an all-gather);
+    the result equals the unsharded optimizer within float rounding. Requires an
+    element-wise optimizer (all of :mod:`popdist_lite.optimizers` are).
+
+    Args:
+        optimizer: a :class:`popdist_lite.optimizers.DenseOptimizer` (``SGD``,
+            ``MomentumSGD``, ``Adam``) or any object with ``update(params, grads)``.
+        op: ``"mean"`` (default) or ``"sum"`` of the replicas' gradients.
+        shard_optimizer_state: replicated tensor sharding, as above.
+        stochastic_rounding: ``None``/``"OFF"``, ``"ON"``, ``"REPLICA_IDENTICAL_ONLY"``
+            or a :class:`popdist_lite.StochasticRounding`, for float16 parameters.
+            Unsharded updates are replicated (stochastic in ``ON`` and
+            ``REPLICA_IDENTICAL_ONLY``, with identical random numbers on every replica);
+            sharded updates are owned by one replica (stochastic in ``ON`` only).
+        seed: seed of the stochastic rounding streams (the same on every replica).
+
+    Raises:
+        ValueError: a bad ``op`` or stochastic rounding mode.
 
     Example:
-        >>> opt = CrossReplicaOptimizer(MomentumSGD(0.1, momentum=0.9))
+        >>> opt = CrossReplicaOptimizer(Adam(1e-3), shard_optimizer_state=True)
         >>> opt.step(params, grads)   # collective; params updated in place
     """
 
-    def __init__(self, optimizer, op: str = "mean", *, comm=None):
+    def __init__(self, optimizer, op: str = "mean", *, shard_optimizer_state: bool = False,
+                 stochastic_rounding=None, seed: int = 0, comm=None):
         if op not in ("mean", "sum"):
             raise ValueError(f"CrossReplicaOptimizer: argument op: expected 'mean' or 'sum', got {op!r}")
         self.optimizer = optimizer
         self.op = op
+        self.shard_optimizer_state = bool(shard_optimizer_state)
+        self.stochastic_rounding = as_stochastic_rounding(stochastic_rounding, seed=seed)
         self._comm = comm
 
-    def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+    def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray], *,
+             loss_scale: float = 1.0) -> None:
         """Reduce ``grads`` over replicas and update ``params`` in place. Collective.
 
+        Args:
+            params: name -> float array; the same names, shapes and dtypes on every replica.
+            grads: name -> float array of the parameter's shape, this replica's gradients
+                (still multiplied by ``loss_scale``; they travel in their own dtype).
+            loss_scale: the factor the loss was multiplied by; the reduced gradients are
+                divided by it in float32 before the update (see
+                :mod:`popdist_lite.loss_scaling`).
+
         Raises:
-            KeyError: ``grads`` misses a parameter (raised before any communication
-                only if the names differ; names are compared across replicas by the
-                fused all-reduce's shape check).
+            KeyError: ``grads`` misses a parameter (checked locally, before any
+                communication).
+            ValueError, TypeError: on every replica, when the fused buffers differ
+                between replicas.
         """
         missing = sorted(set(params) - set(grads))
         if missing:
             raise KeyError(f"CrossReplicaOptimizer.step: argument grads: missing gradients for {missing}")
+        if self.shard_optimizer_state:
+            self._sharded_step(params, grads, loss_scale)
+            return
         reduced = all_reduce_gradients({n: grads[n] for n in params}, op=self.op, comm=self._comm)
-        self.optimizer.update(params, reduced)
+        if loss_scale != 1.0:
+            reduced = {n: _unscale(g, loss_scale) for n, g in reduced.items()}
+        self._update(params, reduced, replicated=True)
+
+    def _update(self, params, grads, replicated: bool) -> None:
+        if isinstance(self.optimizer, DenseOptimizer):
+            self.optimizer.update(params, grads, rounding=self.stochastic_rounding, replicated=replicated)
+        else:
+            self.optimizer.update(params, grads)
+
+    def _sharded_step(self, params, grads, loss_scale) -> None:
+        comm = self._comm if self._comm is not None else topology.replica_comm()
+        r, k = comm.size, comm.rank
+        names = sorted(params)
+        groups, wshards, gshards = [], {}, {}
+        for dtype in sorted({params[n].dtype for n in names}, key=str):
+            group = [n for n in names if params[n].dtype == dtype]
+            total = int(sum(params[n].size for n in group))
+            c = -(-total // r)
+            gdtype = np.result_type(*(np.asarray(grads[n]).dtype for n in group))
+            gbuf = np.zeros(r * c, dtype=gdtype)
+            gbuf[:total] = np.concatenate([np.asarray(grads[n], dtype=gdtype).reshape(-1) for n in group])
+            key = f"shard:{dtype}"
+            gshards[key] = _unscale(reduce_scatter(gbuf.reshape(r, c), self.op, comm=comm), loss_scale)
+            flat = np.zeros(r * c, dtype=dtype)
+            flat[:total] = np.concatenate([params[n].reshape(-1) for n in group])
+            wshards[key] = flat[k * c:(k + 1) * c].copy()
+            groups.append((key, group))
+        self._update(wshards, gshards, replicated=False)  # one optimizer step over every shard
+        for key, group in groups:
+            full = all_gather(wshards[key], comm=comm).reshape(-1)
+            offset = 0
+            for n in group:
+                size = params[n].size
+                params[n][...] = full[offset:offset + size].reshape(params[n].shape)
+                offset += size
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this replica (about ``1/r`` of the unsharded
+        figure with ``shard_optimizer_state=True``)."""
+        fn = getattr(self.optimizer, "state_bytes", None)
+        return int(fn()) if fn else 0
+
+
+def _unscale(g: np.ndarray, loss_scale: float) -> np.ndarray:
+    """``g / loss_scale`` in float32 (float64 stays float64)."""
+    g = g.astype(np.result_type(g.dtype, np.float32), copy=False)
+    return g if loss_scale == 1.0 else g / np.asarray(loss_scale, g.dtype)

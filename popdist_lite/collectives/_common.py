@@ -25,6 +25,39 @@ _CODE = {d: i + 1 for i, d in enumerate(DTYPES)}
 OP, SEQ, STATUS, DTYPE, NDIM, EXTRA, SHAPE = range(7)
 _WIDTH = SHAPE + MAX_NDIM
 _calls: dict[int, int] = {}
+_traffic: dict[str, list[int]] = {}  # op -> [calls, payload bytes sent by this replica]
+
+
+def record(op: str, nbytes: int, calls: int = 0) -> None:
+    """Count ``nbytes`` of payload this replica sent to other replicas in ``op``."""
+    entry = _traffic.setdefault(op, [0, 0])
+    entry[0] += calls
+    entry[1] += int(nbytes)
+
+
+def comm_stats(reset: bool = False) -> dict:
+    """Payload traffic of this replica since the last reset, for benchmarks and tests.
+
+    Counts the bytes of array data this replica *sends to other replicas* in each
+    collective, as if every message went directly to its destination (ring-algorithm
+    figures for MPI's own reductions: ``(r-1)/r * nbytes`` for a reduce-scatter,
+    twice that for an all-reduce). The small argument-agreement exchange every
+    collective starts with is counted separately as ``control_bytes``.
+
+    Args:
+        reset: zero the counters after reading them.
+
+    Returns:
+        ``{"payload_bytes": int, "control_bytes": int, "calls": int,
+        "by_op": {op: {"calls": int, "payload_bytes": int}}}``.
+    """
+    by_op = {op: {"calls": c, "payload_bytes": b} for op, (c, b) in _traffic.items() if op != "agree"}
+    agree_entry = _traffic.get("agree", [0, 0])
+    out = {"payload_bytes": sum(v["payload_bytes"] for v in by_op.values()),
+           "control_bytes": agree_entry[1], "calls": agree_entry[0], "by_op": by_op}
+    if reset:
+        _traffic.clear()
+    return out
 
 
 def default_comm(comm):
@@ -90,6 +123,8 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | No
         sig[STATUS] = _ERRORS.index(problem[0])
     table = np.empty((comm.size, _WIDTH), dtype=np.int64)
     comm.Allgather(sig, table)
+    record("agree", sig.nbytes * (comm.size - 1), calls=1)
+    record(op, 0, calls=1)
     bad = np.flatnonzero((table[:, OP] != table[0, OP]) | (table[:, SEQ] != table[0, SEQ]))
     if bad.size:
         r = int(bad[0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import SHAPE, agree, as_array, buf, default_comm, require_same_shape
+from ._common import SHAPE, agree, as_array, buf, default_comm, record, require_same_shape
 
 
 def all_gather(x, *, comm=None) -> np.ndarray:
@@ -27,6 +27,7 @@ def all_gather(x, *, comm=None) -> np.ndarray:
     require_same_shape("all_gather", table)
     out = np.empty((comm.size, *x.shape), dtype=x.dtype)
     comm.Allgather(buf(x), buf(out))
+    record("all_gather", x.nbytes * (comm.size - 1))
     return out
 
 
@@ -61,4 +62,5 @@ def gather_rows(x: np.ndarray, comm, *, problem=None, name: str = "x") -> tuple[
     out = np.empty((int(counts.sum()), *x.shape[1:]), dtype=x.dtype)
     sizes = counts * row
     comm.Allgatherv(buf(x), buf(out, (sizes, np.cumsum(sizes) - sizes)))
+    record("all_gather_v", x.nbytes * (comm.size - 1))
     return out, counts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import agree, as_array, buf, default_comm, require_same_shape
+from ._common import agree, as_array, buf, default_comm, record, require_same_shape
 
 
 def _axis(axis, ndim: int) -> int | None:
@@ -53,6 +53,7 @@ def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, comm=None) -> np
     send = np.ascontiguousarray(np.moveaxis(x.reshape(x.shape[:split] + (r, m) + x.shape[split + 1:]), split, 0))
     recv = np.empty_like(send)
     comm.Alltoall(buf(send), buf(recv))
+    record("all_to_all", send.nbytes * (r - 1) // r)
     chunk = recv.shape[1:]
     return np.moveaxis(recv, 0, concat).reshape(chunk[:concat] + (r * chunk[concat],) + chunk[concat + 1:])
 
@@ -107,4 +108,5 @@ def exchange_rows(x: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarra
         out = np.empty((int(recv_counts.sum()), *x.shape[1:]), dtype=x.dtype)
     s, rc = send_counts * row, recv_counts * row
     comm.Alltoallv(buf(x, (s, np.cumsum(s) - s)), buf(out, (rc, np.cumsum(rc) - rc)))
+    record("all_to_all_v", (int(s.sum()) - int(s[comm.rank])) * x.itemsize)
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import EXTRA, agree, as_array, buf, default_comm, require_same_shape
+from ._common import EXTRA, agree, as_array, buf, default_comm, record, require_same_shape
 
 
 def broadcast(x, root: int = 0, *, comm=None) -> np.ndarray:
@@ -36,4 +36,6 @@ def broadcast(x, root: int = 0, *, comm=None) -> np.ndarray:
     require_same_shape("broadcast", table)
     out = x if comm.rank == root else np.empty_like(x)
     comm.Bcast(buf(out), root=root)
+    if comm.rank == root:
+        record("broadcast", out.nbytes * (comm.size - 1))
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..collectives.all_reduce import all_reduce
 from ..collectives.all_to_all import exchange_rows
 from ._segment import segment_sum
 
@@ -50,6 +51,12 @@ class EncodingPartition:
         send = np.ascontiguousarray(padded.reshape(n, self.r, self.cols).transpose(1, 0, 2)).reshape(self.r * n, self.cols)
         recv = exchange_rows(send, np.full(self.r, n, dtype=np.int64), counts, comm)
         return segment_sum(gathered, recv, dtype=np.float32 if grads.dtype == np.float16 else None)
+
+    def row_sum(self, x: np.ndarray, comm) -> np.ndarray:
+        """``(u, c) -> (u,)``: each touched row's sum over all ``e`` columns, i.e. my
+        columns summed locally, then over replicas (every replica holds the same touched
+        rows, so the all-reduce lines up). Used by row-wise optimizers."""
+        return all_reduce(np.ascontiguousarray(x.sum(axis=1)), comm=comm)
 
     def assemble(self, shards: np.ndarray) -> np.ndarray:
         """Full ``(t, e)`` table from all-gathered shards ``(r, t, c)``."""

@@ -16,12 +16,14 @@ import numpy as np
 
 from .. import topology
 from ..collectives.all_gather import all_gather, gather_rows
+from ..stochastic_rounding import as_stochastic_rounding
 from .encoding import EncodingPartition
-from .optimizer import HostEmbeddingOptimizerSpec
+from .optimizer import EmbeddingOptimizerSpec, UpdateContext
 from .token import TokenPartition
 
 PARTITION_STRATEGIES = {"TOKEN": TokenPartition, "ENCODING": EncodingPartition}
 TABLE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+MASTER_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _INIT_BLOCK_ROWS = 1 << 15
 
 
@@ -35,24 +37,40 @@ class HostEmbedding:
     Attributes:
         name: table name (used in error messages).
         shape: ``(t, e)``.
-        dtype: table dtype (float16, float32 or float64).
+        dtype: the lookup dtype (float16, float32 or float64): lookups return it and
+            gradients travel in it.
+        master_dtype: the storage dtype, ``dtype`` unless FP32 master weights were asked
+            for (``master_weights=np.float32``).
         partition_strategy: ``"TOKEN"`` or ``"ENCODING"``.
-        optimizer_spec: the SGD spec, or ``None`` (not trainable).
-        local_shard: this replica's partition, TOKEN ``(ceil(t/r), e)``, ENCODING ``(t, ceil(e/r))``.
+        optimizer_spec: an :class:`EmbeddingOptimizerSpec`, or ``None`` (not trainable).
+        optimizer_state: this replica's optimizer state (arrays for its own rows only).
+        stochastic_rounding: the :class:`StochasticRounding` used when updated rows are
+            stored in float16 (owned rows: ``ON`` rounds stochastically with a
+            per-replica stream, ``OFF``/``REPLICA_IDENTICAL_ONLY`` round to nearest).
+        local_shard: this replica's partition in ``master_dtype``, TOKEN
+            ``(ceil(t/r), e)``, ENCODING ``(t, ceil(e/r))``.
     """
 
     def __init__(self, name: str, shape, dtype, partition_strategy: str,
-                 optimizer_spec: HostEmbeddingOptimizerSpec | None, initializer, seed: int, comm):
+                 optimizer_spec: EmbeddingOptimizerSpec | None, initializer, seed: int, comm,
+                 master_weights=None, stochastic_rounding=None):
         self.name = name
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
+        self.master_dtype = np.dtype(master_weights) if master_weights is not None else self.dtype
         self.partition_strategy = partition_strategy
         self.optimizer_spec = optimizer_spec
+        self.stochastic_rounding = as_stochastic_rounding(stochastic_rounding, seed=seed)
         self._comm = comm
         t, e = self.shape
         self._partition = PARTITION_STRATEGIES[partition_strategy](t, e, comm.size, comm.rank)
-        self.local_shard = np.zeros(self._partition.shard_shape, dtype=self.dtype)
+        self.local_shard = np.zeros(self._partition.shard_shape, dtype=self.master_dtype)
         self._initialize(initializer, seed)
+        # Lookups read the serving copy: the master shard itself, or its float16 (lookup
+        # dtype) rounding kept in step with every update (only written rows are re-cast).
+        self._serving = self.local_shard if self.master_dtype == self.dtype else self.local_shard.astype(self.dtype)
+        trainable = optimizer_spec is not None and optimizer_spec.trainable
+        self.optimizer_state = optimizer_spec.init_state(self._partition.shard_shape) if trainable else {}
         self._registered = 0
 
     # -- initial values -------------------------------------------------------------
@@ -63,15 +81,15 @@ class HostEmbedding:
             for first in range(0, t, _INIT_BLOCK_ROWS):
                 rng = np.random.default_rng([seed, first // _INIT_BLOCK_ROWS])
                 n = min(_INIT_BLOCK_ROWS, t - first)
-                block = (rng.random((n, e), dtype=np.float32) * 0.1 - 0.05).astype(self.dtype)
+                block = (rng.random((n, e), dtype=np.float32) * 0.1 - 0.05).astype(self.master_dtype)
                 self._partition.shard_from_block(block, first, self.local_shard)
             return
-        table = initializer(self.shape, self.dtype) if callable(initializer) else initializer
+        table = initializer(self.shape, self.master_dtype) if callable(initializer) else initializer
         table = np.asarray(table)
         problem = None
         if table.shape != self.shape:
             problem = f"initializer: expected a table of shape {self.shape}, got {table.shape}"
-        crc = zlib.crc32(np.ascontiguousarray(table, dtype=self.dtype).tobytes()) if problem is None else -1
+        crc = zlib.crc32(np.ascontiguousarray(table, dtype=self.master_dtype).tobytes()) if problem is None else -1
         problems = self._comm.allgather((problem, crc))
         for r, (p, _) in enumerate(problems):
             if p:
@@ -81,7 +99,7 @@ class HostEmbedding:
             r = next(i for i, c in enumerate(crcs) if c != crcs[0])
             raise ValueError(f"host embedding {self.name!r}: initializer: replica {r} has a different initial "
                              f"table from replica 0; pass the same array (or a deterministic callable) everywhere")
-        self._partition.shard_from_block(table.astype(self.dtype, copy=False), 0, self.local_shard)
+        self._partition.shard_from_block(table.astype(self.master_dtype, copy=False), 0, self.local_shard)
 
     # -- the seed API ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -157,18 +175,24 @@ class HostEmbedding:
         """
         indices = np.asarray(indices)
         _, gathered, counts, _ = self._gather_indices(indices, clip_indices)
-        rows = self._partition.lookup(self.local_shard, gathered, counts, self._comm)
+        rows = self._partition.lookup(self._serving, gathered, counts, self._comm)
         return rows.reshape(indices.shape + (self.shape[1],))
 
-    def apply_gradients(self, indices, grads, clip_indices: bool = False) -> None:
-        """SGD update: every row ``i`` becomes ``row_i - lr * sum_g`` where ``sum_g`` sums
-        every replica's gradients for ``i`` in this call (duplicates accumulate). Collective.
+    def apply_gradients(self, indices, grads, clip_indices: bool = False, *, loss_scale: float = 1.0) -> None:
+        """Update the rows looked up with ``indices`` with the optimizer spec. Collective.
+
+        Every replica's gradients for a row are summed (duplicates accumulate; float16
+        gradients travel as float16 and are summed in float32), divided by
+        ``loss_scale`` in float32, and applied once per row by the replica that owns it
+        (see :mod:`popdist_lite.embedding.optimizer`). With the SGD spec, row ``i``
+        becomes ``row_i - lr * sum_g``.
 
         Args:
             indices: as for :meth:`lookup`.
-            grads: ``indices.shape + (e,)`` floating array (cast to the table dtype;
-                float16 gradients are summed in float32).
+            grads: ``indices.shape + (e,)`` floating array (cast to the lookup dtype).
             clip_indices: as for :meth:`lookup`.
+            loss_scale: the factor the loss was multiplied by (see
+                :mod:`popdist_lite.loss_scaling`); the same on every replica.
 
         Raises:
             IndexError, TypeError, ValueError: on every replica for any replica's bad
@@ -180,33 +204,68 @@ class HostEmbedding:
         if spec is None or not spec.trainable:
             return
         rows, sums = self._partition.gradient_sums(gathered, counts, grads, self._comm)
-        if rows.size:
-            updated = self.local_shard[rows].astype(sums.dtype) - spec.learning_rate * sums
-            self.local_shard[rows] = updated.astype(self.dtype)
+        sums = sums.astype(np.result_type(sums.dtype, np.float32), copy=False)
+        if loss_scale != 1.0:
+            sums = sums / np.asarray(loss_scale, sums.dtype)
+        result = spec.apply(self.local_shard, rows, sums, self.optimizer_state, self._update_context())
+        if result is not None:
+            written, values = result
+            self.local_shard[written] = self.stochastic_rounding.cast(values, self.master_dtype, replicated=False)
+            if self._serving is not self.local_shard:
+                self._serving[written] = self.local_shard[written].astype(self.dtype)
 
-    def get_embedding_tensor(self) -> np.ndarray:
-        """The full ``(t, e)`` table, on every replica. Collective (an all-gather)."""
-        return self._partition.assemble(all_gather(self.local_shard, comm=self._comm))
+    def _update_context(self) -> UpdateContext:
+        row_sum = getattr(self._partition, "row_sum", None)
+        if row_sum is None:  # rows are whole on their owner
+            return UpdateContext(width=self.shape[1])
+        return UpdateContext(width=self.shape[1], row_sum=lambda x: row_sum(x, self._comm))
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state held by this replica (its own rows only)."""
+        return int(sum(a.nbytes for a in self.optimizer_state.values()))
+
+    def get_embedding_tensor(self, master: bool = False) -> np.ndarray:
+        """The full ``(t, e)`` table, on every replica. Collective (an all-gather).
+
+        Args:
+            master: return the master weights (``master_dtype``) instead of the values
+                lookups serve (``dtype``); the same unless ``master_weights`` was given.
+        """
+        shard = self.local_shard if master else self._serving
+        return self._partition.assemble(all_gather(shard, comm=self._comm))
 
     def __repr__(self) -> str:
-        return (f"HostEmbedding({self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, "
+        master = f", master_weights={self.master_dtype}" if self.master_dtype != self.dtype else ""
+        return (f"HostEmbedding({self.name!r}, shape={list(self.shape)}, dtype={self.dtype}{master}, "
                 f"partition_strategy={self.partition_strategy!r}, local_shard={self.local_shard.shape})")
 
 
 def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy: str = "TOKEN",
-                          optimizer_spec: HostEmbeddingOptimizerSpec | None = None,
+                          optimizer_spec: EmbeddingOptimizerSpec | None = None,
                           initializer: np.ndarray | Callable | None = None, seed: int = 0,
-                          *, comm=None) -> HostEmbedding:
+                          *, master_weights=None, stochastic_rounding=None, comm=None) -> HostEmbedding:
     """Create a ``(t, e)`` embedding table partitioned over the replicas. Collective.
 
     Args:
         name: table name.
         shape: ``[t, e]``, number of tokens (rows) and encoding size (columns).
-        dtype: float16, float32 (default) or float64.
+        dtype: the lookup dtype, float16, float32 (default) or float64: lookups return
+            it, rows and gradients travel in it.
+        master_weights: ``None`` (store in ``dtype``) or ``np.float32``/``np.float64``:
+            the seed's FP32 master weights ("Method 2: store and update the parameters in
+            FP32"): the table is stored and updated in this dtype and served to lookups
+            rounded to ``dtype``; optimizer state is float32 either way.
+        stochastic_rounding: ``None``/``"OFF"`` (default), ``"ON"``,
+            ``"REPLICA_IDENTICAL_ONLY"``, a :class:`StochasticRoundingBehaviour` or a
+            :class:`StochasticRounding`: how updated rows are rounded when the storage
+            dtype is float16 (the seed's "Method 1"). Rows have one owner, so ``ON`` is
+            safe (per-replica stream); ``REPLICA_IDENTICAL_ONLY`` rounds them to nearest.
         partition_strategy: ``"TOKEN"`` (row ``i`` on replica ``i % r``) or
             ``"ENCODING"`` (replica ``k`` holds columns ``[k*c, (k+1)*c)``, ``c = ceil(e/r)``).
-        optimizer_spec: :class:`HostEmbeddingOptimizerSpec`; ``None`` or a learning rate
-            of 0 means not trainable.
+        optimizer_spec: an :class:`EmbeddingOptimizerSpec`: :class:`HostEmbeddingOptimizerSpec`
+            (SGD), :class:`HostEmbeddingSGDGAOptimizerSpec`, momentum, Adagrad or Adam;
+            ``None`` or a learning rate of 0 means not trainable.
         initializer: ``None`` (uniform in ``[-0.05, 0.05)`` as Keras's ``Embedding``,
             from counter-based random blocks of ``seed``, so the table is identical for
             every replica count and strategy), a full ``(t, e)`` array, or a callable
@@ -220,7 +279,7 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
     Raises:
         ValueError: an unknown strategy, a bad shape, or arguments that differ between
             replicas (on every replica).
-        TypeError: an unsupported dtype.
+        TypeError: an unsupported dtype, master dtype or optimizer spec.
     """
     topology.init()
     comm = topology.replica_comm() if comm is None else comm
@@ -233,11 +292,17 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
             raise ValueError(f"argument shape: expected [t, e] with t, e >= 1, got {list(shape)}")
         if np.dtype(dtype) not in TABLE_DTYPES:
             raise TypeError(f"argument dtype: expected float16, float32 or float64, got {np.dtype(dtype)}")
-        if optimizer_spec is not None and not isinstance(optimizer_spec, HostEmbeddingOptimizerSpec):
-            raise TypeError(f"argument optimizer_spec: expected a HostEmbeddingOptimizerSpec or None, "
+        if optimizer_spec is not None and not isinstance(optimizer_spec, EmbeddingOptimizerSpec):
+            raise TypeError(f"argument optimizer_spec: expected a HostEmbedding*OptimizerSpec or None, "
                             f"got {type(optimizer_spec).__name__}")
+        if master_weights is not None and (np.dtype(master_weights) not in MASTER_DTYPES
+                                           or np.dtype(master_weights).itemsize < np.dtype(dtype).itemsize):
+            raise TypeError(f"argument master_weights: expected None, float32 or float64 (at least as wide as "
+                            f"dtype {np.dtype(dtype)}), got {np.dtype(master_weights)}")
+        rounding = as_stochastic_rounding(stochastic_rounding, seed=seed)
         signature = (name, shape, str(np.dtype(dtype)), partition_strategy,
-                     optimizer_spec.learning_rate if optimizer_spec else 0.0, seed)
+                     optimizer_spec.signature() if optimizer_spec else None, seed,
+                     str(np.dtype(master_weights)) if master_weights is not None else None, rounding.mode.name)
     except (ValueError, TypeError) as exc:
         problem, signature = exc, None
     # Creation is rare: a pickled all-gather keeps the check simple.
@@ -248,5 +313,7 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
     for r, (_, item) in enumerate(gathered):
         if item != gathered[0][1]:
             raise ValueError(f"create_host_embedding({name!r}): replica {r} passed (name, shape, dtype, "
-                             f"strategy, learning rate, seed) = {item}, expected {gathered[0][1]} as on replica 0")
-    return HostEmbedding(name, shape, dtype, partition_strategy, optimizer_spec, initializer, seed, comm)
+                             f"strategy, optimizer, seed, master weights, stochastic rounding) = {item}, "
+                             f"expected {gathered[0][1]} as on replica 0")
+    return HostEmbedding(name, shape, dtype, partition_strategy, optimizer_spec, initializer, seed, comm,
+                         master_weights=master_weights, stochastic_rounding=rounding)
