@@ -6,7 +6,9 @@ sparse TOKEN, against single-process ``np.take`` and a plain mpi4py sparse excha
 
 prints one JSON object on stdout. Without ``--worker`` it launches itself once per
 (workload, variant) on ``--ranks`` replicas with ``poprun-lite`` (each under
-``--timeout``), so peak resident memory is per variant.
+``--timeout``), so peak resident memory is per variant; ``--repeat`` rounds (default
+2) and, per variant, the round with the fastest lookup is reported (this machine may be
+shared: a burst of load from other processes then spoils one round, not the report).
 
 Workloads (indices per replica, drawn per replica and step from a fixed seed, the same
 for every variant):
@@ -19,8 +21,8 @@ Variants:
     mpi4py    plain mpi4py sparse exchange written as simply as possible (np.unique,
               Alltoall of counts, Alltoallv of ids and rows; update with np.add.at): the floor
     np_take   np.take on the whole table in one process, no communication
-Reported per variant: ms per step (per-replica mean over the timed steps, then avg and
-max across replicas) for lookup and lookup + update, payload bytes moved per replica
+Reported per variant: ms per step (per replica the median over 8 blocks of the block's
+mean step time, then avg and max across replicas) for lookup and lookup + update, payload bytes moved per replica
 and lookup step (sent + received, popdist_lite.stats()), unique-index ratio, peak
 RSS per replica (ru_maxrss).
 """
@@ -138,14 +140,19 @@ def across(comm, value: float) -> dict:
             "per_replica": [round(v, 4) for v in values]}
 
 
-def timed(comm, steps: int, body) -> float:
+def timed(comm, steps: int, body, blocks: int = 8) -> float:
+    """ms per step: the median over ``blocks`` blocks of steps (robust to other
+    processes taking the cores for a while), each block's mean."""
     for s in range(WARMUP):
         body(s)
     comm.Barrier()
-    start = time.perf_counter()
-    for s in range(steps):
-        body(s)
-    return (time.perf_counter() - start) / steps * 1e3
+    per_block, means = max(steps // blocks, 1), []
+    for b in range(blocks):
+        start = time.perf_counter()
+        for s in range(b * per_block, (b + 1) * per_block):
+            body(s)
+        means.append((time.perf_counter() - start) / per_block * 1e3)
+    return float(np.median(means))
 
 
 def worker(opts) -> None:
@@ -162,7 +169,7 @@ def worker(opts) -> None:
     pl.reset_stats()
     lookup_ms = timed(comm, steps, lambda s: emb.lookup(idx[s % BATCHES]))
     stats = pl.stats()
-    calls = WARMUP + steps
+    calls = WARMUP + max(steps // 8, 1) * 8
     if opts.variant == "mpi4py":
         moved = emb.moved
     else:
@@ -190,6 +197,8 @@ def main() -> None:
     parser.add_argument("--steps-char", type=int, default=200)
     parser.add_argument("--steps-recsys", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=170)
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="runs per variant; the one with the fastest lookup is reported (default 2)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -202,12 +211,15 @@ def main() -> None:
         return
     start = time.perf_counter()
     results: dict = {}
-    for workload in opts.workloads.split(","):
-        steps = opts.steps_char if workload == "char" else opts.steps_recsys
-        for variant in opts.variants.split(","):
-            args = ["--workload", workload, "--variant", variant, "--steps", str(steps)]
-            results.setdefault(workload, {})[variant] = run_ranks(os.path.abspath(__file__), args, opts.ranks,
-                                                                  opts.timeout)[0]
+    for _ in range(opts.repeat):  # rounds: a burst of load from other processes hits one round
+        for workload in opts.workloads.split(","):
+            steps = opts.steps_char if workload == "char" else opts.steps_recsys
+            for variant in opts.variants.split(","):
+                args = ["--workload", workload, "--variant", variant, "--steps", str(steps)]
+                got = run_ranks(os.path.abspath(__file__), args, opts.ranks, opts.timeout)[0]
+                best = results.setdefault(workload, {}).get(variant)
+                if best is None or got["lookup_ms"]["avg"] < best["lookup_ms"]["avg"]:
+                    results[workload][variant] = got
     summary = {}
     for workload, r in results.items():
         s = {}
