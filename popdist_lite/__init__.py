@@ -8,12 +8,13 @@ One MPI rank drives one replica. Import and go::
 
 Topology (PopDist names are aliases of the snake_case ones), collectives on numpy
 arrays, sharded host embeddings with their optimizer specs, data-parallel helpers,
-dense optimizers, stochastic rounding and loss scaling are re-exported here
-(reduced precision: see docs/precision.md).
+dense optimizers, stochastic rounding, loss scaling and the per-replica counters
+(:func:`stats`, :func:`reset_stats`) are re-exported here (reduced precision: see
+docs/precision.md; exchanges and counters: docs/performance.md).
 """
 
-from .collectives import (comm_stats, all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast,
-                          reduce_scatter_sum)
+from .collectives import all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast, reduce_scatter_sum
+from .counters import reset_stats, stats
 from .data_parallel import CrossReplicaOptimizer, all_reduce_gradients, broadcast_parameters
 from .embedding import (EmbeddingOptimizerSpec, HostEmbedding, HostEmbeddingAdagradOptimizerSpec,
                         HostEmbeddingAdamOptimizerSpec, HostEmbeddingMomentumOptimizerSpec, HostEmbeddingOptimizerSpec,
@@ -36,7 +37,7 @@ __all__ = [
     "local_instance_index", "role", "replica_comm", "world_comm", "execute_on_instances",
     "isPopdistEnvSet", "getNumTotalReplicas", "getNumInstances", "getInstanceIndex", "getReplicaIndexOffset",
     "getNumLocalReplicas", "getNumIpusPerReplica", "getLocalInstanceIndex",
-    "comm_stats", "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
+    "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
     "HostEmbedding", "HostEmbeddingOptimizerSpec", "create_host_embedding",
     "EmbeddingOptimizerSpec", "HostEmbeddingSGDGAOptimizerSpec", "HostEmbeddingMomentumOptimizerSpec",
     "HostEmbeddingAdagradOptimizerSpec", "HostEmbeddingAdamOptimizerSpec",
@@ -44,4 +45,5 @@ __all__ = [
     "StochasticRounding", "StochasticRoundingBehaviour", "stochastic_round", "round_to_nearest",
     "SGD", "Adam", "DenseOptimizer",
     "LossScaler", "StaticLossScaler", "DynamicLossScaler", "FixedLossScale", "DynamicLossScale",
+    "stats", "reset_stats",
 ]

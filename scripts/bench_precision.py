@@ -13,12 +13,16 @@ hang cannot stall the benchmark) and prints one JSON document. Per replica count
   (GRU 256 + dense 256 = 460,544 values) in float32 and in float16.
 - ``embedding_step``: a lookup and an ``apply_gradients`` on the char table [256, 256]
   (batch 16 x 100 indices per replica, SGD) stored in fp32, fp16, and fp16 with FP32
-  master weights ("mixed").
+  master weights ("mixed"), each strategy with its default exchange (TOKEN: sparse).
 - ``dense_adam_step``: a ``CrossReplicaOptimizer(Adam)`` step on the char model's dense
   parameters with float16 gradients, unsharded and with ``shard_optimizer_state=True``.
 
-``bytes_per_step`` is the payload one replica sends to the others (see
-:func:`popdist_lite.comm_stats`); ``ms_per_step`` and ``ms_min`` are the median and the
+``bytes_per_step`` is the payload one replica sends to the others per step, from
+:func:`popdist_lite.stats` (``bytes_sent`` without the argument checks, ``agree``,
+which are ``check_bytes_per_step``; the sparse TOKEN exchange's small header of send
+counts travels in its check). See :mod:`popdist_lite.counters` for how each MPI call
+is counted (an MPI ``Allreduce`` as ``n x (r - 1)``, the float16 all-reduce as its
+``Alltoall`` + ``Allgather``). ``ms_per_step`` and ``ms_min`` are the median and the
 fastest of ``--iters`` timed runs after one warm-up, the slowest replica's figures
 (on a small shared machine the median is noisy; the bytes are exact).
 """
@@ -88,18 +92,21 @@ def worker(iters: int) -> None:
     rng = np.random.default_rng(k)
 
     def measure(fn):
-        """(slowest replica's median ms, slowest replica's fastest ms, this replica's payload bytes per call)."""
+        """{ms_per_step, ms_min: the slowest replica's median and fastest ms; bytes_per_step,
+        check_bytes_per_step: this replica's payload and argument-check bytes per call}."""
         fn()
-        pl.comm_stats(reset=True)
+        pl.reset_stats()
         times = []
         for _ in range(iters):
             comm.Barrier()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-        stats = pl.comm_stats(reset=True)
+        stats = pl.stats()
+        check = stats["collectives"].get("agree", {}).get("bytes_sent", 0)
         slowest = lambda v: round(comm.allreduce(float(v) * 1e3, op=MPI.MAX), 3)
-        return slowest(np.median(times)), slowest(np.min(times)), stats["payload_bytes"] // iters
+        return {"ms_per_step": slowest(np.median(times)), "ms_min": slowest(np.min(times)),
+                "bytes_per_step": (stats["bytes_sent"] - check) // iters, "check_bytes_per_step": check // iters}
 
     out = {"replicas": r}
 
@@ -109,8 +116,7 @@ def worker(iters: int) -> None:
     grad16 = grad32.astype(np.float16)
     ar = {"elements": n}
     for name, g in (("fp32", grad32), ("fp16", grad16)):
-        ms, fastest, b = measure(lambda: pl.all_reduce(g, op="mean"))
-        ar[name] = {"ms_per_step": ms, "ms_min": fastest, "bytes_per_step": b}
+        ar[name] = measure(lambda: pl.all_reduce(g, op="mean"))
     out["all_reduce"] = ar
 
     # 2. embedding lookup + update on the char table
@@ -127,8 +133,7 @@ def worker(iters: int) -> None:
                 emb.lookup(idx)
                 emb.apply_gradients(idx, grads)
 
-            ms, fastest, b = measure(step)
-            emb_out[f"{name}_{strategy}"] = {"ms_per_step": ms, "ms_min": fastest, "bytes_per_step": b}
+            emb_out[f"{name}_{strategy}"] = {"exchange": emb.exchange, **measure(step)}
     out["embedding_step"] = emb_out
 
     # 3. dense Adam step, unsharded and sharded, float16 gradients
@@ -141,9 +146,8 @@ def worker(iters: int) -> None:
                   for i, (name, shape) in enumerate(GRU_AND_DENSE.items())}
         grads = {name: rng.standard_normal(p.shape).astype(np.float16) for name, p in params.items()}
         opt = pl.CrossReplicaOptimizer(pl.Adam(1e-3), shard_optimizer_state=sharded)
-        ms, fastest, b = measure(lambda: opt.step(params, grads, loss_scale=1.0))
         dense["sharded" if sharded else "unsharded"] = {
-            "ms_per_step": ms, "ms_min": fastest, "bytes_per_step": b,
+            **measure(lambda: opt.step(params, grads, loss_scale=1.0)),
             "optimizer_state_bytes_per_replica": opt.state_bytes()}
     dense["parameters"] = n
     out["dense_adam_step"] = dense

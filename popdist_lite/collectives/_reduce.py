@@ -15,15 +15,22 @@ every level. So a float16 reduction here is built from data movement only:
 - all-reduce: the same reduce-scatter on the flattened, zero-padded array, then an
   ``Allgather`` of the float16 result chunks.
 
-Bytes sent per replica: ``(r-1)/r * n * 2`` for the reduce-scatter and twice that
-for the all-reduce, i.e. half of the float32 figure (the ring-algorithm optimum).
+Bytes sent (and received) per replica: ``(r-1)/r * n * 2`` for the reduce-scatter
+and twice that for the all-reduce, i.e. half of what the same reduce-scatter and
+all-gather move in float32 (the ring-algorithm optimum). Each float16 reduction is
+one record in :mod:`popdist_lite.counters` under the collective's name, with the
+bytes of the ``Alltoall``/``Allgather`` rows of the counters' table and the seconds of
+the whole reduction (MPI calls and the float64 combine, as MPI's own reductions
+include their arithmetic).
 """
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import numpy as np
 
-from ._common import record
+from .. import counters
 
 REDUCIBLE = frozenset(np.dtype(t) for t in (
     np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
@@ -32,41 +39,58 @@ F16 = np.dtype(np.float16)
 _PAIRWISE = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 
 
-def _combine(chunks: np.ndarray, op: str, r: int) -> np.ndarray:
-    """Reduce ``(r, ...)`` float16 chunks over axis 0, wide, rounded once to float16.
+def _combine(chunks: np.ndarray, op: str, r: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Reduce ``(r, ...)`` float16 chunks over axis 0, wide, rounded once to float16
+    (into ``out`` when given: a float16 array of ``chunks.shape[1:]``).
 
     A loop over the ``r`` chunks (not over elements): numpy's reduction over a short
     leading axis is many times slower than ``r - 1`` vectorised additions.
     """
-    if r == 1:  # one replica: the reduction is the input (sum, mean, max and min alike)
-        return chunks[0].copy()
-    if op in ("max", "min"):  # exact in float16: no widening needed
-        out = chunks[0].copy()
+    if r == 1 or op in ("max", "min"):  # the input itself, or exact in float16: no widening
+        if out is None:
+            result = chunks[0].copy()
+        else:
+            result = out
+            np.copyto(result, chunks[0])
         for j in range(1, r):
-            _PAIRWISE[op](out, chunks[j], out=out)
-        return out
-    out = chunks[0].astype(np.float64)
+            _PAIRWISE[op](result, chunks[j], out=result)
+        return result
+    wide = chunks[0].astype(np.float64)
     for j in range(1, r):
-        out += chunks[j]  # float16 -> float64 is exact, and so is the running sum (see module doc)
+        wide += chunks[j]  # float16 -> float64 is exact, and so is the running sum (see module doc)
     if op == "mean":
-        out /= r
-    return out.astype(F16)
+        wide /= r
+    if out is None:
+        return wide.astype(F16)
+    np.copyto(out, wide, casting="unsafe")  # the one rounding, as astype
+    return out
 
 
-def f16_reduce_scatter(x: np.ndarray, comm, op: str = "sum") -> np.ndarray:
-    """``x``: C-contiguous float16 ``(r, *chunk)``; returns this replica's reduced
-    ``chunk`` (float16), every replica's ``x[k]`` combined on replica ``k``."""
+def _reduce_scatter(x: np.ndarray, comm, op: str, out: np.ndarray | None):
+    """The float16 reduce-scatter without recording: ``(chunk, bytes moved each way)``."""
     r = comm.size
     send = x.view(np.uint16)
     recv = np.empty_like(send)
     comm.Alltoall(send, recv)
-    record("reduce_scatter_sum", send.nbytes * (r - 1) // r if r else 0)
-    return _combine(recv.view(F16), op, r)
+    moved = send.nbytes - send.nbytes // r  # all but my own chunk, each way
+    return _combine(recv.view(F16), op, r, out), moved
+
+
+def f16_reduce_scatter(x: np.ndarray, comm, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+    """``x``: C-contiguous float16 ``(r, *chunk)``; returns this replica's reduced
+    ``chunk`` (float16; ``out`` when given), every replica's ``x[k]`` combined on
+    replica ``k``. Recorded as ``reduce_scatter_sum``."""
+    start = perf_counter()
+    result, moved = _reduce_scatter(x, comm, op, out)
+    counters.record("reduce_scatter_sum", start, moved, moved)
+    return result
 
 
 def f16_reduce_scatter_v(x: np.ndarray, counts: np.ndarray, comm) -> np.ndarray:
     """Ragged float16 reduce-scatter-sum: replica ``k`` gets rows
-    ``[offset_k, offset_k + counts[k])`` summed over replicas."""
+    ``[offset_k, offset_k + counts[k])`` summed over replicas. Recorded as
+    ``reduce_scatter_sum_v`` (sent: all but my own rows; received: my rows x (r - 1))."""
+    start = perf_counter()
     r, k = comm.size, comm.rank
     row = int(np.prod(x.shape[1:], dtype=np.int64))
     counts = np.asarray(counts, dtype=np.int64)
@@ -76,28 +100,38 @@ def f16_reduce_scatter_v(x: np.ndarray, counts: np.ndarray, comm) -> np.ndarray:
     recv_sizes = np.full(r, mine * row, dtype=np.int64)
     comm.Alltoallv([x.view(np.uint16), (send_sizes, np.cumsum(send_sizes) - send_sizes)],
                    [recv, (recv_sizes, np.cumsum(recv_sizes) - recv_sizes)])
-    record("reduce_scatter_sum", 2 * int(send_sizes.sum() - send_sizes[k]))
-    return _combine(recv.view(F16), "sum", r)
+    result = _combine(recv.view(F16), "sum", r)
+    counters.record("reduce_scatter_sum_v", start, 2 * int(send_sizes.sum() - send_sizes[k]), 2 * mine * row * (r - 1))
+    return result
 
 
-def f16_all_reduce(x: np.ndarray, comm, op: str) -> np.ndarray:
-    """All-reduce of a float16 array: float16 on the wire, combined in float64, rounded once."""
+def f16_all_reduce(x: np.ndarray, comm, op: str, out: np.ndarray | None = None) -> np.ndarray:
+    """All-reduce of a float16 array: float16 on the wire, combined in float64, rounded
+    once; into ``out`` when given (a float16 array of ``x.shape``, may be ``x``).
+    Recorded as one ``all_reduce`` with the bytes of its ``Alltoall`` and ``Allgather``."""
+    start = perf_counter()
     r = comm.size
-    if r == 1:
-        return x.copy()
+    if r == 1:  # the reduction of one replica is its input; nothing moves
+        if out is None:
+            result = x.copy()
+        else:
+            result = out
+            if out is not x:
+                np.copyto(out, x)
+        counters.record("all_reduce", start)
+        return result
     flat = x.reshape(-1)
     n = flat.size
     c = -(-n // r)
     padded = np.zeros(r * c, dtype=F16)
     padded[:n] = flat
-    chunk = f16_reduce_scatter(padded.reshape(r, c), comm, op)
-    out = np.empty((r, c), dtype=np.uint16)
-    comm.Allgather(chunk.view(np.uint16), out)
-    record("all_reduce", chunk.nbytes * (r - 1))
-    return out.view(F16).reshape(-1)[:n].reshape(x.shape)
-
-
-def mpi_reduce_bytes(nbytes: int, r: int, all_reduce: bool) -> int:
-    """Bytes one replica sends in an MPI reduction of ``nbytes`` (ring-algorithm figure:
-    ``(r-1)/r * nbytes`` for a reduce-scatter, twice that for an all-reduce)."""
-    return (2 if all_reduce else 1) * nbytes * (r - 1) // r if r else 0
+    chunk, moved = _reduce_scatter(padded.reshape(r, c), comm, op, None)
+    gathered = np.empty((r, c), dtype=np.uint16)
+    comm.Allgather(chunk.view(np.uint16), gathered)
+    moved += chunk.nbytes * (r - 1)  # Allgather: own bytes x (r - 1) out, everyone else's in
+    counters.record("all_reduce", start, moved, moved)
+    result = gathered.view(F16).reshape(-1)[:n].reshape(x.shape)
+    if out is None:
+        return result
+    np.copyto(out, result)
+    return out

@@ -2,36 +2,43 @@
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import numpy as np
 from mpi4py import MPI
 
-from ._common import EXTRA, agree, as_array, buf, default_comm, record, require_same_shape
-from ._reduce import F16, REDUCIBLE, f16_all_reduce, mpi_reduce_bytes
+from .. import counters
+from ._common import agree, as_array, buf, check_out, default_comm
+from ._reduce import F16, REDUCIBLE, f16_all_reduce
 
 OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _NAMES = tuple(OPS)
 
 
-def all_reduce(x, op: str = "sum", *, comm=None) -> np.ndarray:
+def all_reduce(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
     """Reduce ``x`` element-wise over replicas; every replica gets the result.
 
     Args:
         x: array (or scalar) of a numeric dtype, the same shape and dtype on every replica.
         op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``, the same on every replica.
             ``"mean"`` of integers is float64.
+        out: optional preallocated C-contiguous array of ``x.shape`` and ``x.dtype`` to
+            receive into (not for ``"mean"`` of integers); may be ``x`` itself (in place).
 
     float16 travels as float16 (half the bytes of float32) and is combined in float64,
     then rounded once: the result is the float16 rounding of the exact sum (or mean,
     max, min), not an accumulation of float16 roundings. Algorithm: an ``Alltoall``
     reduce-scatter of float16 chunks and an ``Allgather`` of the float16 results (see
-    :mod:`popdist_lite.collectives._reduce`); the same on Open MPI and MPICH.
+    :mod:`popdist_lite.collectives._reduce`); the same on Open MPI and MPICH. With
+    ``out`` the float16 result is written into ``out``.
 
     Returns:
-        array of ``x.shape``; ``x.dtype`` (float64 for the mean of integers).
+        array of ``x.shape`` (``out`` when given); ``x.dtype`` (float64 for the mean of
+        integers).
 
     Raises:
         ValueError: on every replica, for an unknown ``op``, ops that differ between
-            replicas, or shapes that differ.
+            replicas, shapes that differ, or an ``out`` that does not fit.
         TypeError: on every replica, for a non-numeric dtype or dtypes that differ.
     """
     comm = default_comm(comm)
@@ -41,18 +48,26 @@ def all_reduce(x, op: str = "sum", *, comm=None) -> np.ndarray:
         problem = (ValueError, f"argument op: expected one of {list(OPS)}, got {op!r}")
     elif x.dtype not in REDUCIBLE:
         problem = (TypeError, f"argument x: expected a numeric dtype, got {x.dtype}")
-    table = agree("all_reduce", x, comm, problem=problem, extra=_NAMES.index(op) if op in OPS else -1)
-    bad = np.flatnonzero(table[:, EXTRA] != table[0, EXTRA])
-    if bad.size:
-        r = int(bad[0])
-        raise ValueError(f"all_reduce: argument op: replica {r} passed {_NAMES[table[r, EXTRA]]!r}, "
-                         f"expected {_NAMES[table[0, EXTRA]]!r} as on replica 0")
-    require_same_shape("all_reduce", table)
+    elif out is not None and op == "mean" and x.dtype.kind in "iu":
+        problem = (ValueError, "argument out: not supported for the mean of integers (the result is float64)")
+    else:
+        problem = check_out(out, x.shape, x.dtype)
+    agree("all_reduce", x, comm, problem=problem, extra=_NAMES.index(op) if op in OPS else -1, same_from=0,
+          extra_name="op", extra_format=lambda v: repr(_NAMES[v]))
     if x.dtype == F16:
-        return f16_all_reduce(x, comm, op)
-    out = np.empty_like(x)
-    comm.Allreduce(buf(x), buf(out), op=OPS[op])
-    record("all_reduce", mpi_reduce_bytes(x.nbytes, comm.size, all_reduce=True))
+        return f16_all_reduce(x, comm, op, out=out)
+    if out is not None:  # receive straight into the caller's array
+        result = out
+        send = MPI.IN_PLACE if out is x else buf(x)
+    else:
+        result = np.empty_like(x)
+        send = buf(x)
+    start = perf_counter()
+    comm.Allreduce(send, buf(result), op=OPS[op])
+    n = x.nbytes * (comm.size - 1)
+    counters.record("all_reduce", start, n, n)
     if op == "mean":
-        return out / comm.size if out.dtype.kind in "iu" else out / np.asarray(comm.size, out.dtype)
-    return out
+        if result.dtype.kind in "iu":
+            return result / comm.size
+        result /= np.asarray(comm.size, result.dtype)
+    return result

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import numpy as np
 from mpi4py import MPI
 
-from ._common import agree, as_array, buf, default_comm, record, require_same_shape
-from ._reduce import F16, REDUCIBLE, f16_reduce_scatter, f16_reduce_scatter_v, mpi_reduce_bytes
+from .. import counters
+from ._common import agree, as_array, buf, check_out, default_comm
+from ._reduce import F16, REDUCIBLE, f16_reduce_scatter, f16_reduce_scatter_v
 
 
-def reduce_scatter_sum(x, *, comm=None) -> np.ndarray:
+def reduce_scatter_sum(x, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
     """Sum ``x`` over replicas and give replica ``k`` the slice ``k`` of the sum.
 
     This is the seed's ``reduce-scatter-sum`` (host-embeddings guide, TOKEN strategy).
@@ -19,22 +22,27 @@ def reduce_scatter_sum(x, *, comm=None) -> np.ndarray:
             a numeric dtype on every replica. float16 travels as float16 (an ``Alltoall``
             of the chunks), is summed exactly in float64 and rounded once, so the result
             is the float16 rounding of the exact sum.
+        out: optional preallocated C-contiguous ``x.shape[1:]`` array of ``x.dtype``
+            (float16 results are written into it too).
 
     Returns:
-        ``x.shape[1:]`` array of ``x.dtype``: ``sum over replicas j of x_j[k]`` on replica ``k``.
+        ``x.shape[1:]`` array of ``x.dtype`` (``out`` when given): ``sum over replicas j
+        of x_j[k]`` on replica ``k``.
 
     Raises:
         ValueError, TypeError: on every replica, for a wrong first dimension, shapes or
-            dtypes that differ between replicas, or a non-numeric dtype.
+            dtypes that differ between replicas, a non-numeric dtype or an ``out`` that
+            does not fit.
     """
-    return reduce_scatter(x, "sum", comm=comm)
+    return reduce_scatter(x, "sum", comm=comm, out=out)
 
 
-def reduce_scatter(x, op: str = "sum", *, comm=None) -> np.ndarray:
+def reduce_scatter(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
     """:func:`reduce_scatter_sum`, or with ``op="mean"`` the sum divided by ``r`` (for
     float16, divided before the single rounding, so a mean never overflows where the
-    sum would). Same arguments, checks and errors; ``op`` must be the same everywhere
-    (it is not re-checked: callers pass a constant)."""
+    sum would). Same arguments, checks and errors (``out`` is not supported for the
+    mean of integers, which is float64); ``op`` must be the same everywhere (it is not
+    re-checked: callers pass a constant)."""
     if op not in ("sum", "mean"):
         raise ValueError(f"reduce_scatter: argument op: expected 'sum' or 'mean', got {op!r}")
     comm = default_comm(comm)
@@ -45,16 +53,23 @@ def reduce_scatter(x, op: str = "sum", *, comm=None) -> np.ndarray:
                                f"got shape {x.shape}")
     elif x.dtype not in REDUCIBLE:
         problem = (TypeError, f"argument x: expected a numeric dtype for a sum, got {x.dtype}")
-    table = agree("reduce_scatter_sum", x, comm, problem=problem)
-    require_same_shape("reduce_scatter_sum", table)
+    elif out is not None and op == "mean" and x.dtype.kind in "iu":
+        problem = (ValueError, "argument out: not supported for the mean of integers (the result is float64)")
+    else:
+        problem = check_out(out, x.shape[1:], x.dtype)
+    agree("reduce_scatter_sum", x, comm, problem=problem, same_from=0)
     if x.dtype == F16:
-        return f16_reduce_scatter(x, comm, op)
-    out = np.empty(x.shape[1:], dtype=x.dtype)
-    comm.Reduce_scatter_block(buf(x), buf(out), op=MPI.SUM)
-    record("reduce_scatter_sum", mpi_reduce_bytes(x.nbytes, comm.size, all_reduce=False))
+        return f16_reduce_scatter(x, comm, op, out=out)
+    result = out if out is not None else np.empty(x.shape[1:], dtype=x.dtype)
+    start = perf_counter()
+    comm.Reduce_scatter_block(buf(x), buf(result), op=MPI.SUM)
+    n = result.nbytes * (comm.size - 1)
+    counters.record("reduce_scatter_sum", start, n, n)
     if op == "mean":
-        return out / comm.size if out.dtype.kind in "iu" else out / np.asarray(comm.size, out.dtype)
-    return out
+        if result.dtype.kind in "iu":
+            return result / comm.size
+        result /= np.asarray(comm.size, result.dtype)
+    return result
 
 
 def reduce_scatter_sum_v(x: np.ndarray, counts: np.ndarray, *, comm=None) -> np.ndarray:
@@ -64,7 +79,8 @@ def reduce_scatter_sum_v(x: np.ndarray, counts: np.ndarray, *, comm=None) -> np.
     ``x.shape`` are the same on every replica by construction (not re-checked).
 
     Args:
-        x: ``(counts.sum(), *row_shape)`` numeric array.
+        x: ``(counts.sum(), *row_shape)`` numeric array (float16: float16 on the wire,
+            summed exactly and rounded once, as :func:`reduce_scatter_sum`).
         counts: ``int64[r]`` rows per replica.
 
     Returns:
@@ -75,8 +91,8 @@ def reduce_scatter_sum_v(x: np.ndarray, counts: np.ndarray, *, comm=None) -> np.
     if x.dtype == F16:
         return f16_reduce_scatter_v(x, counts, comm)
     row = int(np.prod(x.shape[1:], dtype=np.int64))
-    sizes = np.asarray(counts, dtype=np.int64) * row
     out = np.empty((int(counts[comm.rank]), *x.shape[1:]), dtype=x.dtype)
-    comm.Reduce_scatter(buf(x), buf(out), sizes, op=MPI.SUM)
-    record("reduce_scatter_sum", (int(sizes.sum()) - int(sizes[comm.rank])) * x.itemsize)
+    start = perf_counter()
+    comm.Reduce_scatter(buf(x), buf(out), np.asarray(counts, dtype=np.int64) * row, op=MPI.SUM)
+    counters.record("reduce_scatter_sum_v", start, x.nbytes - out.nbytes, out.nbytes * (comm.size - 1))
     return out

@@ -162,3 +162,46 @@ def test_different_collectives_are_named_not_deadlocked(comm):
         else:
             pl.broadcast(x)
     np.testing.assert_array_equal(pl.all_gather(np.array([comm.rank])).ravel(), np.arange(comm.size))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64])
+def test_out_receives_the_result(comm, rng, dtype):
+    """``out=`` on every collective, float16 (whose reductions take their own path) included."""
+    r, k = comm.size, comm.rank
+    x = inputs(rng, r, (r, 3), dtype)  # x[j]: replica j's input, (r, 3)
+    mine = x[k].copy()
+    for op in ("sum", "mean", "max"):
+        if op == "mean" and np.dtype(dtype).kind in "iu":
+            continue  # float64 result: out= is refused (tested below)
+        out = np.empty_like(mine)
+        assert pl.all_reduce(mine, op=op, out=out) is out
+        np.testing.assert_array_equal(out, pl.all_reduce(mine, op=op))
+        inplace = mine.copy()
+        assert pl.all_reduce(inplace, op=op, out=inplace) is inplace
+        np.testing.assert_array_equal(inplace, out)
+    exact = x.astype(np.float64).sum(axis=0)
+    if np.dtype(dtype) == np.float16:  # float16: the one rounding of the exact sum, into out as well
+        np.testing.assert_array_equal(pl.all_reduce(mine, out=np.empty_like(mine)), exact.astype(dtype))
+    out = np.empty(3, dtype)
+    assert pl.reduce_scatter_sum(mine, out=out) is out
+    np.testing.assert_array_equal(out, pl.reduce_scatter_sum(mine))
+    np.testing.assert_allclose(out.astype(np.float64), exact[k], rtol=1e-3)
+    out = np.empty((r, r, 3), dtype)
+    assert pl.all_gather(mine, out=out) is out
+    np.testing.assert_array_equal(out, x)
+    out = np.empty((r, 3), dtype)
+    assert pl.all_to_all(mine, out=out) is out
+    np.testing.assert_array_equal(out, x[:, k])
+    out = np.empty((r, 3), dtype)
+    got = pl.broadcast(mine, root=r - 1, out=out)
+    assert got is (mine if k == r - 1 else out)
+    np.testing.assert_array_equal(got, x[r - 1])
+    with pytest.raises(ValueError, match=rf"all_reduce: replica {r - 1}: argument out: expected a writeable"):
+        pl.all_reduce(mine, out=np.empty((r, 4), dtype) if k == r - 1 else None)
+    with pytest.raises(ValueError, match=rf"reduce_scatter_sum: replica {r - 1}: argument out"):
+        pl.reduce_scatter_sum(mine, out=np.empty(3, np.float64 if dtype != np.float64 else np.float32)
+                              if k == r - 1 else None)
+    if np.dtype(dtype).kind in "iu":
+        with pytest.raises(ValueError, match="argument out: not supported for the mean of integers"):
+            pl.all_reduce(mine, op="mean", out=np.empty_like(mine))

@@ -1,13 +1,15 @@
 """Host-embedding optimizers and precision against a numpy reference at 1-4 replicas,
-both partition strategies: SGD, SGD with gradient accumulation, momentum, Adagrad
-(element-wise and row-wise), Adam; FP32 master weights; stochastic rounding of rows."""
+both partition strategies (TOKEN with the sparse and the dense exchange): SGD, SGD with
+gradient accumulation, momentum, Adagrad (element-wise and row-wise), Adam; FP32
+master weights; stochastic rounding of rows."""
 
 import numpy as np
 import pytest
 
 import popdist_lite as pl
 
-STRATEGIES = ["TOKEN", "ENCODING"]
+# TOKEN tables use their default, the sparse exchange; "TOKEN/dense" is the seed's exchange.
+STRATEGIES = ["TOKEN", "TOKEN/dense", "ENCODING"]
 SPECS = {
     "sgd": lambda: pl.HostEmbeddingOptimizerSpec(0.3),
     "sgd_ga": lambda: pl.HostEmbeddingSGDGAOptimizerSpec(0.3, accumulation_factor=2),
@@ -17,6 +19,12 @@ SPECS = {
                                                                     epsilon=1e-7, rowwise=True),
     "adam": lambda: pl.HostEmbeddingAdamOptimizerSpec(0.05, beta1=0.9, beta2=0.99, epsilon=1e-8),
 }
+
+
+def layout(strategy):
+    """create_host_embedding keywords for a STRATEGIES entry."""
+    name, _, exchange = strategy.partition("/")
+    return {"partition_strategy": name, **({"exchange": exchange} if exchange else {})}
 
 
 class Reference:
@@ -87,7 +95,7 @@ def test_optimizer_matches_numpy(comm, rng, strategy, kind):
     r, t, e = comm.size, 11, 5  # neither divisible by 2, 3 or 4: padded rows and columns
     full = rng.standard_normal((t, e)).astype(np.float32)
     spec = SPECS[kind]()
-    emb = pl.create_host_embedding(f"opt_{kind}", shape=[t, e], partition_strategy=strategy,
+    emb = pl.create_host_embedding(f"opt_{kind}", shape=[t, e], **layout(strategy),
                                    optimizer_spec=spec, initializer=full)
     ref = Reference(kind, full)
     for idx, grads in batches(rng, r, t, e, steps=5):
@@ -102,10 +110,10 @@ def test_optimizer_matches_numpy(comm, rng, strategy, kind):
 @pytest.mark.parametrize("kind", ["momentum", "adagrad", "adagrad_rowwise", "adam", "sgd_ga"])
 def test_state_lives_in_the_owning_partition(comm, strategy, kind):
     r, t, e = comm.size, 12, 8
-    emb = pl.create_host_embedding(f"state_{kind}", shape=[t, e], partition_strategy=strategy,
+    emb = pl.create_host_embedding(f"state_{kind}", shape=[t, e], **layout(strategy),
                                    optimizer_spec=SPECS[kind]())
     shard = emb.local_shard.shape
-    assert shard == ((-(-t // r), e) if strategy == "TOKEN" else (t, -(-e // r)))
+    assert shard == ((-(-t // r), e) if strategy.startswith("TOKEN") else (t, -(-e // r)))
     for name, a in emb.optimizer_state.items():
         assert a.shape in (shard, shard[:1], (1,)), (name, a.shape)
     per_element = {"momentum": 4, "adagrad": 4, "adagrad_rowwise": 0, "adam": 8, "sgd_ga": 4}[kind]
@@ -115,7 +123,7 @@ def test_state_lives_in_the_owning_partition(comm, strategy, kind):
     total = int(pl.all_reduce(np.array([emb.optimizer_state_bytes], np.int64))[0])
     single = t * e * per_element + t * per_row + (8 if kind == "sgd_ga" else 0)
     extra = 8 if kind == "sgd_ga" else 0  # the call counter, one per replica
-    if strategy == "TOKEN":  # rows split (12 divides by 1-4): all state divides by r
+    if strategy.startswith("TOKEN"):  # rows split (12 divides by 1-4): all state divides by r
         assert total == single + (r - 1) * extra
     else:  # columns split (padded to r * ceil(e/r)): element state divides; each column
         c = -(-e // r)  # owner keeps the per-row scalars of every row
@@ -127,7 +135,7 @@ def test_state_lives_in_the_owning_partition(comm, strategy, kind):
 def test_gradient_accumulation_applies_every_factor_calls(comm, rng, strategy):
     t, e = 6, 3
     full = rng.standard_normal((t, e)).astype(np.float32)
-    emb = pl.create_host_embedding("ga", shape=[t, e], partition_strategy=strategy, initializer=full,
+    emb = pl.create_host_embedding("ga", shape=[t, e], **layout(strategy), initializer=full,
                                    optimizer_spec=pl.HostEmbeddingSGDGAOptimizerSpec(0.5, accumulation_factor=3))
     ones = np.ones((1, e), np.float32)
     for call in range(1, 7):
@@ -144,7 +152,7 @@ def test_gradient_accumulation_applies_every_factor_calls(comm, rng, strategy):
 
 
 def swamping_table(strategy, **kw):
-    return pl.create_host_embedding("swamp", shape=[8, 16], partition_strategy=strategy,
+    return pl.create_host_embedding("swamp", shape=[8, 16], **layout(strategy),
                                     optimizer_spec=pl.HostEmbeddingOptimizerSpec(1e-4),
                                     initializer=np.ones((8, 16), np.float32), **kw)
 
@@ -194,7 +202,7 @@ def test_loss_scale_is_divided_out_in_float32(comm, rng, strategy):
     t, e, scale, lr = 7, 4, 2.0 ** 12, 1024.0
     full = rng.standard_normal((t, e)).astype(np.float32)
     emb = pl.create_host_embedding("scaled", shape=[t, e], dtype=np.float16, master_weights=np.float32,
-                                   partition_strategy=strategy, initializer=full,
+                                   **layout(strategy), initializer=full,
                                    optimizer_spec=pl.HostEmbeddingOptimizerSpec(lr))
     tiny = np.full((2, e), 2.0 ** -26, np.float32)  # underflows to 0 in float16 unless scaled
     assert np.all(tiny.astype(np.float16) == 0)
