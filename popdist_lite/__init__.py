@@ -7,19 +7,23 @@ One MPI rank drives one replica. Import and go::
     emb = popdist_lite.create_host_embedding("chars", shape=[256, 256])
 
 Topology (PopDist names are aliases of the snake_case ones), collectives on numpy
-arrays, sharded host embeddings and data-parallel helpers are re-exported here.
+arrays, sharded host embeddings, data-parallel helpers and the host feed
+(``infeed``: batches computed by feed processes or a thread, with prefetch) are
+re-exported here.
 """
 
 from .collectives import (all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast,
                           reduce_scatter_sum)
 from .data_parallel import CrossReplicaOptimizer, all_reduce_gradients, broadcast_parameters
 from .embedding import HostEmbedding, HostEmbeddingOptimizerSpec, create_host_embedding
+from .infeed import Infeed, feed_shard, infeed
 from .optimizers import MomentumSGD
 from .topology import (execute_on_instances, getInstanceIndex, getLocalInstanceIndex, getNumInstances,
                        getNumIpusPerReplica, getNumLocalReplicas, getNumTotalReplicas, getReplicaIndexOffset,
                        init, instance_index, is_initialized, is_popdist_env_set, isPopdistEnvSet,
                        local_instance_index, num_instances, num_ipus_per_replica, num_local_replicas,
-                       num_replicas, replica_comm, replica_id, replica_index_offset, role, world_comm)
+                       num_replicas, replica_comm, replica_id, replica_index_offset, role, world_comm,
+                       feeders_per_replica, feeder_index)
 
 __version__ = "0.1.0"
 
@@ -32,4 +36,5 @@ __all__ = [
     "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
     "HostEmbedding", "HostEmbeddingOptimizerSpec", "create_host_embedding",
     "MomentumSGD", "CrossReplicaOptimizer", "broadcast_parameters", "all_reduce_gradients",
+    "feeders_per_replica", "feeder_index", "infeed", "Infeed", "feed_shard",
 ]
