@@ -26,9 +26,14 @@ class _Shutdown(Exception):
     """The replica asked this feeder to exit."""
 
 
-def _receive_control(comm) -> tuple[int, int]:
+def _receive_control(comm, pending: list | None = None) -> tuple[int, int]:
+    """The next control message. While sends are ``pending`` keep testing them (MPI
+    moves a message along only inside MPI calls), then wait without spinning."""
     message = np.empty(2, dtype=np.int64)
-    protocol.wait(comm.Irecv(message, source=0, tag=protocol.CONTROL))
+    request = comm.Irecv(message, source=0, tag=protocol.CONTROL)
+    while pending and not request.Test():
+        pending[:] = [p for p in pending if not MPI.Request.Testall(p[0])]
+    protocol.wait(request)
     return int(message[0]), int(message[1])
 
 
@@ -43,7 +48,7 @@ def _session(make_dataset: Callable[[int, int], Iterable[Any]], comm, shard_inde
     pending: list[tuple[list, np.ndarray, list]] = []  # requests and the buffers they use
     try:
         while True:
-            code, slot = _receive_control(comm)
+            code, slot = _receive_control(comm, pending)
             if code == protocol.STOP:
                 return
             if code == protocol.SHUTDOWN:
@@ -65,7 +70,7 @@ def _session(make_dataset: Callable[[int, int], Iterable[Any]], comm, shard_inde
             else:
                 got, arrays = flatten(batch)
                 check_same(structure, got, f"batch {sent} of {name} (shard {shard_index} of {num_shards})")
-            pending = [p for p in pending if not MPI.Request.Testall(p[0])]
+            pending[:] = [p for p in pending if not MPI.Request.Testall(p[0])]
     finally:
         for requests, _, _ in pending:
             protocol.wait_all(requests)

@@ -3,8 +3,8 @@
 Step ``s`` of a session comes from feeder ``s % F`` (round robin, hence a fixed batch
 order for given R, F and data). The replica keeps ``depth`` steps outstanding: for each
 it posts the header receive and sends the feeder a credit; when a header arrives the
-data receives are posted at once, into freshly allocated arrays (the training loop may
-keep batches). A step's slot is re-granted only when the training loop asks for the
+data receives are posted at once, into arrays of earlier batches the training loop has
+dropped, else new ones (:mod:`.buffers`). A step's slot is re-granted only when the training loop asks for the
 next batch, so sent-but-not-released batches never exceed ``depth``.
 """
 
@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import protocol
+from .buffers import BufferPool
 from .structure import Structure, describe, empty_arrays, num_shape_words, unflatten
 
 
@@ -65,6 +66,8 @@ class FeederSource:
                     f"structure: feeder {known[0][0]} {describe(known[0][1])}, feeder {k} "
                     f"{describe(s)}; every feeder's make_dataset must yield the same keys and dtypes")
         self.structure = known[0][1] if known else None
+        fields = len(self.structure[1]) if self.structure else 0
+        self.pool = BufferPool((self.depth + 2) * fields)
         for _ in range(self.depth):
             self._post()
 
@@ -85,7 +88,7 @@ class FeederSource:
         if code == protocol.END:
             slot.ended = True
             return
-        slot.arrays = empty_arrays(self.structure, slot.header[protocol.HEADER_WORDS:])
+        slot.arrays = empty_arrays(self.structure, slot.header[protocol.HEADER_WORDS:], self.pool.empty)
         slot.data_requests = [self.comm.Irecv([a, MPI.BYTE], source=slot.source, tag=protocol.DATA)
                               for a in slot.arrays]
 
@@ -102,7 +105,8 @@ class FeederSource:
         if not (slot.ended or slot.arrays is not None):
             protocol.wait(slot.header_request)
             self._on_header(slot)
-        protocol.wait_all(slot.data_requests)
+        # the header is here and the data right behind it: MPI's own (spinning) wait
+        MPI.Request.Waitall(slot.data_requests)
         protocol.wait(slot.credit_request)
 
     def fetch(self) -> Any | None:

@@ -96,11 +96,12 @@ def encode_shapes(arrays: list[np.ndarray]) -> list[int]:
     return [int(n) for a in arrays for n in a.shape]
 
 
-def empty_arrays(structure: Structure, words: np.ndarray) -> list[np.ndarray]:
-    """Allocate the arrays of one batch from the shape integers of its header."""
+def empty_arrays(structure: Structure, words: np.ndarray, allocate=np.empty) -> list[np.ndarray]:
+    """Allocate the arrays of one batch from the shape integers of its header with
+    ``allocate(shape, dtype)``."""
     arrays, pos = [], 0
     for _, dtype, ndim in structure[1]:
         shape = tuple(int(n) for n in words[pos:pos + ndim])
         pos += ndim
-        arrays.append(np.empty(shape, dtype=np.dtype(dtype)))
+        arrays.append(allocate(shape, np.dtype(dtype)))
     return arrays
