@@ -28,7 +28,7 @@ class Infeed:
     create it before reading its data or building its model. Iterating ends
     (``StopIteration``) on every replica at the same step. Use as a context manager or
     call :meth:`close` to end it early on every replica (e.g. after a fixed number of
-    steps); creating another feed or exiting the process closes it too.
+    steps); starting another feed (a new epoch) or exiting the process closes it too.
 
     Attributes:
         steps: batches returned so far.
