@@ -10,7 +10,10 @@ or as a single process (one replica) with ``python examples/shakespeare.py``.
 What each replica does, as in the seed example (host-embeddings user guide, 15.2):
 
 * reads the text, builds the char vocabulary ``sorted(set(text))`` and ``char2idx``;
-* trains on its own shard of the text (``make_dataset(shard_index=replica, ...)``);
+* trains on its own shard of the text (``make_dataset(shard_index=replica, ...)``), read
+  through ``popdist_lite.infeed``: batches are prepared by host feed processes
+  (``poprun-lite --feeders-per-replica 1``) or, by default, a background thread, with a
+  prefetch depth of 3; one feeder per replica gives exactly the same batches as none;
 * looks the characters up in a host embedding ``[256, 256]`` whose table is split across
   the replicas (``--partition-strategy TOKEN`` or ``ENCODING``) and trained with SGD
   through ``apply_gradients``;
@@ -261,6 +264,19 @@ def stdout_is_terminal() -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     popdist_lite.init()
+    chunk_len = args.seq_len if args.seed_config else args.seq_len + 1
+    data = args.data if args.data is not None else DEFAULT_DATA
+
+    def load_batches(shard_index, num_shards):
+        # Runs where the data is prepared: on this replica's feed processes
+        # (poprun-lite --feeders-per-replica F) or, with F = 0, in a thread of the
+        # replica; it starts at the first next(dataset), after ensure_data() below.
+        _, ids = encode_text(data.read_bytes().decode("utf-8"))
+        return make_dataset(shard_index, num_shards, text_ids=ids, seq_len=chunk_len - 1,
+                            batch_size=args.batch_size, seed=args.seed)
+
+    # Before any collective: on a feeder this call serves its replica and never returns.
+    dataset = popdist_lite.infeed(load_batches, prefetch_depth=3)
     rank, replicas = popdist_lite.replica_id(), popdist_lite.num_replicas()
     lead = rank == 0
 
@@ -268,7 +284,6 @@ def main(argv=None) -> int:
         if lead:
             print(msg, flush=True)
 
-    data = args.data if args.data is not None else DEFAULT_DATA
     ensure_data(data, is_default=args.data is None)
     text = data.read_bytes().decode("utf-8")
     vocab, text_ids = encode_text(text)
@@ -288,10 +303,7 @@ def main(argv=None) -> int:
     mode = "seed" if args.seed_config else "next"
     # Next-char mode: chunks of seq_len + 1 (input = first seq_len, labels = last seq_len).
     # Seed mode: chunks of seq_len as in the seed (input = first seq_len - 1, label = last).
-    chunk_len = args.seq_len if args.seed_config else args.seq_len + 1
     model_len = chunk_len - 1  # T, the GRU's sequence length
-    dataset = make_dataset(rank, replicas, text_ids=text_ids, seq_len=chunk_len - 1,
-                           batch_size=args.batch_size, seed=args.seed)
 
     # Dense parameters: each replica initialises its own, then replica 0's are broadcast,
     # so all replicas start from the same weights (and the same ones for any replica count).

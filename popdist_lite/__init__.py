@@ -8,8 +8,9 @@ One MPI rank drives one replica. Import and go::
 
 Topology (PopDist names are aliases of the snake_case ones), collectives on numpy
 arrays, sharded host embeddings with their optimizer specs, data-parallel helpers,
-dense optimizers, stochastic rounding and loss scaling are re-exported here
-(reduced precision: see docs/precision.md).
+dense optimizers, stochastic rounding, loss scaling (docs/precision.md) and the host
+feed (``infeed``: batches computed by feed processes or a thread, with prefetch;
+docs/infeed.md) are re-exported here.
 """
 
 from .collectives import (comm_stats, all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast,
@@ -22,11 +23,13 @@ from .loss_scaling import DynamicLossScale, DynamicLossScaler, FixedLossScale, L
 from .optimizers import SGD, Adam, DenseOptimizer, MomentumSGD
 from .stochastic_rounding import (StochasticRounding, StochasticRoundingBehaviour, round_to_nearest,
                                   stochastic_round)
+from .infeed import Infeed, feed_shard, infeed
 from .topology import (execute_on_instances, getInstanceIndex, getLocalInstanceIndex, getNumInstances,
                        getNumIpusPerReplica, getNumLocalReplicas, getNumTotalReplicas, getReplicaIndexOffset,
                        init, instance_index, is_initialized, is_popdist_env_set, isPopdistEnvSet,
                        local_instance_index, num_instances, num_ipus_per_replica, num_local_replicas,
-                       num_replicas, replica_comm, replica_id, replica_index_offset, role, world_comm)
+                       num_replicas, replica_comm, replica_id, replica_index_offset, role, world_comm,
+                       feeders_per_replica, feeder_index)
 
 __version__ = "0.1.0"
 
@@ -44,4 +47,5 @@ __all__ = [
     "StochasticRounding", "StochasticRoundingBehaviour", "stochastic_round", "round_to_nearest",
     "SGD", "Adam", "DenseOptimizer",
     "LossScaler", "StaticLossScaler", "DynamicLossScaler", "FixedLossScale", "DynamicLossScale",
+    "feeders_per_replica", "feeder_index", "infeed", "Infeed", "feed_shard",
 ]

@@ -231,3 +231,17 @@ def test_reduced_precision_trains_like_fp32(tiny, mode):
     for (_, a), (_, b) in zip(fp32, half):
         assert abs(a - b) < 0.1 * a, (fp32, half)
     assert f"precision {mode[1]}" in runs[1].stdout
+
+
+def test_feeders_give_the_same_losses(tiny):
+    """poprun-lite --feeders-per-replica 1 trains to the same losses as without feeders."""
+    args = [sys.executable, str(EXAMPLE), "--data", str(tiny), "--steps", "6", "--seq-len", "20",
+            "--batch-size", "4", "--log-every", "1", "--sample-chars", "0"]
+    runs = []
+    for feeders in ("0", "1"):
+        r = subprocess.run([sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2",
+                            "--feeders-per-replica", feeders, "--timeout", "150", *args],
+                           capture_output=True, text=True, timeout=180, env=_clean_env(), cwd=ROOT)
+        assert r.returncode == 0, r.stdout + r.stderr
+        runs.append(_steps(r.stdout))
+    assert len(runs[0]) == 6 and runs[0] == runs[1], runs
