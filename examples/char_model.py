@@ -204,11 +204,14 @@ def forward_logits(params: dict[str, np.ndarray], emb: np.ndarray, mode: str = "
     return logits
 
 
-def loss_and_grads(params: dict[str, np.ndarray], emb: np.ndarray, labels: np.ndarray):
+def loss_and_grads(params: dict[str, np.ndarray], emb: np.ndarray, labels: np.ndarray,
+                   loss_scale: float = 1.0):
     """Mean cross-entropy and its gradients.
 
     emb: (B, T, E) embedded input characters.
     labels: (B, T) ints -> next-character mode; (B,) ints -> seed mode.
+    loss_scale: the gradients are those of ``loss_scale * loss`` (loss scaling, see
+        docs/precision.md); the returned loss is not scaled.
     Returns (loss: float, grads: dict like params, d_emb: (B, T, E)).
     """
     labels = np.asarray(labels)
@@ -243,7 +246,7 @@ def loss_and_grads(params: dict[str, np.ndarray], emb: np.ndarray, labels: np.nd
 
     dlogits = probs  # reuse the buffer: softmax - onehot, / N
     dlogits[rows, lab] -= 1.0
-    dlogits *= 1.0 / N
+    dlogits *= loss_scale / N
 
     grads = {
         "dense_kernel": x.T @ dlogits,

@@ -10,7 +10,10 @@ or as a single process (one replica) with ``python examples/shakespeare.py``.
 What each replica does, as in the seed example (host-embeddings user guide, 15.2):
 
 * reads the text, builds the char vocabulary ``sorted(set(text))`` and ``char2idx``;
-* trains on its own shard of the text (``make_dataset(shard_index=replica, ...)``);
+* trains on its own shard of the text (``make_dataset(shard_index=replica, ...)``), read
+  through ``popdist_lite.infeed``: batches are prepared by host feed processes
+  (``poprun-lite --feeders-per-replica 1``) or, by default, a background thread, with a
+  prefetch depth of 3; one feeder per replica gives exactly the same batches as none;
 * looks the characters up in a host embedding ``[256, 256]`` whose table is split across
   the replicas (``--partition-strategy TOKEN`` or ``ENCODING``) and trained with SGD
   through ``apply_gradients``;
@@ -160,11 +163,13 @@ def ensure_data(path: Path, is_default: bool) -> None:
 def clip_by_global_norm(arrays: list[np.ndarray], max_norm: float) -> float:
     """Scale ``arrays`` in place so that their joint L2 norm is at most ``max_norm``
     (tf.clip_by_global_norm).  Returns the norm before clipping."""
-    norm = float(np.sqrt(sum(float(np.vdot(a, a)) for a in arrays)))
+    # float32 sums: float16 squares overflow long before the norm does.
+    norm = float(np.sqrt(sum(float(np.vdot(a.astype(np.float32, copy=False), a.astype(np.float32, copy=False)))
+                             for a in arrays)))
     if norm > max_norm:
         scale = np.float32(max_norm / norm)
         for a in arrays:
-            a *= scale
+            a *= scale.astype(a.dtype)
     return norm
 
 
@@ -211,6 +216,15 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=None,
                    help="print the loss every N steps, averaged over those steps and over "
                         "the replicas (default: steps/30, at least 1)")
+    p.add_argument("--precision", choices=["fp32", "fp16", "mixed"], default="fp32",
+                   help="fp32; fp16: float16 weights, gradients and embedding table; mixed: "
+                        "float16 gradients and lookups with float32 master weights")
+    p.add_argument("--loss-scaling", choices=["static", "dynamic"], default=None,
+                   help="scale the loss so small float16 gradients don't flush to zero "
+                        "(default: off; static 2^8, dynamic from 2^12)")
+    p.add_argument("--stochastic-rounding", action="store_true",
+                   help="round float16 weight updates stochastically (replica-identical for "
+                        "the replicated dense weights)")
     p.add_argument("--sample-chars", type=int, default=400,
                    help="characters of text to generate at the end (0: none)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
@@ -250,6 +264,19 @@ def stdout_is_terminal() -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     popdist_lite.init()
+    chunk_len = args.seq_len if args.seed_config else args.seq_len + 1
+    data = args.data if args.data is not None else DEFAULT_DATA
+
+    def load_batches(shard_index, num_shards):
+        # Runs where the data is prepared: on this replica's feed processes
+        # (poprun-lite --feeders-per-replica F) or, with F = 0, in a thread of the
+        # replica; it starts at the first next(dataset), after ensure_data() below.
+        _, ids = encode_text(data.read_bytes().decode("utf-8"))
+        return make_dataset(shard_index, num_shards, text_ids=ids, seq_len=chunk_len - 1,
+                            batch_size=args.batch_size, seed=args.seed)
+
+    # Before any collective: on a feeder this call serves its replica and never returns.
+    dataset = popdist_lite.infeed(load_batches, prefetch_depth=3)
     rank, replicas = popdist_lite.replica_id(), popdist_lite.num_replicas()
     lead = rank == 0
 
@@ -257,7 +284,6 @@ def main(argv=None) -> int:
         if lead:
             print(msg, flush=True)
 
-    data = args.data if args.data is not None else DEFAULT_DATA
     ensure_data(data, is_default=args.data is None)
     text = data.read_bytes().decode("utf-8")
     vocab, text_ids = encode_text(text)
@@ -277,10 +303,7 @@ def main(argv=None) -> int:
     mode = "seed" if args.seed_config else "next"
     # Next-char mode: chunks of seq_len + 1 (input = first seq_len, labels = last seq_len).
     # Seed mode: chunks of seq_len as in the seed (input = first seq_len - 1, label = last).
-    chunk_len = args.seq_len if args.seed_config else args.seq_len + 1
     model_len = chunk_len - 1  # T, the GRU's sequence length
-    dataset = make_dataset(rank, replicas, text_ids=text_ids, seq_len=chunk_len - 1,
-                           batch_size=args.batch_size, seed=args.seed)
 
     # Dense parameters: each replica initialises its own, then replica 0's are broadcast,
     # so all replicas start from the same weights (and the same ones for any replica count).
@@ -288,13 +311,27 @@ def main(argv=None) -> int:
                                     emb_dim=TABLE_SHAPE[1], hidden=HIDDEN, seq_len=model_len,
                                     mode=mode)
     popdist_lite.broadcast_parameters(params, root=0)
+    # Reduced precision (docs/precision.md): fp16 stores the dense weights and the table in
+    # float16; mixed keeps float32 master weights and sends float16 gradients and lookups.
+    half = args.precision in ("fp16", "mixed")
+    grad_dtype = np.float16 if half else np.float32
+    rounding = "ON" if args.stochastic_rounding else "OFF"
+    if args.precision == "fp16":
+        params = {k: v.astype(np.float16) for k, v in params.items()}
     optimizer = popdist_lite.CrossReplicaOptimizer(
-        popdist_lite.MomentumSGD(args.lr, momentum=args.momentum))
+        popdist_lite.MomentumSGD(args.lr, momentum=args.momentum),
+        stochastic_rounding=rounding, seed=args.seed)  # replica-identical for dense weights
     embedding = popdist_lite.create_host_embedding(
-        "char_embedding", shape=list(TABLE_SHAPE), dtype=np.float32,
+        "char_embedding", shape=list(TABLE_SHAPE), dtype=np.float16 if half else np.float32,
+        master_weights=np.float32 if args.precision == "mixed" else None,
+        stochastic_rounding=rounding,  # each row has one owner: ON is safe
         partition_strategy=args.partition_strategy,
         optimizer_spec=popdist_lite.HostEmbeddingOptimizerSpec(args.emb_lr),
         seed=args.seed)
+    scaler = {"static": lambda: popdist_lite.StaticLossScaler(2.0 ** 8),
+              "dynamic": lambda: popdist_lite.DynamicLossScaler(2.0 ** 12, growth_interval=200),
+              None: lambda: None}[args.loss_scaling]()
+    skipped = 0
 
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x "
         f"batch {args.batch_size}, sequences of {model_len}, {args.partition_strategy} "
@@ -315,19 +352,26 @@ def main(argv=None) -> int:
             ids = next(dataset)["ids"]
             inputs = ids[:, :-1]
             labels = ids[:, 1:] if mode == "next" else ids[:, -1]
-            emb = embedding.lookup(inputs)
-            loss, grads, d_emb = char_model.loss_and_grads(params, emb, labels)
+            emb = embedding.lookup(inputs).astype(np.float32)  # the model computes in float32
+            compute = params if args.precision != "fp16" else {k: v.astype(np.float32) for k, v in params.items()}
+            scale = scaler.scale if scaler is not None else 1.0
+            loss, grads, d_emb = char_model.loss_and_grads(compute, emb, labels, loss_scale=scale)
             if args.clip_norm > 0:
                 # Early on a GRU sees occasional gradient spikes (|g| ~ 5-10x the usual)
                 # that throw training off; clip_by_global_norm on each replica's own
                 # gradient (no extra communication) keeps the larger learning rate stable.
-                clip_by_global_norm(list(grads.values()) + [d_emb], args.clip_norm)
+                clip_by_global_norm(list(grads.values()) + [d_emb], args.clip_norm * scale)
             # Both updates follow the gradient of the mean loss over the replicas: the dense
             # optimizer averages the replicas' gradients, while apply_gradients *sums* every
             # replica's contribution to a row, so each replica scales its part by 1/r.
             d_emb /= replicas
-            embedding.apply_gradients(inputs, d_emb)
-            optimizer.step(params, grads)
+            grads = {k: g.astype(grad_dtype, copy=False) for k, g in grads.items()}
+            d_emb = d_emb.astype(grad_dtype, copy=False)
+            if scaler is None:
+                embedding.apply_gradients(inputs, d_emb)
+                optimizer.step(params, grads)
+            elif not scaler.step(dense=(optimizer, params, grads), embeddings=[(embedding, inputs, d_emb)]):
+                skipped += 1  # overflow on some replica: every replica skipped this step
 
             window.append(loss)
             if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
@@ -346,7 +390,8 @@ def main(argv=None) -> int:
         bar.close()
     if args.steps:
         log(f"trained {args.steps} steps in {elapsed:.1f} s ({1000 * elapsed / args.steps:.1f} "
-            f"ms/step) on {replicas} replica(s)")
+            f"ms/step) on {replicas} replica(s), precision {args.precision}"
+            + (f", final loss scale {scaler.scale:g}, {skipped} step(s) skipped on overflow" if scaler else ""))
 
     table = embedding.get_embedding_tensor()  # collective: every replica takes part
     if lead and args.sample_chars > 0:
@@ -357,7 +402,8 @@ def main(argv=None) -> int:
                 break
         if not all(c in char2idx for c in prompt):
             prompt = text[:model_len]
-        ids = char_model.generate(params, table, [char2idx[c] for c in prompt],
+        ids = char_model.generate({k: v.astype(np.float32) for k, v in params.items()},
+                                  table.astype(np.float32), [char2idx[c] for c in prompt],
                                   args.sample_chars, np.random.default_rng(args.seed),
                                   temperature=args.temperature, num_valid=len(vocab))
         print("\n--- sample ---\n" + prompt + "".join(idx2char[ids]) + "\n--------------",

@@ -7,7 +7,8 @@ lines, forwards SIGTERM/SIGINT, and when the child fails writes
 
 Environment read here (set by the launcher):
     POPDIST_LITE_RUN_DIR                    where records go (skipped if unset/missing)
-    POPDIST_LITE_ROLE                       "replica" (default)
+    POPDIST_LITE_ROLE                       "replica" (default) or "feeder"
+    POPDIST_LITE_FEEDER_OF / _FEEDER_INDEX  on a feeder: the replica it feeds, its index
     POPDIST_REPLICA_INDEX_OFFSET            this rank's replica (= instance) index
     POPDIST_NUM_LOCAL_REPLICAS              replicas per instance (1)
     POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE  if set and not this instance: hide output
@@ -200,6 +201,10 @@ def run(program: list[str]) -> int:
             "stderr_tail": tail,
             "terminated": stop["signal"] is not None,
         }
+        if record["role"] == "feeder":
+            record["replica"] = int(environ.get("POPDIST_LITE_FEEDER_OF", record["replica"]))
+            index = environ.get("POPDIST_LITE_FEEDER_INDEX", "")
+            record["feeder"] = int(index) if index.isdigit() else None
         try:
             write_json_atomic(os.path.join(run_dir, f"{name}.exit.json"), record)
         except OSError as exc:

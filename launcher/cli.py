@@ -31,12 +31,16 @@ examples:
   poprun-lite -v --timeout 600 --num-replicas 2 python3 train.py
   poprun-lite --num-replicas 2 --timeline trace.json python3 train.py
       one Chrome-trace file with a track per replica (open in ui.perfetto.dev)
+  poprun-lite --num-replicas 2 --feeders-per-replica 2 --print-topology python3 train.py
+      2 replicas, each fed by 2 host feed processes (popdist_lite.infeed)
 
 Each rank gets POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_IPUS_PER_REPLICA,
 POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
 POPDIST_REPLICA_INDEX_OFFSET, POPDIST_LOCAL_INSTANCE_INDEX, POPDIST_LITE_ROLE and
-POPDIST_LITE_RUN_DIR (and POPDIST_LITE_TIMELINE with --timeline); OMP_NUM_THREADS
-and the BLAS thread variables default to 1.
+POPDIST_LITE_RUN_DIR, POPDIST_LITE_FEEDERS_PER_REPLICA (and POPDIST_LITE_TIMELINE with
+--timeline). Feeders (ranks after the replicas, on their replica's host) get their
+replica's variables plus POPDIST_LITE_ROLE=feeder, POPDIST_LITE_FEEDER_OF and
+POPDIST_LITE_FEEDER_INDEX. OMP_NUM_THREADS and the BLAS thread variables default to 1.
 mpirun: --mpirun, $POPRUN_LITE_MPIRUN, mpirun/mpiexec on PATH, or next to Python.
 """
 
@@ -101,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     topo.add_argument("--num-instances", type=_positive_int, default=None, metavar="N",
                       help="number of instances; must equal --num-replicas (each instance "
                            "drives exactly one replica)")
+    topo.add_argument("--feeders-per-replica", type=_non_negative_int, default=0, metavar="F",
+                      help="host feed processes per replica, extra MPI ranks that run the "
+                           "dataset given to popdist_lite.infeed and stream batches to their "
+                           "replica (default 0: the replica reads its data in a thread)")
     topo.add_argument("--ipus-per-replica", type=_positive_int, default=1, metavar="N",
                       help="exported as POPDIST_NUM_IPUS_PER_REPLICA (default 1)")
     hosts = topo.add_mutually_exclusive_group()
@@ -193,7 +201,11 @@ def plan_ranks(opts: argparse.Namespace, run_dir: str) -> list[RankSpec]:
 
     Instance ``i`` drives replica ``i``; with hosts, instances are divided evenly
     (consecutive blocks) among them and ``POPDIST_LOCAL_INSTANCE_INDEX`` counts
-    instances per host.
+    instances per host. With ``--feeders-per-replica F`` the replicas keep ranks
+    ``0..R-1`` and feeder ``k`` of replica ``r`` is rank ``R + r*F + k``, on its
+    replica's host, with its replica's environment and MPI arguments plus the role
+    variables (``POPDIST_LITE_ROLE=feeder``, ``POPDIST_LITE_FEEDER_OF=r``,
+    ``POPDIST_LITE_FEEDER_INDEX=k``).
     """
     n = opts.num_instances
     per_host = n // len(opts.hosts) if opts.hosts else n
@@ -210,6 +222,7 @@ def plan_ranks(opts: argparse.Namespace, run_dir: str) -> list[RankSpec]:
         "POPDIST_LITE_RUN_DIR": run_dir,
         # Open MPI gives every rank a pty, so ranks can't tell a terminal from a pipe.
         "POPDIST_LITE_STDOUT_ISATTY": "1" if sys.stdout.isatty() else "0",
+        "POPDIST_LITE_FEEDERS_PER_REPLICA": str(opts.feeders_per_replica),
     })
     if opts.only_output_from_instance is not None:
         common["POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE"] = str(opts.only_output_from_instance)
@@ -226,15 +239,30 @@ def plan_ranks(opts: argparse.Namespace, run_dir: str) -> list[RankSpec]:
         ranks.append(RankSpec(role="replica", replica=i,
                               host=opts.hosts[i // per_host] if opts.hosts else None,
                               env=env, mpi_args=local_args + instance_args.get(i, [])))
-    return ranks
+    feeders = []
+    for replica in ranks:
+        for k in range(opts.feeders_per_replica):
+            env = dict(replica.env)
+            env.update({
+                "POPDIST_LITE_ROLE": "feeder",
+                "POPDIST_LITE_FEEDER_OF": str(replica.replica),
+                "POPDIST_LITE_FEEDER_INDEX": str(k),
+            })
+            feeders.append(RankSpec(role="feeder", replica=replica.replica, host=replica.host,
+                                    env=env, mpi_args=list(replica.mpi_args)))
+    return ranks + feeders
 
 
 def format_topology(ranks: list[RankSpec]) -> str:
-    """A table of replica, instance, rank, host and role, one row per rank."""
+    """A table of replica, instance, rank, host and role, one row per rank; a feeder's
+    row reads ``feeder K of replica N`` (the replica it feeds)."""
     rows = [("replica", "instance", "rank", "host", "role")]
     for rank, spec in enumerate(ranks):
+        role = spec.role
+        if role == "feeder":
+            role = f"feeder {spec.env.get('POPDIST_LITE_FEEDER_INDEX', '?')} of replica {spec.replica}"
         rows.append((str(spec.replica), str(spec.replica), str(rank),
-                     spec.host or "localhost", spec.role))
+                     spec.host or "localhost", role))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                      for row in rows)

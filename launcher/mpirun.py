@@ -47,9 +47,8 @@ class LauncherError(Exception):
 class RankSpec:
     """One MPI rank of the job, i.e. one MPMD context ``-np 1``.
 
-    ``role`` is ``"replica"`` for the process driving a replica (other roles, such
-    as host feeders, can be added later); ``replica`` is the replica it belongs
-    to; ``host`` is where it runs (None: let mpirun decide); ``env`` holds the
+    ``role`` is ``"replica"`` for the process driving a replica or ``"feeder"``
+    for a host feed process; ``replica`` is the replica it drives or feeds; ``host`` is where it runs (None: let mpirun decide); ``env`` holds the
     variables set for this rank only; ``mpi_args`` are extra per-context mpirun
     arguments (``--mpi-local-args`` and ``--instance-mpi-local-args``).
     """

@@ -7,6 +7,9 @@ Inputs are the JSON records the ranks leave in the run directory:
 * ``rank-<R>.error.json`` by ``popdist_lite._excepthook`` on an uncaught
   exception: ``rank, replica, role, host, pid, time, exception, message, traceback``.
 
+Records of host feed processes have ``role == "feeder"``, ``replica`` = the replica
+they feed and ``feeder`` = their index; they are titled ``feeder K of replica N``.
+
 The root cause is the earliest failure (by time) that is not a consequence of the
 job being stopped. Pure functions on plain dicts: no MPI, no processes.
 """
@@ -41,6 +44,7 @@ class Failure:
     traceback: str | None = None
     stderr_tail: str = ""
     has_exit_record: bool = False
+    feeder: int | None = None  # index of a feeder among its replica's feeders
 
     @property
     def is_candidate(self) -> bool:
@@ -71,9 +75,14 @@ class Failure:
         return self.exitcode if self.exitcode else 1
 
     def title(self) -> str:
-        """``replica 1 (rank 1, host h, pid 123)``, naming the role if not a replica."""
-        name = f"replica {self.replica}" if self.role == "replica" else \
-            f"{self.role} of replica {self.replica}"
+        """``replica 1 (rank 1, host h, pid 123)``, naming the role if not a replica
+        (``feeder 0 of replica 1 (...)``)."""
+        if self.role == "replica":
+            name = f"replica {self.replica}"
+        elif self.feeder is not None:
+            name = f"{self.role} {self.feeder} of replica {self.replica}"
+        else:
+            name = f"{self.role} of replica {self.replica}"
         details = [f"rank {self.rank}" if self.rank is not None else None,
                    f"host {self.host}" if self.host else None,
                    f"pid {self.pid}" if self.pid is not None else None]
@@ -118,7 +127,8 @@ def merge_records(records: list[dict]) -> list[Failure]:
         base = exit_rec or error_rec
         failure = Failure(rank=base.get("rank"), replica=base.get("replica"),
                           role=base.get("role") or "replica", host=base.get("host"),
-                          pid=base.get("pid"), time=float(base.get("time") or 0.0))
+                          pid=base.get("pid"), time=float(base.get("time") or 0.0),
+                          feeder=base.get("feeder", (error_rec or {}).get("feeder")))
         if exit_rec:
             failure.has_exit_record = True
             failure.exitcode = exit_rec.get("exitcode")

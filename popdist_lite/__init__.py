@@ -8,9 +8,10 @@ One MPI rank drives one replica. Import and go::
 
 Topology (PopDist names are aliases of the snake_case ones), collectives on numpy
 arrays, sharded host embeddings with their optimizer specs, data-parallel helpers,
-dense optimizers, stochastic rounding, loss scaling and the per-replica counters
-(:func:`stats`, :func:`reset_stats`) are re-exported here (reduced precision: see
-docs/precision.md; exchanges and counters: docs/performance.md).
+dense optimizers, stochastic rounding, loss scaling, the per-replica counters
+(:func:`stats`, :func:`reset_stats`) and the host feed (``infeed``: batches computed
+by feed processes or a thread, with prefetch) are re-exported here (see
+docs/precision.md, docs/performance.md, docs/infeed.md).
 """
 
 from .collectives import all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast, reduce_scatter_sum
@@ -23,11 +24,13 @@ from .loss_scaling import DynamicLossScale, DynamicLossScaler, FixedLossScale, L
 from .optimizers import SGD, Adam, DenseOptimizer, MomentumSGD
 from .stochastic_rounding import (StochasticRounding, StochasticRoundingBehaviour, round_to_nearest,
                                   stochastic_round)
+from .infeed import Infeed, feed_shard, infeed
 from .topology import (execute_on_instances, getInstanceIndex, getLocalInstanceIndex, getNumInstances,
                        getNumIpusPerReplica, getNumLocalReplicas, getNumTotalReplicas, getReplicaIndexOffset,
                        init, instance_index, is_initialized, is_popdist_env_set, isPopdistEnvSet,
                        local_instance_index, num_instances, num_ipus_per_replica, num_local_replicas,
-                       num_replicas, replica_comm, replica_id, replica_index_offset, role, world_comm)
+                       num_replicas, replica_comm, replica_id, replica_index_offset, role, world_comm,
+                       feeders_per_replica, feeder_index)
 
 __version__ = "0.1.0"
 
@@ -46,4 +49,5 @@ __all__ = [
     "SGD", "Adam", "DenseOptimizer",
     "LossScaler", "StaticLossScaler", "DynamicLossScaler", "FixedLossScale", "DynamicLossScale",
     "stats", "reset_stats",
+    "feeders_per_replica", "feeder_index", "infeed", "Infeed", "feed_shard",
 ]

@@ -6,7 +6,7 @@ uncaught exception the hook
 1. prints a line naming the replica, then the traceback, to stderr;
 2. if ``POPDIST_LITE_ERROR_FILE`` is set (by the poprun-lite agent) writes there,
    atomically, ``{"rank", "replica", "role", "host", "pid", "time", "exception",
-   "message", "traceback"}``;
+   "message", "traceback"}`` (plus ``"feeder"``, the feeder index, on a feeder);
 3. calls ``MPI.COMM_WORLD.Abort(1)`` when MPI is initialised and the job has more
    than one rank (as ``python -m mpi4py`` does), so the other ranks stop within
    seconds instead of waiting forever in a collective.
@@ -22,7 +22,14 @@ import threading
 import time
 import traceback
 
-_state: dict = {"installed": False, "replica": 0, "role": "replica"}
+_state: dict = {"installed": False, "replica": 0, "role": "replica", "feeder": None}
+
+
+def _who() -> str:
+    """``replica 3``, ``feeder 1 of replica 3`` (or ``feeder 3`` without an index)."""
+    if _state["role"] == "feeder" and _state["feeder"] is not None:
+        return f"feeder {_state['feeder']} of replica {_state['replica']}"
+    return f"{_state['role']} {_state['replica']}"
 
 
 def _mpi_world():
@@ -64,6 +71,8 @@ def _write_record(exc_type, exc_value, text: str, rank) -> None:
         "message": str(exc_value),
         "traceback": text,
     }
+    if _state["feeder"] is not None:
+        record["feeder"] = _state["feeder"]
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -78,8 +87,8 @@ def _handle(exc_type, exc_value, exc_tb, where: str = "") -> None:
     text = "".join(traceback.format_exception(exc_type, exc_value, exc_tb))
     rank_text = "" if rank is None else f", rank {rank}"
     try:
-        sys.stderr.write(f"popdist-lite: uncaught exception in {_state['role']} "
-                         f"{_state['replica']} ({socket.gethostname()}{rank_text}{where}):\n"
+        sys.stderr.write(f"popdist-lite: uncaught exception in {_who()} "
+                         f"({socket.gethostname()}{rank_text}{where}):\n"
                          f"{text}")
         sys.stderr.flush()
     except Exception:  # noqa: BLE001 - stderr may be closed
@@ -101,13 +110,16 @@ def _threading_excepthook(args) -> None:
     _handle(args.exc_type, args.exc_value, args.exc_traceback, name)
 
 
-def install(replica_index: int, role: str = "replica") -> None:
-    """Install the hooks for this process, driving replica ``replica_index``.
+def install(replica_index: int, role: str = "replica", feeder_index: int | None = None) -> None:
+    """Install the hooks for this process, driving replica ``replica_index`` (on a
+    feeder: the replica it feeds; ``feeder_index`` is then its index, recorded as
+    ``"feeder"``).
 
-    Idempotent: a second call only updates the replica index and role.
+    Idempotent: a second call only updates the replica index, role and feeder index.
     """
     _state["replica"] = int(replica_index)
     _state["role"] = role
+    _state["feeder"] = None if feeder_index is None else int(feeder_index)
     if _state["installed"]:
         return
     sys.excepthook = _excepthook

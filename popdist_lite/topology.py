@@ -13,6 +13,24 @@ comes from, in order of preference:
 Ranks may also have another role (``POPDIST_LITE_ROLE``, e.g. ``feeder``); they are
 split off into their own communicator by :func:`init`, so replica collectives run on
 :func:`replica_comm`, which holds the replicas only, ordered by replica index.
+
+Host feed processes (``poprun-lite --feeders-per-replica F``, see docs/infeed.md) are
+ranks with these variables, which a user may also set by hand under plain ``mpirun``:
+
+``POPDIST_LITE_ROLE=feeder``
+    this rank feeds a replica instead of driving one;
+``POPDIST_LITE_FEEDER_OF=<replica>``
+    the replica it feeds (default: ``POPDIST_REPLICA_INDEX_OFFSET``);
+``POPDIST_LITE_FEEDER_INDEX=<k>``
+    its index among that replica's feeders, ``0 <= k < F`` (default: counted in
+    ``COMM_WORLD`` rank order among the feeders of the same replica);
+``POPDIST_LITE_FEEDERS_PER_REPLICA=F``
+    optional on any rank; when set it must equal the number of feeders per replica
+    found in the job.
+
+:func:`init` checks that every replica has the same number ``F`` of feeders with
+indices ``0..F-1`` and builds, per replica, a feed communicator holding the replica
+(rank 0) and its feeders (rank ``1 + k``).
 """
 
 from __future__ import annotations
@@ -36,6 +54,8 @@ __all__ = [
     "role",
     "replica_comm",
     "world_comm",
+    "feeders_per_replica",
+    "feeder_index",
     "execute_on_instances",
 ]
 
@@ -53,6 +73,9 @@ class _Topology:
     from_popdist_env: bool
     world: Any  # MPI.Comm
     replicas: Any  # MPI.Comm holding the replica ranks only (None on other roles)
+    feeders_per_replica: int = 0
+    feeder_index: int | None = None  # this rank's index among its replica's feeders
+    feed: Any = None  # MPI.Comm: the replica (rank 0) and its feeders (rank 1 + k); None if F == 0
 
 
 _topology: _Topology | None = None
@@ -93,7 +116,7 @@ def init() -> None:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    role = os.environ.get("POPDIST_LITE_ROLE", "replica")
+    role = os.environ.get("POPDIST_LITE_ROLE", "replica") or "replica"
     if role not in _ROLE_COLOURS:
         raise ValueError(f"POPDIST_LITE_ROLE: expected one of {sorted(_ROLE_COLOURS)}, got {role!r}")
     from_env = is_popdist_env_set()
@@ -103,15 +126,18 @@ def init() -> None:
         local = _env_int("POPDIST_NUM_LOCAL_REPLICAS", 1)
         ipus = _env_int("POPDIST_NUM_IPUS_PER_REPLICA", 1)
         local_instance = _env_int("POPDIST_LOCAL_INSTANCE_INDEX", 0)
-    else:
-        total, offset, local, ipus, local_instance = world.size, world.rank, 1, 1, 0
+    else:  # plain mpirun: replicas are numbered in COMM_WORLD order, after the split
+        total, offset, local, ipus, local_instance = None, None, 1, 1, 0
+    served = _env_int("POPDIST_LITE_FEEDER_OF", offset) if role == "feeder" else None
+    wanted_index = _env_int("POPDIST_LITE_FEEDER_INDEX") if role == "feeder" else None
+    wanted_f = _env_int("POPDIST_LITE_FEEDERS_PER_REPLICA")
 
     # Split replicas from other roles; key orders replicas by replica index.
-    key = offset if role == "replica" else world.rank
+    key = offset if role == "replica" and from_env else world.rank
     sub = world.Split(_ROLE_COLOURS[role], key)
     replicas = sub if role == "replica" else None
-    if role != "replica" and not from_env:
-        raise ValueError(f"role {role!r} needs the POPDIST_* variables that poprun-lite sets")
+    if not from_env and role == "replica":
+        total, offset = sub.size, sub.rank
     problem = None
     if role == "replica":
         if local != 1:
@@ -121,14 +147,27 @@ def init() -> None:
                        f"ranks in this MPI job), got {total}")
         elif replicas.rank != offset:
             problem = f"POPDIST_REPLICA_INDEX_OFFSET: expected {replicas.rank}, got {offset}"
-    problems = [p for p in world.allgather(problem) if p]
+    elif served is None:
+        problem = f"role {role!r} needs POPDIST_LITE_FEEDER_OF (the replica it feeds)"
+    ranks = world.allgather((role, offset if role == "replica" else served, wanted_index, wanted_f, problem))
+    problems = [r[4] for r in ranks if r[4]]
+    if not problems:
+        layout = _feed_layout(ranks)
+        problems = [layout] if isinstance(layout, str) else []
     if problems:
         sub.Free()
         raise ValueError(f"rank {world.rank}: inconsistent topology: {problems[0]}")
+    num_feeders, feeder_indices = layout
+    if role == "feeder":
+        offset, total = served, sum(1 for r in ranks if r[0] == "replica")
+    feeder_index = feeder_indices.get(world.rank)
+    feed = None
+    if num_feeders:  # one communicator per replica: the replica is rank 0, feeder k rank 1 + k
+        feed = world.Split(offset, 0 if feeder_index is None else 1 + feeder_index)
 
     from . import _excepthook
 
-    _excepthook.install(replica_index=offset, role=role)
+    _excepthook.install(replica_index=offset, role=role, feeder_index=feeder_index)
     _topology = _Topology(
         replica_id=offset,
         num_replicas=total,
@@ -139,12 +178,55 @@ def init() -> None:
         from_popdist_env=from_env,
         world=world,
         replicas=replicas,
+        feeders_per_replica=num_feeders,
+        feeder_index=feeder_index,
+        feed=feed,
     )
     timeline_path = os.environ.get("POPDIST_LITE_TIMELINE")
     if timeline_path and role == "replica":
         from . import timeline
 
         timeline.enable(timeline_path, offset, replicas)
+    if feed is not None and role == "replica":
+        import atexit
+
+        from .infeed import stream
+
+        atexit.register(stream.shutdown_feeders)  # runs before mpi4py's MPI_Finalize
+
+
+def _feed_layout(ranks: list[tuple]) -> tuple[int, dict[int, int]] | str:
+    """Check the feeders of every rank's ``(role, replica, feeder_index, F, _)``.
+
+    Returns ``(F, {world rank: feeder index})`` or a description of the problem.
+    Feeder indices left unset are counted in world rank order per replica.
+    """
+    num_replicas = sum(1 for r in ranks if r[0] == "replica")
+    by_replica: dict[int, list[int]] = {}
+    for rank, (role, replica, _, _, _) in enumerate(ranks):
+        if role == "feeder":
+            if not 0 <= replica < num_replicas:
+                return f"rank {rank}: POPDIST_LITE_FEEDER_OF={replica} is not a replica (0..{num_replicas - 1})"
+            by_replica.setdefault(replica, []).append(rank)
+    counts = {len(by_replica.get(r, [])) for r in range(num_replicas)}
+    if len(counts) > 1:
+        found = {r: len(by_replica.get(r, [])) for r in range(num_replicas)}
+        return f"every replica needs the same number of feeders, found {found} (replica: feeders)"
+    num_feeders = counts.pop() if counts else 0
+    for rank, (_, _, _, wanted, _) in enumerate(ranks):
+        if wanted is not None and wanted != num_feeders:
+            return (f"rank {rank}: POPDIST_LITE_FEEDERS_PER_REPLICA={wanted}, but the job has "
+                    f"{num_feeders} feeder(s) per replica")
+    indices = {}
+    for replica, members in by_replica.items():
+        given = [ranks[m][2] for m in members]
+        if all(g is None for g in given):
+            given = list(range(len(members)))
+        if sorted(g if g is not None else -1 for g in given) != list(range(len(members))):
+            return (f"the feeders of replica {replica} have POPDIST_LITE_FEEDER_INDEX {given}; "
+                    f"expected each of 0..{len(members) - 1} once")
+        indices.update(zip(members, given))
+    return num_feeders, indices
 
 
 def is_initialized() -> bool:
@@ -160,7 +242,8 @@ def _topo() -> _Topology:
 
 
 def replica_id() -> int:
-    """Index of the replica this process drives, ``0 <= replica_id() < num_replicas()``."""
+    """Index of the replica this process drives (on a feeder: the replica it feeds),
+    ``0 <= replica_id() < num_replicas()``."""
     return _topo().replica_id
 
 
@@ -204,6 +287,16 @@ def local_instance_index() -> int:
 def role() -> str:
     """This rank's role: ``"replica"`` (takes part in collectives) or ``"feeder"``."""
     return _topo().role
+
+
+def feeders_per_replica() -> int:
+    """Host feed processes per replica (``poprun-lite --feeders-per-replica``); 0 when none."""
+    return _topo().feeders_per_replica
+
+
+def feeder_index() -> int | None:
+    """On a feeder, its index among its replica's feeders (``0..F-1``); None on a replica."""
+    return _topo().feeder_index
 
 
 def replica_comm():

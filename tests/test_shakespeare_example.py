@@ -212,3 +212,36 @@ def test_fetch_is_executable_and_idempotent(tmp_path):
     assert out.read_text() == "already here\n"
     r = subprocess.run([str(FETCH), "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--force" in r.stdout
+
+
+@pytest.mark.parametrize("mode", [["--precision", "fp16", "--loss-scaling", "dynamic", "--stochastic-rounding"],
+                                  ["--precision", "mixed", "--loss-scaling", "static"],
+                                  ["--precision", "fp16"]])
+def test_reduced_precision_trains_like_fp32(tiny, mode):
+    """float16 modes on 2 ranks: the loss falls, tracking the fp32 run of the same seed."""
+    args = ["--data", str(tiny), "--steps", "30", "--seq-len", "20", "--batch-size", "8",
+            "--log-every", "10", "--sample-chars", "0"]
+    runs = [run_mpi(2, [sys.executable, str(EXAMPLE), *args, *extra], timeout=180, env=_clean_env())
+            for extra in ([], mode)]
+    for r in runs:
+        assert r.returncode == 0, r.stdout + r.stderr
+    fp32, half = (_steps(r.stdout) for r in runs)
+    assert [n for n, _ in half] == [n for n, _ in fp32]
+    assert half[-1][1] < half[0][1] - 1.0, half
+    for (_, a), (_, b) in zip(fp32, half):
+        assert abs(a - b) < 0.1 * a, (fp32, half)
+    assert f"precision {mode[1]}" in runs[1].stdout
+
+
+def test_feeders_give_the_same_losses(tiny):
+    """poprun-lite --feeders-per-replica 1 trains to the same losses as without feeders."""
+    args = [sys.executable, str(EXAMPLE), "--data", str(tiny), "--steps", "6", "--seq-len", "20",
+            "--batch-size", "4", "--log-every", "1", "--sample-chars", "0"]
+    runs = []
+    for feeders in ("0", "1"):
+        r = subprocess.run([sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2",
+                            "--feeders-per-replica", feeders, "--timeout", "150", *args],
+                           capture_output=True, text=True, timeout=180, env=_clean_env(), cwd=ROOT)
+        assert r.returncode == 0, r.stdout + r.stderr
+        runs.append(_steps(r.stdout))
+    assert len(runs[0]) == 6 and runs[0] == runs[1], runs

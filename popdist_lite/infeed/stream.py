@@ -1,0 +1,103 @@
+"""The training loop's view of a feed: :class:`Infeed`, one session of batches.
+
+Every step each replica gets its next batch (from its feeders or its thread) and the
+replicas agree whether all of them have one: a one-integer ``MIN`` all-reduce on the
+replica communicator. If any replica's data has run out, every replica stops at that
+step (the batches others already hold are dropped), so all replicas run the same
+number of steps and none is left waiting in a collective. Then the feeders are told
+to stop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import topology
+from . import protocol
+
+_active: "Infeed | None" = None  # the open session of this replica, if any
+
+
+class Infeed:
+    """Iterator over this replica's batches (returned by :func:`popdist_lite.infeed`).
+
+    The session starts at the first ``next()`` (or :meth:`start`), so a script can
+    create it before reading its data or building its model. Iterating ends
+    (``StopIteration``) on every replica at the same step. Use as a context manager or
+    call :meth:`close` to end it early on every replica (e.g. after a fixed number of
+    steps); starting another feed (a new epoch) or exiting the process closes it too.
+
+    Attributes:
+        steps: batches returned so far.
+        prefetch_depth: most batches in flight (sent and not yet released; a batch is
+            released when the loop asks for the next one).
+    """
+
+    def __init__(self, source, prefetch_depth: int):
+        self._source = source
+        self.prefetch_depth = prefetch_depth
+        self.steps = 0
+        self._started = False
+        self._closed = False
+
+    def start(self) -> "Infeed":
+        """Start prefetching now (feeders call ``make_dataset``). Idempotent."""
+        global _active
+        if not self._started and not self._closed:
+            if _active is not None and _active is not self:
+                _active.close()
+            self._started = True
+            _active = self
+            self._source.start()
+        return self
+
+    def __iter__(self) -> "Infeed":
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        self.start()
+        batch = self._source.fetch()
+        comm = topology.replica_comm()
+        have = np.array([batch is not None], dtype=np.int32)
+        if comm.Get_size() > 1:
+            comm.Allreduce(MPI.IN_PLACE, have, op=MPI.MIN)
+        if not have[0]:
+            self.close()
+            raise StopIteration
+        self.steps += 1
+        return batch
+
+    def close(self) -> None:
+        """End the session (no collective): wait for batches already granted, stop the
+        feeders or the thread. Idempotent."""
+        global _active
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            self._source.finish()
+        if _active is self:
+            _active = None
+
+    def __enter__(self) -> "Infeed":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def shutdown_feeders() -> None:
+    """At the replica's exit (atexit, before MPI finalizes): close the open session and
+    tell this replica's feeders to exit."""
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    if _active is not None:
+        _active.close()
+    comm = topology._topo().feed
+    for k in range(1, comm.Get_size()):
+        comm.Send(protocol.control(protocol.SHUTDOWN), dest=k, tag=protocol.CONTROL)

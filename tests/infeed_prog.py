@@ -1,0 +1,74 @@
+"""A program for the infeed tests, run on every rank by poprun-lite or mpirun.
+
+    python tests/infeed_prog.py N [--depth D] [--slow-ms MS] [--log DIR]
+           [--fail-at REPLICA:FEEDER:BATCH] [--kill-at REPLICA:FEEDER:BATCH] [--mixed]
+
+The dataset has N batches of known items: batch b is ``{"item": int64 [4b..4b+3],
+"b": float32 (2, 3) filled with b}``; ``make_dataset(i, n)`` yields batches i, i+n, ...
+Each replica prints ``GOT {"replica": r, "items": [...], "steps": s}``. With --log,
+dataset (feeder or thread) and replica write timestamped events for the prefetch test.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import popdist_lite as pl
+
+parser = argparse.ArgumentParser()
+parser.add_argument("n", type=int)
+parser.add_argument("--depth", type=int, default=3)
+parser.add_argument("--slow-ms", type=float, default=0.0)
+parser.add_argument("--log")
+parser.add_argument("--fail-at")
+parser.add_argument("--kill-at")
+parser.add_argument("--mixed", action="store_true", help="feeder 1 yields float64 items")
+args = parser.parse_args()
+
+pl.init()
+me = (pl.replica_id(), pl.feeder_index() if pl.role() == "feeder" else 0)
+
+
+def at(spec):
+    return spec and tuple(int(x) for x in spec.split(":"))
+
+
+def make_dataset(shard_index, num_shards):
+    log = open(os.path.join(args.log, f"sent-{pl.replica_id()}-{me[1]}-{os.getpid()}"), "w") \
+        if args.log else None
+    for count, b in enumerate(range(shard_index, args.n, num_shards)):
+        if at(args.fail_at) == (*me, count):
+            raise RuntimeError(f"dataset failure in shard {shard_index} at batch {b}")
+        if at(args.kill_at) == (*me, count):
+            print("feeder about to be killed", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        dtype = np.float64 if args.mixed and me[1] == 1 else np.int64
+        yield {"item": np.arange(4 * b, 4 * b + 4, dtype=dtype), "b": np.full((2, 3), b, np.float32)}
+        if log:  # resumed: batch b has been handed over (sent / queued)
+            log.write(f"{time.monotonic()}\n")
+            log.flush()
+
+
+feed = pl.infeed(make_dataset, prefetch_depth=args.depth)
+assert pl.role() == "replica", "a feeder must not return from infeed"
+log = open(os.path.join(args.log, f"released-{pl.replica_id()}"), "w") if args.log else None
+items = []
+it = iter(feed)
+while True:
+    if log and items:  # asking for the next batch releases the previous one
+        log.write(f"{time.monotonic()}\n")
+        log.flush()
+    try:
+        batch = next(it)
+    except StopIteration:
+        break
+    b = int(batch["item"][0]) // 4
+    assert batch["b"].shape == (2, 3) and batch["b"].dtype == np.float32 and np.all(batch["b"] == b)
+    items.extend(int(x) for x in batch["item"])
+    time.sleep(args.slow_ms / 1000)
+print("GOT " + json.dumps({"replica": pl.replica_id(), "items": items, "steps": feed.steps}), flush=True)
