@@ -29,11 +29,14 @@ examples:
       --mpi-local-args="-x MY_VAR" python3 train.py
   poprun-lite --num-replicas 4 --only-output-from-instance 0 --print-topology python3 train.py
   poprun-lite -v --timeout 600 --num-replicas 2 python3 train.py
+  poprun-lite --num-replicas 2 --timeline trace.json python3 train.py
+      one Chrome-trace file with a track per replica (open in ui.perfetto.dev)
 
 Each rank gets POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_IPUS_PER_REPLICA,
 POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
 POPDIST_REPLICA_INDEX_OFFSET, POPDIST_LOCAL_INSTANCE_INDEX, POPDIST_LITE_ROLE and
-POPDIST_LITE_RUN_DIR; OMP_NUM_THREADS and the BLAS thread variables default to 1.
+POPDIST_LITE_RUN_DIR (and POPDIST_LITE_TIMELINE with --timeline); OMP_NUM_THREADS
+and the BLAS thread variables default to 1.
 mpirun: --mpirun, $POPRUN_LITE_MPIRUN, mpirun/mpiexec on PATH, or next to Python.
 """
 
@@ -130,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print the mpirun command before running it")
     out.add_argument("--timeout", type=_non_negative_float, default=0.0, metavar="SECONDS",
                      help="stop the job after this long and report it (0: no limit)")
+    out.add_argument("--timeline", default=None, metavar="FILE",
+                     help="record every collective and embedding phase of every replica and "
+                          "write one Chrome-trace JSON file (open it in Perfetto); sets "
+                          "POPDIST_LITE_TIMELINE for the ranks")
 
     parser.add_argument("program", help="the program to run in every instance")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
@@ -206,6 +213,8 @@ def plan_ranks(opts: argparse.Namespace, run_dir: str) -> list[RankSpec]:
     })
     if opts.only_output_from_instance is not None:
         common["POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE"] = str(opts.only_output_from_instance)
+    if getattr(opts, "timeline", None):
+        common["POPDIST_LITE_TIMELINE"] = os.path.abspath(opts.timeline)
     ranks = []
     for i in range(n):
         env = dict(common)
@@ -267,6 +276,10 @@ def main(argv: list[str] | None = None) -> None:
 
         if result.returncode == 0 and not result.stop_reason:
             code = 0
+            if opts.timeline:
+                path = os.path.abspath(opts.timeline)
+                state = "written to" if os.path.exists(path) else "not written (did the program call popdist_lite.init()?):"
+                print(f"poprun-lite: timeline {state} {path}", file=sys.stderr, flush=True)
         else:
             code = report.exit_code_for(result.failures, result.returncode)
             if result.timed_out:

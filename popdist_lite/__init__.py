@@ -7,11 +7,13 @@ One MPI rank drives one replica. Import and go::
     emb = popdist_lite.create_host_embedding("chars", shape=[256, 256])
 
 Topology (PopDist names are aliases of the snake_case ones), collectives on numpy
-arrays, sharded host embeddings and data-parallel helpers are re-exported here.
+arrays, sharded host embeddings, data-parallel helpers and the per-replica counters
+(:func:`stats`, :func:`reset_stats`) are re-exported here.
 """
 
 from .collectives import (all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast,
                           reduce_scatter_sum)
+from .counters import reset_stats, stats
 from .data_parallel import CrossReplicaOptimizer, all_reduce_gradients, broadcast_parameters
 from .embedding import HostEmbedding, HostEmbeddingOptimizerSpec, create_host_embedding
 from .optimizers import MomentumSGD
@@ -32,4 +34,5 @@ __all__ = [
     "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
     "HostEmbedding", "HostEmbeddingOptimizerSpec", "create_host_embedding",
     "MomentumSGD", "CrossReplicaOptimizer", "broadcast_parameters", "all_reduce_gradients",
+    "stats", "reset_stats",
 ]

@@ -80,7 +80,8 @@ def init() -> None:
     (topology from ``COMM_WORLD``) and as a single process (one replica). Also installs
     the failure hook: an uncaught exception on any rank prints the rank's traceback,
     records it for the launcher's report and aborts the whole job instead of leaving the
-    other ranks waiting in a collective (as ``python -m mpi4py`` does).
+    other ranks waiting in a collective (as ``python -m mpi4py`` does). When
+    ``POPDIST_LITE_TIMELINE`` is set, starts the timeline (:mod:`popdist_lite.timeline`).
 
     Raises:
         ValueError: the ``POPDIST_*`` variables disagree with the MPI job (for example
@@ -139,6 +140,11 @@ def init() -> None:
         world=world,
         replicas=replicas,
     )
+    timeline_path = os.environ.get("POPDIST_LITE_TIMELINE")
+    if timeline_path and role == "replica":
+        from . import timeline
+
+        timeline.enable(timeline_path, offset, replicas)
 
 
 def is_initialized() -> bool:

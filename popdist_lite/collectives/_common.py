@@ -1,7 +1,7 @@
 """Shared by every collective: input checks agreed across replicas, MPI datatypes.
 
 Every collective starts with :func:`agree`, one ``Allgather`` of a small fixed-size
-signature per replica (operation, call number, dtype, shape, local problem). Each
+signature per replica (operation, call number, dtype, shape, local problem; 120 bytes). Each
 replica then checks the same table, so a bad argument on one replica becomes the
 same exception on every replica instead of a hang or silent corruption, and a replica
 that calls a different collective (or skips one) is named instead of deadlocking.
@@ -9,12 +9,15 @@ that calls a different collective (or skips one) is named instead of deadlocking
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import numpy as np
 
-from .. import topology
+from .. import counters, topology
 
 MAX_NDIM = 8
-_OPS = ("all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast")
+_OPS = ("all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
+        "embedding_lookup", "embedding_update")
 _ERRORS = (None, ValueError, TypeError, IndexError)
 #: dtypes every collective accepts (reductions also need :data:`REDUCIBLE`).
 DTYPES = tuple(np.dtype(t) for t in (
@@ -24,6 +27,7 @@ _CODE = {d: i + 1 for i, d in enumerate(DTYPES)}
 # Field offsets in a signature row.
 OP, SEQ, STATUS, DTYPE, NDIM, EXTRA, SHAPE = range(7)
 _WIDTH = SHAPE + MAX_NDIM
+PAYLOAD = _WIDTH  # first column of an optional payload
 _calls: dict[int, int] = {}
 
 
@@ -55,7 +59,7 @@ def shape_of(row) -> tuple[int, ...]:
 
 
 def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | None = None,
-          extra: int = 0, name: str = "x") -> np.ndarray:
+          extra: int = 0, name: str = "x", payload: np.ndarray | None = None) -> np.ndarray:
     """Exchange call signatures and raise the same error on every replica if any is bad.
 
     Args:
@@ -65,31 +69,44 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | No
         problem: ``(exception type, message)`` when this replica already found its
             arguments bad; every replica raises that type, naming this replica.
         extra: one more integer to compare or use (e.g. the root of a broadcast).
+        payload: optional ``int64[k]`` appended to the signature (the same ``k`` on
+            every replica), e.g. the send counts of a sparse exchange, so the check and
+            a small exchange of metadata share one ``Allgather``.
 
     Returns:
-        ``int64[comm.size, width]``: every replica's signature, indexed by rank.
+        ``int64[comm.size, width]``: every replica's signature, indexed by rank
+        (columns ``PAYLOAD:`` hold the payloads).
 
     Raises:
         ValueError, TypeError, IndexError: a replica's ``problem``, raised on all.
         RuntimeError: replicas called different collectives at the same point.
     """
-    sig = np.zeros(_WIDTH, dtype=np.int64)
+    start = perf_counter()
+    width = _WIDTH if payload is None else _WIDTH + len(payload)
+    sig = np.zeros(width, dtype=np.int64)
     seq = _calls.get(id(comm), 0)
     _calls[id(comm)] = seq + 1
     sig[OP], sig[SEQ], sig[EXTRA] = _OPS.index(op), seq, extra
+    if payload is not None:
+        sig[PAYLOAD:] = payload
     if problem is None and x is not None:
-        if x.dtype not in _CODE:
+        code = _CODE.get(x.dtype)
+        if code is None:
             problem = (TypeError, f"argument {name}: expected one of the dtypes "
                                   f"{', '.join(map(str, DTYPES))}, got {x.dtype}")
         elif x.ndim > MAX_NDIM:
             problem = (ValueError, f"argument {name}: expected at most {MAX_NDIM} dimensions, got {x.ndim}")
         else:
-            sig[DTYPE], sig[NDIM] = _CODE[x.dtype], x.ndim
+            sig[DTYPE], sig[NDIM] = code, x.ndim
             sig[SHAPE:SHAPE + x.ndim] = x.shape
     if problem is not None:
         sig[STATUS] = _ERRORS.index(problem[0])
-    table = np.empty((comm.size, _WIDTH), dtype=np.int64)
+    table = np.empty((comm.size, width), dtype=np.int64)
     comm.Allgather(sig, table)
+    n = sig.nbytes * (comm.size - 1)
+    counters.record("agree", start, n, n)
+    if (table[:, OP:DTYPE] == sig[OP:DTYPE]).all() and not sig[STATUS]:
+        return table  # fast path: same collective, same call number, no problem anywhere
     bad = np.flatnonzero((table[:, OP] != table[0, OP]) | (table[:, SEQ] != table[0, SEQ]))
     if bad.size:
         r = int(bad[0])
@@ -105,6 +122,20 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | No
     return table
 
 
+def check_out(out, shape: tuple, dtype) -> tuple[type, str] | None:
+    """The problem with a caller's ``out=`` array (None when it fits): it must be a
+    C-contiguous numpy array of exactly ``shape`` and ``dtype``."""
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray) or out.shape != tuple(shape) or out.dtype != dtype \
+            or not out.flags.c_contiguous or not out.flags.writeable:
+        got = (f"{out.dtype}{list(out.shape)}" + ("" if out.flags.c_contiguous else " non-contiguous")
+               if isinstance(out, np.ndarray) else type(out).__name__)
+        return (ValueError, f"argument out: expected a writeable C-contiguous {np.dtype(dtype)}"
+                            f"{list(shape)} array, got {got}")
+    return None
+
+
 def require_same_dtype(op: str, table: np.ndarray, name: str = "x") -> None:
     """Raise ``TypeError`` on every replica unless all replicas passed the same dtype."""
     bad = np.flatnonzero(table[:, DTYPE] != table[0, DTYPE])
@@ -116,6 +147,9 @@ def require_same_dtype(op: str, table: np.ndarray, name: str = "x") -> None:
 
 def require_same_shape(op: str, table: np.ndarray, name: str = "x", from_axis: int = 0) -> None:
     """Raise ``ValueError`` on every replica unless all shapes agree (from ``from_axis`` on)."""
+    if (table[:, DTYPE:SHAPE + from_axis] == table[0, DTYPE:SHAPE + from_axis]).all() \
+            and (table[:, SHAPE + from_axis:_WIDTH] == table[0, SHAPE + from_axis:_WIDTH]).all():
+        return  # fast path: the same dtype, ndim, extra and shape (from from_axis) everywhere
     require_same_dtype(op, table, name)
     ref = shape_of(table[0])
     for r in range(1, table.shape[0]):

@@ -2,31 +2,42 @@
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import numpy as np
 
-from ._common import SHAPE, agree, as_array, buf, default_comm, require_same_shape
+from .. import counters
+from ._common import SHAPE, agree, as_array, buf, check_out, default_comm, require_same_shape
 
 
-def all_gather(x, *, comm=None) -> np.ndarray:
+def all_gather(x, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
     """Gather ``x`` from every replica, stacked in replica order.
 
     Args:
         x: array of any shape and supported dtype; the same shape and dtype on every replica.
         comm: communicator (default: the replicas, :func:`popdist_lite.replica_comm`).
+        out: optional preallocated ``(r, *x.shape)`` C-contiguous array of ``x.dtype``
+            to receive into (reused between steps, no allocation).
 
     Returns:
-        ``(r, *x.shape)`` array of ``x.dtype``; row ``k`` is replica ``k``'s ``x``.
+        ``(r, *x.shape)`` array of ``x.dtype`` (``out`` when given); row ``k`` is
+        replica ``k``'s ``x``.
 
     Raises:
         ValueError, TypeError: on every replica, when shapes or dtypes differ between
-            replicas or the dtype is unsupported; the message names the replica.
+            replicas, the dtype is unsupported or ``out`` does not fit; the message
+            names the replica.
     """
     comm = default_comm(comm)
     x = as_array(x)
-    table = agree("all_gather", x, comm)
+    table = agree("all_gather", x, comm, problem=check_out(out, (comm.size, *x.shape), x.dtype))
     require_same_shape("all_gather", table)
-    out = np.empty((comm.size, *x.shape), dtype=x.dtype)
+    if out is None:
+        out = np.empty((comm.size, *x.shape), dtype=x.dtype)
+    start = perf_counter()
     comm.Allgather(buf(x), buf(out))
+    n = x.nbytes * (comm.size - 1)
+    counters.record("all_gather", start, n, n)
     return out
 
 
@@ -60,5 +71,7 @@ def gather_rows(x: np.ndarray, comm, *, problem=None, name: str = "x") -> tuple[
     row = int(np.prod(x.shape[1:], dtype=np.int64))
     out = np.empty((int(counts.sum()), *x.shape[1:]), dtype=x.dtype)
     sizes = counts * row
+    start = perf_counter()
     comm.Allgatherv(buf(x), buf(out, (sizes, np.cumsum(sizes) - sizes)))
+    counters.record("all_gather_v", start, x.nbytes * (comm.size - 1), out.nbytes - x.nbytes)
     return out, counts

@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import numpy as np
 from mpi4py import MPI
 
-from ._common import EXTRA, agree, as_array, buf, default_comm, require_same_shape
+from .. import counters
+from ._common import EXTRA, agree, as_array, buf, check_out, default_comm, require_same_shape
 from ._reduce import REDUCIBLE, from_wire, to_wire
 
 OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _NAMES = tuple(OPS)
 
 
-def all_reduce(x, op: str = "sum", *, comm=None) -> np.ndarray:
+def all_reduce(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
     """Reduce ``x`` element-wise over replicas; every replica gets the result.
 
     Args:
         x: array (or scalar) of a numeric dtype, the same shape and dtype on every replica.
         op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``, the same on every replica.
             float16 is reduced in float32 and rounded once; ``"mean"`` of integers is float64.
+        out: optional preallocated C-contiguous array of ``x.shape`` and ``x.dtype`` to
+            receive into (not for ``"mean"`` of integers); may be ``x`` itself (in place).
 
     Returns:
-        array of ``x.shape``; ``x.dtype`` (float64 for the mean of integers).
+        array of ``x.shape`` (``out`` when given); ``x.dtype`` (float64 for the mean of
+        integers).
 
     Raises:
         ValueError: on every replica, for an unknown ``op``, ops that differ between
@@ -35,6 +41,10 @@ def all_reduce(x, op: str = "sum", *, comm=None) -> np.ndarray:
         problem = (ValueError, f"argument op: expected one of {list(OPS)}, got {op!r}")
     elif x.dtype not in REDUCIBLE:
         problem = (TypeError, f"argument x: expected a numeric dtype, got {x.dtype}")
+    elif out is not None and op == "mean" and x.dtype.kind in "iu":
+        problem = (ValueError, "argument out: not supported for the mean of integers (the result is float64)")
+    else:
+        problem = check_out(out, x.shape, x.dtype)
     table = agree("all_reduce", x, comm, problem=problem, extra=_NAMES.index(op) if op in OPS else -1)
     bad = np.flatnonzero(table[:, EXTRA] != table[0, EXTRA])
     if bad.size:
@@ -43,8 +53,22 @@ def all_reduce(x, op: str = "sum", *, comm=None) -> np.ndarray:
                          f"expected {_NAMES[table[0, EXTRA]]!r} as on replica 0")
     require_same_shape("all_reduce", table)
     work = to_wire(x)
-    out = np.empty_like(work)
-    comm.Allreduce(buf(work), buf(out), op=OPS[op])
+    if out is not None and work is x:  # receive straight into the caller's array
+        result = out
+        send = MPI.IN_PLACE if out is x else buf(x)
+    else:
+        result = np.empty_like(work)
+        send = buf(work)
+    start = perf_counter()
+    comm.Allreduce(send, buf(result), op=OPS[op])
+    n = work.nbytes * (comm.size - 1)
+    counters.record("all_reduce", start, n, n)
     if op == "mean":
-        return out / comm.size if out.dtype.kind in "iu" else from_wire(out / np.asarray(comm.size, out.dtype), x.dtype)
-    return from_wire(out, x.dtype)
+        if result.dtype.kind in "iu":
+            return result / comm.size
+        result /= np.asarray(comm.size, result.dtype)
+    if out is None:
+        return from_wire(result, x.dtype)
+    if result is not out:
+        out[...] = result
+    return out

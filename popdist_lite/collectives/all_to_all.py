@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import numpy as np
 
-from ._common import agree, as_array, buf, default_comm, require_same_shape
+from .. import counters
+from ._common import agree, as_array, buf, check_out, default_comm, require_same_shape
 
 
 def _axis(axis, ndim: int) -> int | None:
@@ -14,7 +17,8 @@ def _axis(axis, ndim: int) -> int | None:
     return int(axis) % ndim
 
 
-def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, comm=None) -> np.ndarray:
+def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, comm=None,
+               out: np.ndarray | None = None) -> np.ndarray:
     """Split ``x`` into ``r`` chunks along ``split_axis``, send chunk ``j`` to replica ``j``,
     and concatenate the chunks received (in replica order) along ``concat_axis``.
 
@@ -25,10 +29,12 @@ def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, comm=None) -> np
         x: array, the same shape and dtype on every replica, with
             ``x.shape[split_axis]`` divisible by ``r``.
         split_axis, concat_axis: axes of ``x`` (negative values count from the end).
+        out: optional preallocated C-contiguous result array (shape below, ``x.dtype``);
+            with ``split_axis == concat_axis == 0`` it is received into directly.
 
     Returns:
-        array of ``x.dtype`` whose shape is ``x.shape`` with ``split_axis`` divided by
-        ``r`` and then ``concat_axis`` multiplied by ``r``.
+        array of ``x.dtype`` (``out`` when given) whose shape is ``x.shape`` with
+        ``split_axis`` divided by ``r`` and then ``concat_axis`` multiplied by ``r``.
 
     Raises:
         ValueError, TypeError: on every replica, for bad axes, an indivisible split
@@ -47,14 +53,31 @@ def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, comm=None) -> np
     elif x.shape[split] % r:
         problem = (ValueError, f"argument x: expected x.shape[{split_axis}] divisible by {r} "
                                f"(the number of replicas), got shape {x.shape}")
+    else:
+        shape = list(x.shape)
+        shape[split] //= r
+        shape[concat] *= r
+        problem = check_out(out, tuple(shape), x.dtype)
     table = agree("all_to_all", x, comm, problem=problem)
     require_same_shape("all_to_all", table)
     m = x.shape[split] // r
-    send = np.ascontiguousarray(np.moveaxis(x.reshape(x.shape[:split] + (r, m) + x.shape[split + 1:]), split, 0))
-    recv = np.empty_like(send)
+    chunk = x.shape[:split] + (m,) + x.shape[split + 1:]
+    if split == 0:
+        send = x  # already r contiguous chunks
+    else:
+        send = np.ascontiguousarray(np.moveaxis(x.reshape(x.shape[:split] + (r, m) + x.shape[split + 1:]), split, 0))
+    recv = out if out is not None and concat == 0 else np.empty((r, *chunk), dtype=x.dtype)
+    start = perf_counter()
     comm.Alltoall(buf(send), buf(recv))
-    chunk = recv.shape[1:]
-    return np.moveaxis(recv, 0, concat).reshape(chunk[:concat] + (r * chunk[concat],) + chunk[concat + 1:])
+    n = send.nbytes - send.nbytes // r
+    counters.record("all_to_all", start, n, n)
+    if concat == 0:
+        return recv if recv is out else recv.reshape((r * chunk[0],) + chunk[1:])
+    result = np.moveaxis(recv.reshape((r, *chunk)), 0, concat).reshape(chunk[:concat] + (r * chunk[concat],) + chunk[concat + 1:])
+    if out is None:
+        return result
+    out[...] = result
+    return out
 
 
 def all_to_all_v(x, splits, *, comm=None) -> tuple[np.ndarray, np.ndarray]:
@@ -89,22 +112,30 @@ def all_to_all_v(x, splits, *, comm=None) -> tuple[np.ndarray, np.ndarray]:
     require_same_shape("all_to_all_v", table, from_axis=1)
     send_counts = splits.astype(np.int64)
     recv_counts = np.empty_like(send_counts)
+    start = perf_counter()
     comm.Alltoall(send_counts, recv_counts)
+    n = send_counts.itemsize * (comm.size - 1)
+    counters.record("all_to_all_v", start, n, n)
     return exchange_rows(x, send_counts, recv_counts, comm), recv_counts
 
 
 def exchange_rows(x: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, comm,
-                  out: np.ndarray | None = None) -> np.ndarray:
+                  out: np.ndarray | None = None, name: str = "all_to_all_v") -> np.ndarray:
     """``Alltoallv`` of whole rows when both sides already know the counts (no checks).
 
     Args:
         x: C-contiguous ``(send_counts.sum(), *row)`` array.
         send_counts, recv_counts: ``int64[r]`` rows to send to / receive from each replica.
-        out: optional preallocated ``(recv_counts.sum(), *row)`` array to receive into.
+        out: optional preallocated C-contiguous ``(recv_counts.sum(), *row)`` array to
+            receive into.
+        name: the counter to record the call under.
     """
     row = int(np.prod(x.shape[1:], dtype=np.int64))
     if out is None:
         out = np.empty((int(recv_counts.sum()), *x.shape[1:]), dtype=x.dtype)
     s, rc = send_counts * row, recv_counts * row
+    start = perf_counter()
     comm.Alltoallv(buf(x, (s, np.cumsum(s) - s)), buf(out, (rc, np.cumsum(rc) - rc)))
+    k, size = comm.rank, x.itemsize
+    counters.record(name, start, (int(s.sum()) - int(s[k])) * size, (int(rc.sum()) - int(rc[k])) * size)
     return out

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import numpy as np
 
-from ._common import EXTRA, agree, as_array, buf, default_comm, require_same_shape
+from .. import counters
+from ._common import EXTRA, agree, as_array, buf, check_out, default_comm, require_same_shape
 
 
-def broadcast(x, root: int = 0, *, comm=None) -> np.ndarray:
+def broadcast(x, root: int = 0, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
     """Copy the root replica's ``x`` to every replica.
 
     Args:
         x: array of the same shape and dtype on every replica (non-root values are ignored).
         root: replica index of the source, the same on every replica.
+        out: optional preallocated C-contiguous array of ``x.shape`` and ``x.dtype`` that
+            non-root replicas receive into (may be ``x`` itself: in place); ignored on the root.
 
     Returns:
-        the root's array; on the root this is ``x`` itself (no copy).
+        the root's array; on the root this is ``x`` itself (no copy), elsewhere ``out``
+        when given.
 
     Raises:
         ValueError: on every replica, for a root out of range or different between
@@ -27,6 +33,8 @@ def broadcast(x, root: int = 0, *, comm=None) -> np.ndarray:
     problem = None
     if not isinstance(root, (int, np.integer)) or not 0 <= root < comm.size:
         problem = (ValueError, f"argument root: expected an integer in [0, {comm.size}), got {root!r}")
+    else:
+        problem = check_out(out, x.shape, x.dtype)
     table = agree("broadcast", x, comm, problem=problem, extra=int(root) if problem is None else -1)
     bad = np.flatnonzero(table[:, EXTRA] != table[0, EXTRA])
     if bad.size:
@@ -34,6 +42,12 @@ def broadcast(x, root: int = 0, *, comm=None) -> np.ndarray:
         raise ValueError(f"broadcast: argument root: replica {r} passed {table[r, EXTRA]}, "
                          f"expected {table[0, EXTRA]} as on replica 0")
     require_same_shape("broadcast", table)
-    out = x if comm.rank == root else np.empty_like(x)
+    if comm.rank == root:
+        out = x
+    elif out is None:
+        out = np.empty_like(x)
+    start = perf_counter()
     comm.Bcast(buf(out), root=root)
+    counters.record("broadcast", start, out.nbytes * (comm.size - 1) if comm.rank == root else 0,
+                    0 if comm.rank == root else out.nbytes)
     return out

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import numpy as np
 from mpi4py import MPI
 
-from ._common import agree, as_array, buf, default_comm, require_same_shape
+from .. import counters
+from ._common import agree, as_array, buf, check_out, default_comm, require_same_shape
 from ._reduce import REDUCIBLE, to_wire, from_wire
 
 
-def reduce_scatter_sum(x, *, comm=None) -> np.ndarray:
+def reduce_scatter_sum(x, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
     """Sum ``x`` over replicas and give replica ``k`` the slice ``k`` of the sum.
 
     This is the seed's ``reduce-scatter-sum`` (host-embeddings guide, TOKEN strategy).
@@ -17,9 +20,11 @@ def reduce_scatter_sum(x, *, comm=None) -> np.ndarray:
     Args:
         x: array with ``x.shape[0] == r`` (the number of replicas), the same shape and
             a numeric dtype on every replica. float16 is summed in float32 and rounded once.
+        out: optional preallocated C-contiguous ``x.shape[1:]`` array of ``x.dtype``.
 
     Returns:
-        ``x.shape[1:]`` array of ``x.dtype``: ``sum over replicas j of x_j[k]`` on replica ``k``.
+        ``x.shape[1:]`` array of ``x.dtype`` (``out`` when given): ``sum over replicas j
+        of x_j[k]`` on replica ``k``.
 
     Raises:
         ValueError, TypeError: on every replica, for a wrong first dimension, shapes or
@@ -33,12 +38,21 @@ def reduce_scatter_sum(x, *, comm=None) -> np.ndarray:
                                f"got shape {x.shape}")
     elif x.dtype not in REDUCIBLE:
         problem = (TypeError, f"argument x: expected a numeric dtype for a sum, got {x.dtype}")
+    else:
+        problem = check_out(out, x.shape[1:], x.dtype)
     table = agree("reduce_scatter_sum", x, comm, problem=problem)
     require_same_shape("reduce_scatter_sum", table)
     work = to_wire(x)
-    out = np.empty(x.shape[1:], dtype=work.dtype)
-    comm.Reduce_scatter_block(buf(work), buf(out), op=MPI.SUM)
-    return from_wire(out, x.dtype)
+    result = out if out is not None and work is x else np.empty(x.shape[1:], dtype=work.dtype)
+    start = perf_counter()
+    comm.Reduce_scatter_block(buf(work), buf(result), op=MPI.SUM)
+    n = result.nbytes * (comm.size - 1)
+    counters.record("reduce_scatter_sum", start, n, n)
+    if out is None:
+        return from_wire(result, x.dtype)
+    if result is not out:
+        out[...] = result
+    return out
 
 
 def reduce_scatter_sum_v(x: np.ndarray, counts: np.ndarray, *, comm=None) -> np.ndarray:
@@ -59,5 +73,7 @@ def reduce_scatter_sum_v(x: np.ndarray, counts: np.ndarray, *, comm=None) -> np.
     work = to_wire(x)
     row = int(np.prod(x.shape[1:], dtype=np.int64))
     out = np.empty((int(counts[comm.rank]), *x.shape[1:]), dtype=work.dtype)
+    start = perf_counter()
     comm.Reduce_scatter(buf(work), buf(out), np.asarray(counts, dtype=np.int64) * row, op=MPI.SUM)
+    counters.record("reduce_scatter_sum_v", start, work.nbytes - out.nbytes, out.nbytes * (comm.size - 1))
     return from_wire(out, x.dtype)

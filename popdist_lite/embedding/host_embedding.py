@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from time import perf_counter
 from typing import Callable
 
 import numpy as np
 
-from .. import topology
+from .. import counters, topology
 from ..collectives.all_gather import all_gather, gather_rows
 from .encoding import EncodingPartition
 from .optimizer import HostEmbeddingOptimizerSpec
+from .sparse import SparseTokenExchange
 from .token import TokenPartition
 
 PARTITION_STRATEGIES = {"TOKEN": TokenPartition, "ENCODING": EncodingPartition}
+#: Exchanges per strategy; the first is the default (see docs/performance.md for why).
+EXCHANGES = {"TOKEN": ("sparse", "dense"), "ENCODING": ("dense",)}
 TABLE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 _INIT_BLOCK_ROWS = 1 << 15
 
@@ -37,12 +41,15 @@ class HostEmbedding:
         shape: ``(t, e)``.
         dtype: table dtype (float16, float32 or float64).
         partition_strategy: ``"TOKEN"`` or ``"ENCODING"``.
+        exchange: ``"sparse"`` (TOKEN only: deduplicated all-to-all, :mod:`.sparse`) or
+            ``"dense"`` (the seed's algorithm, :mod:`.token` / :mod:`.encoding`).
         optimizer_spec: the SGD spec, or ``None`` (not trainable).
         local_shard: this replica's partition, TOKEN ``(ceil(t/r), e)``, ENCODING ``(t, ceil(e/r))``.
     """
 
     def __init__(self, name: str, shape, dtype, partition_strategy: str,
-                 optimizer_spec: HostEmbeddingOptimizerSpec | None, initializer, seed: int, comm):
+                 optimizer_spec: HostEmbeddingOptimizerSpec | None, initializer, seed: int, comm,
+                 exchange: str = "dense"):
         self.name = name
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
@@ -52,6 +59,8 @@ class HostEmbedding:
         t, e = self.shape
         self._partition = PARTITION_STRATEGIES[partition_strategy](t, e, comm.size, comm.rank)
         self.local_shard = np.zeros(self._partition.shard_shape, dtype=self.dtype)
+        self.exchange = exchange
+        self._sparse = SparseTokenExchange(name, t, e, comm) if exchange == "sparse" else None
         self._initialize(initializer, seed)
         self._registered = 0
 
@@ -100,14 +109,13 @@ class HostEmbedding:
     def registered(self) -> bool:
         return self._registered > 0
 
-    def _gather_indices(self, indices, clip_indices: bool, grads=None):
-        """All-gather flattened indices, checking everything on every replica.
+    def _prepare(self, indices, clip_indices: bool, grads=None):
+        """Check this replica's arguments locally (no communication).
 
-        Returns ``(flat, gathered, counts, grads2d)``.
-        Raises TypeError/ValueError/IndexError on every replica for any replica's bad input.
+        Returns ``(flat int64[n], grads (n, e) or None, problem or None)``; the problem
+        (an exception type and message) is raised on every replica by the exchange.
         """
         t, e = self.shape
-        indices = np.asarray(indices)
         problem = None
         flat = np.zeros(0, dtype=np.int64)
         if indices.dtype.kind not in "iu":
@@ -116,7 +124,7 @@ class HostEmbedding:
         else:
             flat = indices.reshape(-1).astype(np.int64)
             if clip_indices:
-                flat = np.clip(flat, 0, t - 1)
+                np.clip(flat, 0, t - 1, out=flat)
         if grads is not None and problem is None:
             grads = np.asarray(grads)
             want = indices.shape + (e,)
@@ -128,6 +136,15 @@ class HostEmbedding:
                                       f"dtype, got {grads.dtype}")
             else:
                 grads = np.ascontiguousarray(grads.reshape(-1, e), dtype=self.dtype)
+        return flat, grads, problem
+
+    def _gather_indices(self, flat: np.ndarray, problem):
+        """Dense exchange: all-gather the flattened indices and check them on every replica.
+
+        Returns ``(gathered, counts)``.
+        Raises TypeError/ValueError/IndexError on every replica for any replica's bad input.
+        """
+        t = self.shape[0]
         gathered, counts = gather_rows(flat, self._comm, problem=problem, name="indices")
         bad = np.flatnonzero((gathered < 0) | (gathered >= t))
         if bad.size:
@@ -136,7 +153,7 @@ class HostEmbedding:
             raise IndexError(f"host embedding {self.name!r}: replica {r} passed index {int(gathered[p])}, "
                              f"expected indices in [0, {t}) (pass clip_indices=True to clip instead); "
                              f"nothing was looked up or updated")
-        return flat, gathered, counts, grads
+        return gathered, counts
 
     def lookup(self, indices, clip_indices: bool = False) -> np.ndarray:
         """Look up rows of the whole table. Collective.
@@ -155,9 +172,15 @@ class HostEmbedding:
                 ``[0, t)`` (message names the table, the replica, the value, the range).
             TypeError: on every replica, for non-integer indices on any replica.
         """
+        start = perf_counter()
         indices = np.asarray(indices)
-        _, gathered, counts, _ = self._gather_indices(indices, clip_indices)
-        rows = self._partition.lookup(self.local_shard, gathered, counts, self._comm)
+        flat, _, problem = self._prepare(indices, clip_indices)
+        if self._sparse is not None:
+            rows = self._sparse.lookup(self.local_shard, flat, problem)
+        else:
+            gathered, counts = self._gather_indices(flat, problem)
+            rows = self._partition.lookup(self.local_shard, gathered, counts, self._comm)
+        counters.record("lookup", start, kind=counters.PHASE, detail=self.name)
         return rows.reshape(indices.shape + (self.shape[1],))
 
     def apply_gradients(self, indices, grads, clip_indices: bool = False) -> None:
@@ -174,15 +197,24 @@ class HostEmbedding:
             IndexError, TypeError, ValueError: on every replica for any replica's bad
                 indices or gradients; the table is left unchanged.
         """
+        start = perf_counter()
         indices = np.asarray(indices)
-        _, gathered, counts, grads = self._gather_indices(indices, clip_indices, grads=grads)
+        flat, grads, problem = self._prepare(indices, clip_indices, grads=grads)
         spec = self.optimizer_spec
-        if spec is None or not spec.trainable:
-            return
-        rows, sums = self._partition.gradient_sums(gathered, counts, grads, self._comm)
-        if rows.size:
-            updated = self.local_shard[rows].astype(sums.dtype) - spec.learning_rate * sums
-            self.local_shard[rows] = updated.astype(self.dtype)
+        trainable = spec is not None and spec.trainable
+        if self._sparse is not None:
+            pairs = self._sparse.gradient_sums(flat, grads, problem, trainable=trainable)
+        else:
+            gathered, counts = self._gather_indices(flat, problem)
+            pairs = self._partition.gradient_sums(gathered, counts, grads, self._comm) if trainable else None
+        if pairs is not None:
+            rows, sums = pairs
+            step = perf_counter()
+            if rows.size:
+                updated = self.local_shard[rows].astype(sums.dtype) - spec.learning_rate * sums
+                self.local_shard[rows] = updated.astype(self.dtype)
+            counters.record("update.apply", step, kind=counters.PHASE, detail=self.name)
+        counters.record("update", start, kind=counters.PHASE, detail=self.name)
 
     def get_embedding_tensor(self) -> np.ndarray:
         """The full ``(t, e)`` table, on every replica. Collective (an all-gather)."""
@@ -190,13 +222,14 @@ class HostEmbedding:
 
     def __repr__(self) -> str:
         return (f"HostEmbedding({self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, "
-                f"partition_strategy={self.partition_strategy!r}, local_shard={self.local_shard.shape})")
+                f"partition_strategy={self.partition_strategy!r}, exchange={self.exchange!r}, "
+                f"local_shard={self.local_shard.shape})")
 
 
 def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy: str = "TOKEN",
                           optimizer_spec: HostEmbeddingOptimizerSpec | None = None,
                           initializer: np.ndarray | Callable | None = None, seed: int = 0,
-                          *, comm=None) -> HostEmbedding:
+                          *, exchange: str | None = None, comm=None) -> HostEmbedding:
     """Create a ``(t, e)`` embedding table partitioned over the replicas. Collective.
 
     Args:
@@ -213,13 +246,19 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
             ``initializer(shape, dtype) -> (t, e) array``; an array or callable must give
             the same table on every replica.
         seed: seed of the default initializer.
+        exchange: how lookups and updates move data, the same on every replica:
+            ``"sparse"`` (TOKEN only; the default for TOKEN): deduplicated indices go to
+            their owner only with all-to-alls (TorchRec row-wise / SparseCore style,
+            :mod:`popdist_lite.embedding.sparse`); ``"dense"``: the seed's algorithm
+            (all-gather, mask, reduce-scatter-sum for TOKEN; all-gather and all-to-all for
+            ENCODING, its only exchange). ``None`` picks the default.
 
     Returns:
         :class:`HostEmbedding`.
 
     Raises:
-        ValueError: an unknown strategy, a bad shape, or arguments that differ between
-            replicas (on every replica).
+        ValueError: an unknown strategy or exchange, ``"sparse"`` with ENCODING, a bad
+            shape, or arguments that differ between replicas (on every replica).
         TypeError: an unsupported dtype.
     """
     topology.init()
@@ -228,6 +267,12 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
     try:
         if partition_strategy not in PARTITION_STRATEGIES:
             raise ValueError(f"argument partition_strategy: expected 'TOKEN' or 'ENCODING', got {partition_strategy!r}")
+        allowed = EXCHANGES[partition_strategy]
+        if exchange is None:
+            exchange = allowed[0]
+        elif exchange not in allowed:
+            raise ValueError(f"argument exchange: expected one of {', '.join(map(repr, allowed))} for "
+                             f"{partition_strategy} tables, got {exchange!r}")
         shape = tuple(int(s) for s in shape)
         if len(shape) != 2 or min(shape) < 1:
             raise ValueError(f"argument shape: expected [t, e] with t, e >= 1, got {list(shape)}")
@@ -237,7 +282,7 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
             raise TypeError(f"argument optimizer_spec: expected a HostEmbeddingOptimizerSpec or None, "
                             f"got {type(optimizer_spec).__name__}")
         signature = (name, shape, str(np.dtype(dtype)), partition_strategy,
-                     optimizer_spec.learning_rate if optimizer_spec else 0.0, seed)
+                     optimizer_spec.learning_rate if optimizer_spec else 0.0, seed, exchange)
     except (ValueError, TypeError) as exc:
         problem, signature = exc, None
     # Creation is rare: a pickled all-gather keeps the check simple.
@@ -248,5 +293,7 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
     for r, (_, item) in enumerate(gathered):
         if item != gathered[0][1]:
             raise ValueError(f"create_host_embedding({name!r}): replica {r} passed (name, shape, dtype, "
-                             f"strategy, learning rate, seed) = {item}, expected {gathered[0][1]} as on replica 0")
-    return HostEmbedding(name, shape, dtype, partition_strategy, optimizer_spec, initializer, seed, comm)
+                             f"strategy, learning rate, seed, exchange) = {item}, expected {gathered[0][1]} "
+                             f"as on replica 0")
+    return HostEmbedding(name, shape, dtype, partition_strategy, optimizer_spec, initializer, seed, comm,
+                         exchange=exchange)

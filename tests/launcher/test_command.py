@@ -247,3 +247,10 @@ def test_agent_rank_and_output_selection():
     sel = {"POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE": "1"}
     assert agent._is_shown({**sel, "POPDIST_REPLICA_INDEX_OFFSET": "1"})
     assert not agent._is_shown({**sel, "POPDIST_REPLICA_INDEX_OFFSET": "0"})
+
+
+def test_plan_timeline_sets_absolute_path_for_every_rank():
+    _, ranks = plan(["--num-replicas", "2", "--timeline", "trace.json"])
+    assert {r.env["POPDIST_LITE_TIMELINE"] for r in ranks} == {os.path.abspath("trace.json")}
+    _, ranks = plan(["--num-replicas", "2"])
+    assert all("POPDIST_LITE_TIMELINE" not in r.env for r in ranks)

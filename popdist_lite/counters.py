@@ -1,0 +1,94 @@
+"""Per-replica counters: calls, bytes sent, bytes received and seconds, per collective
+and per embedding phase (``popdist_lite.stats()``, ``popdist_lite.reset_stats()``).
+
+Every MPI call the library makes is recorded once, under the name of the collective
+that made it (``all_gather``, ``all_to_all_v``, ...; ``agree`` is the small argument
+check that precedes the checked collectives). Bytes are the *payload* that leaves this
+replica for other replicas and arrives from other replicas, as if each byte went
+straight to the replicas that need it (what a step moves, independent of the MPI
+library's algorithm; the copy to oneself is not counted):
+
+===================  ===========================  ===============================
+MPI call             bytes sent                   bytes received
+===================  ===========================  ===============================
+Allgather(v)         own bytes x (r - 1)          everyone else's bytes
+Reduce_scatter       all but my own slice         my slice x (r - 1)
+Alltoall(v)          all but my own chunk         all but my own chunk
+Allreduce            n x (r - 1)                  n x (r - 1)
+Bcast                root: n x (r - 1), else 0    root: 0, else n
+===================  ===========================  ===============================
+
+so over all replicas the bytes sent equal the bytes received. Embedding phases
+(``lookup.ids``, ``update.sums``, ...; see :mod:`popdist_lite.embedding.sparse`) are
+counted separately under ``"phases"``, with the bytes of the exchanges they contain
+(so phase bytes are not added to the totals a second time).
+
+Counters are always on: each record is a dict update and a clock read (well under a
+microsecond). When the timeline is on (:mod:`popdist_lite.timeline`) each record is
+also kept as an event.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+COLLECTIVE, PHASE = "collective", "phase"
+
+# name -> [calls, bytes sent, bytes received, seconds, kind]
+_table: dict[str, list] = {}
+#: Events ``(name, kind, start, seconds, sent, received, detail)`` when the timeline is
+#: on, else ``None``: the only cost of the timeline when it is off is this check.
+events: list | None = None
+
+
+def record(name: str, start: float, sent: int = 0, received: int = 0, kind: str = COLLECTIVE,
+           detail: str | None = None) -> None:
+    """Count one call that began at ``start`` (a :func:`time.perf_counter` value) and ends now.
+
+    Args:
+        name: collective or phase name.
+        start: ``perf_counter()`` at the start of the call.
+        sent, received: payload bytes (see the module docstring).
+        kind: ``"collective"`` or ``"phase"``.
+        detail: shown on the timeline only (e.g. the table name).
+    """
+    seconds = perf_counter() - start
+    row = _table.get(name)
+    if row is None:
+        row = _table[name] = [0, 0, 0, 0.0, kind]
+    row[0] += 1
+    row[1] += sent
+    row[2] += received
+    row[3] += seconds
+    if events is not None:
+        events.append((name, kind, start, seconds, int(sent), int(received), detail))
+
+
+def stats() -> dict:
+    """This replica's counters since the start (or the last :func:`reset_stats`).
+
+    Returns:
+        ``{"bytes_sent": int, "bytes_received": int, "seconds": float,
+        "collectives": {name: entry}, "phases": {name: entry}}`` where each entry is
+        ``{"calls": int, "bytes_sent": int, "bytes_received": int, "seconds": float}``.
+        The totals sum the collectives (payload bytes, see the module docstring; seconds
+        of wall time inside MPI calls). Phases (embedding lookup/update steps) hold the
+        wall time of each step and the bytes its exchanges moved.
+    """
+    out: dict = {"bytes_sent": 0, "bytes_received": 0, "seconds": 0.0, "collectives": {}, "phases": {}}
+    for name in sorted(_table):
+        calls, sent, received, seconds, kind = _table[name]
+        entry = {"calls": calls, "bytes_sent": sent, "bytes_received": received, "seconds": seconds}
+        if kind == COLLECTIVE:
+            out["collectives"][name] = entry
+            out["bytes_sent"] += sent
+            out["bytes_received"] += received
+            out["seconds"] += seconds
+        else:
+            out["phases"][name] = entry
+    return out
+
+
+def reset_stats() -> None:
+    """Zero every counter of this replica (timeline events already recorded are kept)."""
+    _table.clear()

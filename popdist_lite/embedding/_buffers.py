@@ -1,0 +1,33 @@
+"""Scratch arrays reused between steps (no allocation on the hot path once warm)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Buffers:
+    """Named scratch arrays that grow (by doubling) and never shrink.
+
+    ``get(name, shape, dtype)`` returns a C-contiguous view of the first
+    ``prod(shape)`` elements of the array kept under ``name``; the view is valid until
+    the next ``get`` of the same name.
+    """
+
+    def __init__(self):
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape, dtype) -> np.ndarray:
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        size = 1
+        for s in shape:
+            size *= int(s)
+        dtype = np.dtype(dtype)
+        a = self._arrays.get(name)
+        if a is None or a.dtype != dtype or a.size < size:
+            grown = 2 * a.size if a is not None and a.dtype == dtype else 0
+            a = self._arrays[name] = np.empty(max(size, grown, 16), dtype=dtype)
+        return a[:size].reshape(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays.values())

@@ -1,0 +1,236 @@
+"""Sparse exchange for TOKEN tables: deduplicated IDs go to their owner only.
+
+The seed's TOKEN lookup all-gathers every replica's indices and reduce-scatters an
+``r x N x e`` tensor that is mostly zeros. This exchange is the one TorchRec (row-wise
+sharding: "input dist" all-to-all of lengths then IDs, optional ID deduplication,
+output all-to-all) and SparseCore (IDs partitioned by owner, deduplicated per
+partition) use. Placement is unchanged (row ``i`` on replica ``i % r`` at local row
+``i // r``), so a table can switch exchange without moving data.
+
+Lookup, on replica ``k`` with ``n`` indices of which ``u`` are distinct:
+
+1. ``lookup.route``: key ``(i % r) * ceil(t/r) + i // r`` orders the indices by owner
+   then local row; deduplicate the keys (sort, or a bitmap when the table is small)
+   into ``u`` unique keys plus the inverse map, and count how many go to each owner.
+2. ``lookup.header``: one ``Allgather`` of a small header per replica (the call
+   signature that every checked collective exchanges, see
+   :func:`popdist_lite.collectives._common.agree`, plus a bad-index flag, the first bad
+   value and the ``r`` send counts): ``(15 + 2 + r) x 8`` bytes per replica. Every
+   replica learns every replica's counts, and an out-of-range index anywhere raises
+   :class:`IndexError` on every replica before any data moves.
+3. ``lookup.ids``: ``Alltoallv`` of the unique local rows (int32) to their owners.
+4. ``lookup.gather``: each owner gathers the requested rows of its shard.
+5. ``lookup.rows``: ``Alltoallv`` of the rows back (``u x e`` per replica).
+6. ``lookup.expand``: the inverse map expands ``u`` rows to ``n``.
+
+Update (TorchRec's EXACT_SGD: duplicates coalesced, then one step per row):
+
+1. ``update.route`` and ``update.header`` as above (sort-based grouping).
+2. ``update.coalesce``: sum the gradients of duplicate indices locally (segment sum).
+3. ``update.exchange``: ``Alltoallv`` of the unique local rows and of their summed
+   gradients to the owners.
+4. ``update.sum``: each owner sums what it received per row (segment sum again, as
+   several replicas may send the same row) and returns ``(rows, sums)`` for the
+   optimizer, which applies one step per row.
+
+Bytes per replica and step: header ``O(r)``, IDs ``4u``, rows ``u * e * itemsize``
+each way, against ``8 N_total`` plus ``N_total * e * itemsize`` for the dense
+exchange (``N_total`` = all replicas' indices). Scratch arrays are reused between steps.
+"""
+
+from __future__ import annotations
+
+import zlib
+from time import perf_counter
+
+import numpy as np
+
+from .. import counters
+from ..collectives._common import EXTRA, PAYLOAD, agree
+from ..collectives.all_to_all import exchange_rows
+from ._buffers import Buffers
+from ._segment import group, inverse_of, sum_groups
+
+#: Use a bitmap (O(t + n)) instead of a sort to deduplicate lookup indices when the
+#: key space is at most this many times the number of indices.
+BITMAP_FACTOR = 16
+_BAD, _BAD_VALUE, _COUNTS = 0, 1, 2  # payload fields
+
+
+class SparseTokenExchange:
+    """The sparse exchange of one TOKEN table (used by :class:`HostEmbedding`).
+
+    Args:
+        name: the table's name (for error messages; its CRC is compared across replicas
+            so that replicas exchanging different tables at the same point fail loudly).
+        num_tokens: ``t``.
+        encoding: ``e``.
+        comm: the replica communicator.
+    """
+
+    def __init__(self, name: str, num_tokens: int, encoding: int, comm):
+        self.name, self.t, self.e, self.comm = name, num_tokens, encoding, comm
+        self.r, self.k = comm.size, comm.rank
+        self.rows = -(-num_tokens // self.r)  # local rows per replica, ceil(t/r)
+        self.space = self.rows * self.r        # key space
+        self.id_dtype = np.dtype(np.int32 if self.rows < 2 ** 31 else np.int64)
+        self.edges = np.arange(self.r + 1, dtype=np.int64) * self.rows
+        self.table_code = zlib.crc32(name.encode()) & 0x7FFFFFFF
+        self.buffers = Buffers()
+        self._seen: np.ndarray | None = None   # bitmap scratch (all False between calls)
+        self._position: np.ndarray | None = None
+
+    # -- routing ------------------------------------------------------------------------
+    def _keys(self, flat: np.ndarray) -> np.ndarray:
+        if self.r == 1:
+            return flat
+        local, owner = np.divmod(flat, self.r)
+        owner *= self.rows
+        owner += local
+        return owner
+
+    def _unique_bitmap(self, keys: np.ndarray):
+        if self._seen is None:
+            self._seen = np.zeros(self.space, dtype=bool)
+            self._position = np.empty(self.space, dtype=np.intp)
+        seen, position = self._seen, self._position
+        seen[keys] = True
+        unique = np.flatnonzero(seen)
+        seen[unique] = False
+        position[unique] = np.arange(unique.size)
+        return unique, position[keys]
+
+    def _route(self, op: str, flat: np.ndarray, problem, need_groups: bool):
+        """Deduplicate, agree on the header, raise on every replica for any problem.
+
+        Returns ``(unique_keys, inverse_or_None, perm, starts, send_counts, recv_counts)``.
+        """
+        start = perf_counter()
+        n = flat.size
+        payload = np.zeros(2 + self.r, dtype=np.int64)
+        unique = inverse = perm = starts = None
+        if problem is None and n:
+            lo, hi = flat.min(), flat.max()
+            if lo < 0 or hi >= self.t:
+                payload[_BAD] = 1
+                payload[_BAD_VALUE] = flat[np.argmax((flat < 0) | (flat >= self.t))]
+        if problem is None and not payload[_BAD]:
+            keys = self._keys(flat)
+            if need_groups or self.space > BITMAP_FACTOR * max(n, 1):
+                unique, perm, starts = group(keys)
+                if not need_groups:
+                    inverse = inverse_of(perm, starts)
+            else:
+                unique, inverse = self._unique_bitmap(keys)
+            bounds = np.searchsorted(unique, self.edges)
+            payload[_COUNTS:] = np.diff(bounds)
+        counters.record(f"{op}.route", start, kind=counters.PHASE, detail=self.name)
+        start = perf_counter()
+        table = agree("embedding_" + op, None, self.comm, problem=problem, extra=self.table_code,
+                      payload=payload)
+        header = table[:, PAYLOAD:]
+        n_bytes = table.shape[1] * 8 * (self.r - 1)
+        counters.record(f"{op}.header", start, n_bytes, n_bytes, kind=counters.PHASE, detail=self.name)
+        self._check(op, table, header)
+        send_counts = header[self.k, _COUNTS:].copy()
+        recv_counts = header[:, _COUNTS + self.k].copy()
+        return unique, inverse, perm, starts, send_counts, recv_counts
+
+    def _check(self, op: str, table: np.ndarray, header: np.ndarray) -> None:
+        other = np.flatnonzero(table[:, EXTRA] != self.table_code)
+        if other.size:
+            raise RuntimeError(f"host embedding {self.name!r}: replica {int(other[0])} called "
+                               f"embedding_{op} on a different table at the same point; every replica "
+                               f"must look up and update the same tables in the same order")
+        bad = np.flatnonzero(header[:, _BAD])
+        if bad.size:
+            r = int(bad[0])
+            raise IndexError(f"host embedding {self.name!r}: replica {r} passed index "
+                             f"{int(header[r, _BAD_VALUE])}, expected indices in [0, {self.t}) (pass "
+                             f"clip_indices=True to clip instead); nothing was looked up or updated")
+
+    def _local_rows(self, unique: np.ndarray, name: str) -> np.ndarray:
+        out = self.buffers.get(name, unique.size, self.id_dtype)
+        np.remainder(unique, self.rows, out=out, casting="unsafe")
+        return out
+
+    # -- lookup -------------------------------------------------------------------------
+    def lookup(self, shard: np.ndarray, flat: np.ndarray, problem=None) -> np.ndarray:
+        """Rows of the whole table for this replica's indices. Collective.
+
+        Args:
+            shard: this replica's ``(ceil(t/r), e)`` TOKEN shard.
+            flat: ``int64[n]`` indices (``n`` may differ per replica, may be 0).
+            problem: ``(exception type, message)`` when this replica's arguments are bad.
+
+        Returns:
+            ``(n, e)`` array of ``shard.dtype`` (a new array).
+
+        Raises:
+            IndexError: on every replica, for an index outside ``[0, t)`` on any replica.
+            TypeError, ValueError: on every replica, for any replica's ``problem``.
+        """
+        unique, inverse, _, _, send_counts, recv_counts = self._route("lookup", flat, problem, False)
+        e, b = self.e, self.buffers
+        start = perf_counter()
+        ids = self._local_rows(unique, "ids")
+        wanted = exchange_rows(ids, send_counts, recv_counts, self.comm,
+                               out=b.get("wanted", int(recv_counts.sum()), self.id_dtype))
+        self._phase("lookup.ids", start, send_counts, recv_counts, ids.itemsize)
+        start = perf_counter()
+        found = b.get("found", (wanted.size, e), shard.dtype)
+        np.take(shard, wanted, axis=0, out=found, mode="clip")  # mode="clip": no buffering; ids are valid
+        counters.record("lookup.gather", start, kind=counters.PHASE, detail=self.name)
+        start = perf_counter()
+        rows = exchange_rows(found, recv_counts, send_counts, self.comm,
+                             out=b.get("rows", (unique.size, e), shard.dtype))
+        self._phase("lookup.rows", start, recv_counts, send_counts, e * found.itemsize)
+        start = perf_counter()
+        out = np.take(rows, inverse, axis=0, mode="clip") if flat.size else np.zeros((0, e), shard.dtype)
+        counters.record("lookup.expand", start, kind=counters.PHASE, detail=self.name)
+        return out
+
+    # -- update -------------------------------------------------------------------------
+    def gradient_sums(self, flat: np.ndarray, grads: np.ndarray | None, problem=None, trainable: bool = True):
+        """Owned local rows and the sum of every replica's gradients for each. Collective.
+
+        Args:
+            flat: ``int64[n]`` indices.
+            grads: ``(n, e)`` gradients in the table dtype.
+            problem: as for :meth:`lookup`.
+            trainable: when False only the checks run (no data moves) and ``None`` is returned.
+
+        Returns:
+            ``(rows, sums)``: sorted unique local rows ``int[m]`` of this replica's shard
+            and ``(m, e)`` gradient sums (float32 for float16 tables, else the table dtype).
+
+        Raises:
+            as :meth:`lookup`; nothing is returned (so nothing is updated) on error.
+        """
+        unique, _, perm, starts, send_counts, recv_counts = self._route("update", flat, problem, True)
+        if not trainable:
+            return None
+        acc = np.float32 if grads.dtype == np.float16 else grads.dtype
+        start = perf_counter()
+        sums = sum_groups(grads, perm, starts, dtype=acc)
+        counters.record("update.coalesce", start, kind=counters.PHASE, detail=self.name)
+        start = perf_counter()
+        ids = self._local_rows(unique, "ids")
+        b, e = self.buffers, self.e
+        n_in = int(recv_counts.sum())
+        their_ids = exchange_rows(ids, send_counts, recv_counts, self.comm, out=b.get("their_ids", n_in, self.id_dtype))
+        their_sums = exchange_rows(sums, send_counts, recv_counts, self.comm, out=b.get("their_sums", (n_in, e), acc))
+        self._phase("update.exchange", start, send_counts, recv_counts, ids.itemsize + e * sums.itemsize)
+        start = perf_counter()
+        rows, perm, starts = group(their_ids)
+        total = sum_groups(their_sums, perm, starts)
+        counters.record("update.sum", start, kind=counters.PHASE, detail=self.name)
+        return rows.astype(np.intp), total
+
+    def _phase(self, name: str, start: float, send_counts, recv_counts, row_bytes: int) -> None:
+        """Record a phase whose exchanges moved rows of ``row_bytes`` (payload bytes
+        without this replica's own part, as the collective counters)."""
+        k = self.k
+        sent = (int(send_counts.sum()) - int(send_counts[k])) * row_bytes
+        received = (int(recv_counts.sum()) - int(recv_counts[k])) * row_bytes
+        counters.record(name, start, sent, received, kind=counters.PHASE, detail=self.name)
