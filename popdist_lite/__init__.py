@@ -8,14 +8,18 @@ One MPI rank drives one replica. Import and go::
 
 Topology (PopDist names are aliases of the snake_case ones), collectives on numpy
 arrays, sharded host embeddings, data-parallel helpers and the per-replica counters
-(:func:`stats`, :func:`reset_stats`) are re-exported here.
+(:func:`stats`, :func:`reset_stats`), ID limits and minibatching (:class:`IdLimits`,
+:class:`IdLimitError`, :func:`split_mask`, :func:`bucket_of`, :func:`minibatch_ranges`) and
+their statistics (:class:`IdLimitRecorder`, :func:`last_id_stats`) are re-exported here.
 """
 
 from .collectives import (all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast,
                           reduce_scatter_sum)
 from .counters import reset_stats, stats
 from .data_parallel import CrossReplicaOptimizer, all_reduce_gradients, broadcast_parameters
-from .embedding import HostEmbedding, HostEmbeddingOptimizerSpec, create_host_embedding
+from .embedding import (COMBINERS, HostEmbedding, HostEmbeddingOptimizerSpec, IdLimitError, IdLimits, bucket_of,
+                        create_host_embedding, minibatch_ranges, split_mask)
+from .id_stats import IdLimitRecorder, last_id_stats
 from .optimizers import MomentumSGD
 from .topology import (execute_on_instances, getInstanceIndex, getLocalInstanceIndex, getNumInstances,
                        getNumIpusPerReplica, getNumLocalReplicas, getNumTotalReplicas, getReplicaIndexOffset,
@@ -35,4 +39,6 @@ __all__ = [
     "HostEmbedding", "HostEmbeddingOptimizerSpec", "create_host_embedding",
     "MomentumSGD", "CrossReplicaOptimizer", "broadcast_parameters", "all_reduce_gradients",
     "stats", "reset_stats",
+    "IdLimits", "IdLimitError", "IdLimitRecorder", "last_id_stats", "COMBINERS", "bucket_of", "split_mask",
+    "minibatch_ranges",
 ]
