@@ -29,6 +29,9 @@ OP, SEQ, STATUS, DTYPE, NDIM, EXTRA, SHAPE = range(7)
 _WIDTH = SHAPE + MAX_NDIM
 PAYLOAD = _WIDTH  # first column of an optional payload
 _calls: dict[int, int] = {}
+# Signature rows of recent good calls, by (op, dtype, shape, extra): a repeated call
+# only writes its call number (the Allgather copies the row, so reuse is safe).
+_signatures: dict[tuple, np.ndarray] = {}
 
 
 def default_comm(comm):
@@ -59,7 +62,8 @@ def shape_of(row) -> tuple[int, ...]:
 
 
 def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | None = None,
-          extra: int = 0, name: str = "x", payload: np.ndarray | None = None) -> np.ndarray:
+          extra: int = 0, name: str = "x", payload: np.ndarray | None = None,
+          same_from: int | None = None, extra_name: str = "extra", extra_format=str) -> np.ndarray:
     """Exchange call signatures and raise the same error on every replica if any is bad.
 
     Args:
@@ -72,6 +76,12 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | No
         payload: optional ``int64[k]`` appended to the signature (the same ``k`` on
             every replica), e.g. the send counts of a sparse exchange, so the check and
             a small exchange of metadata share one ``Allgather``.
+        same_from: when given, also require the same dtype, ``extra`` and shape from
+            axis ``same_from`` on, on every replica (0: identical signatures; 1: the
+            first dimension may differ). The common case, identical signatures, is one
+            byte comparison of the gathered table.
+        extra_name, extra_format: how to name ``extra`` in the error message when it
+            differs between replicas (e.g. ``"root"``).
 
     Returns:
         ``int64[comm.size, width]``: every replica's signature, indexed by rank
@@ -82,11 +92,55 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | No
         RuntimeError: replicas called different collectives at the same point.
     """
     start = perf_counter()
-    width = _WIDTH if payload is None else _WIDTH + len(payload)
-    sig = np.zeros(width, dtype=np.int64)
     seq = _calls.get(id(comm), 0)
     _calls[id(comm)] = seq + 1
-    sig[OP], sig[SEQ], sig[EXTRA] = _OPS.index(op), seq, extra
+    key = (op, x.dtype, x.shape, extra) if problem is None and payload is None and x is not None else None
+    sig = _signatures.get(key) if key is not None else None
+    if sig is None:
+        sig, problem = _signature(op, x, problem, extra, name, payload)
+        if key is not None and problem is None:
+            if len(_signatures) >= 1024:
+                _signatures.clear()
+            _signatures[key] = sig
+    sig[SEQ] = seq
+    table = np.empty((comm.size, sig.size), dtype=np.int64)
+    comm.Allgather(sig, table)
+    n = sig.nbytes * (comm.size - 1)
+    counters.record("agree", start, n, n)
+    if same_from == 0:
+        if problem is None and table.tobytes() == sig.tobytes() * comm.size:
+            return table  # fast path: identical signatures (so no problem anywhere)
+    elif problem is None and (table[:, OP:DTYPE] == sig[OP:DTYPE]).all():
+        if same_from is None or ((table[:, DTYPE:SHAPE] == sig[DTYPE:SHAPE]).all()
+                                 and (table[:, SHAPE + 1:_WIDTH] == sig[SHAPE + 1:_WIDTH]).all()):
+            return table  # fast path: same collective and call number, no problem anywhere
+    bad = np.flatnonzero((table[:, OP] != table[0, OP]) | (table[:, SEQ] != table[0, SEQ]))
+    if bad.size:
+        r = int(bad[0])
+        raise RuntimeError(
+            f"collective mismatch: replica 0 called {_OPS[table[0, OP]]} (collective call #{table[0, SEQ]}) "
+            f"but replica {r} called {_OPS[table[r, OP]]} (call #{table[r, SEQ]}); every replica must "
+            f"issue the same collectives in the same order")
+    failed = np.flatnonzero(table[:, STATUS])
+    if failed.size:
+        messages = comm.allgather(problem[1] if problem else None)  # error path only: pickling is fine
+        r = int(failed[0])
+        raise _ERRORS[table[r, STATUS]](f"{op}: replica {r}: {messages[r]}")
+    if same_from is not None:
+        bad = np.flatnonzero(table[:, EXTRA] != table[0, EXTRA])
+        if bad.size:
+            r = int(bad[0])
+            raise ValueError(f"{op}: argument {extra_name}: replica {r} passed {extra_format(table[r, EXTRA])}, "
+                             f"expected {extra_format(table[0, EXTRA])} as on replica 0")
+        require_same_shape(op, table, name, from_axis=same_from)
+    return table
+
+
+def _signature(op: str, x, problem, extra: int, name: str, payload):
+    """This replica's signature row (without the call number) and its problem, if any."""
+    width = _WIDTH if payload is None else _WIDTH + len(payload)
+    sig = np.zeros(width, dtype=np.int64)
+    sig[OP], sig[EXTRA] = _OPS.index(op), extra
     if payload is not None:
         sig[PAYLOAD:] = payload
     if problem is None and x is not None:
@@ -101,25 +155,7 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | No
             sig[SHAPE:SHAPE + x.ndim] = x.shape
     if problem is not None:
         sig[STATUS] = _ERRORS.index(problem[0])
-    table = np.empty((comm.size, width), dtype=np.int64)
-    comm.Allgather(sig, table)
-    n = sig.nbytes * (comm.size - 1)
-    counters.record("agree", start, n, n)
-    if (table[:, OP:DTYPE] == sig[OP:DTYPE]).all() and not sig[STATUS]:
-        return table  # fast path: same collective, same call number, no problem anywhere
-    bad = np.flatnonzero((table[:, OP] != table[0, OP]) | (table[:, SEQ] != table[0, SEQ]))
-    if bad.size:
-        r = int(bad[0])
-        raise RuntimeError(
-            f"collective mismatch: replica 0 called {_OPS[table[0, OP]]} (collective call #{table[0, SEQ]}) "
-            f"but replica {r} called {_OPS[table[r, OP]]} (call #{table[r, SEQ]}); every replica must "
-            f"issue the same collectives in the same order")
-    failed = np.flatnonzero(table[:, STATUS])
-    if failed.size:
-        messages = comm.allgather(problem[1] if problem else None)  # error path only: pickling is fine
-        r = int(failed[0])
-        raise _ERRORS[table[r, STATUS]](f"{op}: replica {r}: {messages[r]}")
-    return table
+    return sig, problem
 
 
 def check_out(out, shape: tuple, dtype) -> tuple[type, str] | None:

@@ -7,7 +7,7 @@ from time import perf_counter
 import numpy as np
 
 from .. import counters
-from ._common import SHAPE, agree, as_array, buf, check_out, default_comm, require_same_shape
+from ._common import SHAPE, agree, as_array, buf, check_out, default_comm
 
 
 def all_gather(x, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
@@ -30,8 +30,7 @@ def all_gather(x, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
     """
     comm = default_comm(comm)
     x = as_array(x)
-    table = agree("all_gather", x, comm, problem=check_out(out, (comm.size, *x.shape), x.dtype))
-    require_same_shape("all_gather", table)
+    agree("all_gather", x, comm, problem=check_out(out, (comm.size, *x.shape), x.dtype), same_from=0)
     if out is None:
         out = np.empty((comm.size, *x.shape), dtype=x.dtype)
     start = perf_counter()
@@ -65,8 +64,7 @@ def all_gather_v(x, *, comm=None) -> tuple[np.ndarray, np.ndarray]:
 def gather_rows(x: np.ndarray, comm, *, problem=None, name: str = "x") -> tuple[np.ndarray, np.ndarray]:
     """:func:`all_gather_v` for callers that checked ``x`` themselves and pass what
     they found wrong as ``problem`` (raised on every replica, see ``agree``)."""
-    table = agree("all_gather_v", x, comm, problem=problem, name=name)
-    require_same_shape("all_gather_v", table, name=name, from_axis=1)
+    table = agree("all_gather_v", x, comm, problem=problem, name=name, same_from=1)
     counts = table[:, SHAPE].copy()
     row = int(np.prod(x.shape[1:], dtype=np.int64))
     out = np.empty((int(counts.sum()), *x.shape[1:]), dtype=x.dtype)

@@ -8,7 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import counters
-from ._common import EXTRA, agree, as_array, buf, check_out, default_comm, require_same_shape
+from ._common import agree, as_array, buf, check_out, default_comm
 from ._reduce import REDUCIBLE, from_wire, to_wire
 
 OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -45,13 +45,8 @@ def all_reduce(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) 
         problem = (ValueError, "argument out: not supported for the mean of integers (the result is float64)")
     else:
         problem = check_out(out, x.shape, x.dtype)
-    table = agree("all_reduce", x, comm, problem=problem, extra=_NAMES.index(op) if op in OPS else -1)
-    bad = np.flatnonzero(table[:, EXTRA] != table[0, EXTRA])
-    if bad.size:
-        r = int(bad[0])
-        raise ValueError(f"all_reduce: argument op: replica {r} passed {_NAMES[table[r, EXTRA]]!r}, "
-                         f"expected {_NAMES[table[0, EXTRA]]!r} as on replica 0")
-    require_same_shape("all_reduce", table)
+    agree("all_reduce", x, comm, problem=problem, extra=_NAMES.index(op) if op in OPS else -1, same_from=0,
+          extra_name="op", extra_format=lambda v: repr(_NAMES[v]))
     work = to_wire(x)
     if out is not None and work is x:  # receive straight into the caller's array
         result = out

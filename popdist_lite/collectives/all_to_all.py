@@ -7,7 +7,7 @@ from time import perf_counter
 import numpy as np
 
 from .. import counters
-from ._common import agree, as_array, buf, check_out, default_comm, require_same_shape
+from ._common import agree, as_array, buf, check_out, default_comm
 
 
 def _axis(axis, ndim: int) -> int | None:
@@ -58,8 +58,7 @@ def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, comm=None,
         shape[split] //= r
         shape[concat] *= r
         problem = check_out(out, tuple(shape), x.dtype)
-    table = agree("all_to_all", x, comm, problem=problem)
-    require_same_shape("all_to_all", table)
+    agree("all_to_all", x, comm, problem=problem, same_from=0)
     m = x.shape[split] // r
     chunk = x.shape[:split] + (m,) + x.shape[split + 1:]
     if split == 0:
@@ -108,8 +107,7 @@ def all_to_all_v(x, splits, *, comm=None) -> tuple[np.ndarray, np.ndarray]:
             or splits.sum() != x.shape[0]:
         problem = (ValueError, f"argument splits: expected {comm.size} non-negative integers summing to "
                                f"x.shape[0] = {x.shape[0]}, got {splits.tolist()}")
-    table = agree("all_to_all_v", x, comm, problem=problem)
-    require_same_shape("all_to_all_v", table, from_axis=1)
+    agree("all_to_all_v", x, comm, problem=problem, same_from=1)
     send_counts = splits.astype(np.int64)
     recv_counts = np.empty_like(send_counts)
     start = perf_counter()

@@ -7,7 +7,7 @@ from time import perf_counter
 import numpy as np
 
 from .. import counters
-from ._common import EXTRA, agree, as_array, buf, check_out, default_comm, require_same_shape
+from ._common import agree, as_array, buf, check_out, default_comm
 
 
 def broadcast(x, root: int = 0, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
@@ -35,13 +35,8 @@ def broadcast(x, root: int = 0, *, comm=None, out: np.ndarray | None = None) -> 
         problem = (ValueError, f"argument root: expected an integer in [0, {comm.size}), got {root!r}")
     else:
         problem = check_out(out, x.shape, x.dtype)
-    table = agree("broadcast", x, comm, problem=problem, extra=int(root) if problem is None else -1)
-    bad = np.flatnonzero(table[:, EXTRA] != table[0, EXTRA])
-    if bad.size:
-        r = int(bad[0])
-        raise ValueError(f"broadcast: argument root: replica {r} passed {table[r, EXTRA]}, "
-                         f"expected {table[0, EXTRA]} as on replica 0")
-    require_same_shape("broadcast", table)
+    agree("broadcast", x, comm, problem=problem, extra=int(root) if problem is None else -1, same_from=0,
+          extra_name="root")
     if comm.rank == root:
         out = x
     elif out is None:

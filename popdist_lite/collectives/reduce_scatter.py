@@ -8,7 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import counters
-from ._common import agree, as_array, buf, check_out, default_comm, require_same_shape
+from ._common import agree, as_array, buf, check_out, default_comm
 from ._reduce import REDUCIBLE, to_wire, from_wire
 
 
@@ -40,8 +40,7 @@ def reduce_scatter_sum(x, *, comm=None, out: np.ndarray | None = None) -> np.nda
         problem = (TypeError, f"argument x: expected a numeric dtype for a sum, got {x.dtype}")
     else:
         problem = check_out(out, x.shape[1:], x.dtype)
-    table = agree("reduce_scatter_sum", x, comm, problem=problem)
-    require_same_shape("reduce_scatter_sum", table)
+    agree("reduce_scatter_sum", x, comm, problem=problem, same_from=0)
     work = to_wire(x)
     result = out if out is not None and work is x else np.empty(x.shape[1:], dtype=work.dtype)
     start = perf_counter()

@@ -38,19 +38,22 @@ def inverse_of(perm: np.ndarray, starts: np.ndarray, out: np.ndarray | None = No
     return inverse
 
 
-def sum_groups(values: np.ndarray, perm: np.ndarray, starts: np.ndarray, dtype=None) -> np.ndarray:
+def sum_groups(values: np.ndarray, perm: np.ndarray, starts: np.ndarray, dtype=None,
+               buffers=None) -> np.ndarray:
     """Sum the rows of ``values`` by group (:func:`group`'s ``perm`` and ``starts``).
 
-    Groups are bucketed by length, rounded up to a power of two ``L``; each bucket is
-    one gather into a zero-padded ``(groups, L, *row)`` block and one ``sum(axis=1)``.
-    Single-row groups are a plain gather. That is a Python loop over at most
-    ``log2(n) + 1`` length classes, never over indices, and about 2-3x faster than
-    ``np.add.reduceat`` on rows (whose inner loop is strided) and 10x faster than ``np.add.at``.
+    Groups are bucketed by length, rounded up to a power of two ``w``; each bucket is
+    one gather into a ``(groups, w, *row)`` block whose padding rows are zeroed, and one
+    ``sum(axis=1)``. Single-row groups are a plain gather. That is a Python loop over at
+    most ``log2(n) + 1`` length classes, never over indices, and several times faster
+    than ``np.add.reduceat`` on rows (strided inner loop) or ``np.add.at``.
 
     Args:
         values: ``(n, *row)`` array.
         perm, starts: from :func:`group` on the ``n`` ids.
         dtype: accumulation and result dtype (default ``values.dtype``).
+        buffers: optional :class:`~._buffers.Buffers` for the scratch blocks (large
+            temporaries reused between steps instead of fresh pages every call).
 
     Returns:
         ``(u, *row)`` array of ``dtype``: row ``j`` sums the rows of group ``j``.
@@ -66,20 +69,22 @@ def sum_groups(values: np.ndarray, perm: np.ndarray, starts: np.ndarray, dtype=N
     classes[multi] = np.ceil(np.log2(lengths[multi])).astype(np.intp)
     order = np.argsort(classes, kind="stable")
     bounds = np.searchsorted(classes[order], np.arange(int(classes.max()) + 2))
-    padded = np.concatenate([perm, [n]])  # index n reads the zero row appended below
-    source = np.concatenate([values, np.zeros((1, *row), dtype=values.dtype)])
     out = np.empty((u, *row), dtype=dtype)
     for c in range(len(bounds) - 1):  # length classes 1, 2, 4, 8, ...: at most log2(n) + 1
         groups = order[bounds[c]:bounds[c + 1]]
         if groups.size == 0:
             continue
-        width = 1 << c
-        if width == 1:
+        if c == 0:
             out[groups] = np.take(values, perm[starts[groups]], axis=0)
             continue
-        offsets = np.arange(width)
-        pos = np.where(offsets < lengths[groups, None], starts[groups, None] + offsets, n)
-        block = np.take(source, padded[pos].reshape(-1), axis=0).reshape(groups.size, width, *row)
+        offsets = np.arange(1 << c)
+        pad = offsets >= lengths[groups, None]
+        pos = starts[groups, None] + offsets
+        pos[pad] = starts[groups, None].repeat(offsets.size, axis=1)[pad]  # any valid row, zeroed below
+        shape = (groups.size, offsets.size, *row)
+        block = np.empty(shape, values.dtype) if buffers is None else buffers.get("sum_block", shape, values.dtype)
+        np.take(values, perm[pos.reshape(-1)], axis=0, out=block.reshape(-1, *row), mode="clip")
+        block[pad] = 0
         out[groups] = block.sum(axis=1, dtype=dtype)
     return out
 
