@@ -67,6 +67,8 @@ from ..collectives._common import EXTRA, PAYLOAD, agree
 from .limits import IdLimitError, IdLimits, exceeded_message, keep_mask, partition_counts
 from .minibatching import NUM_BUCKETS, bucket_of, minibatch_of_bucket, split_mask
 
+#: Deduplicate with a bitmap (O(t + n)) rather than a sort when t <= this x n.
+BITMAP_FACTOR = 64
 _BUCKET_ADVICE = ("one hash bucket alone exceeds the limit, which minibatching cannot split. Set "
                   "allow_id_dropping=True or raise the limit; nothing was looked up or updated")
 
@@ -86,6 +88,7 @@ class Limiter:
         self.name, self.t, self.comm, self.limits = name, num_tokens, comm, limits
         self.r, self.k = comm.size, comm.rank
         self.table_code = table_code
+        self._seen: np.ndarray | None = None  # bitmap scratch for deduplication (all False between calls)
 
     # -- public: wrap one lookup / update ------------------------------------------------
     def lookup(self, flat: np.ndarray, problem, once: Callable) -> np.ndarray:
@@ -139,7 +142,12 @@ class Limiter:
         if problem is not None or (flat.size and (flat.min() < 0 or flat.max() >= self.t)):
             payload[0] = 1  # let the exchange report it on every replica
         else:
-            ids, uniq, unique = partition_counts(flat, r)
+            seen = None
+            if self.t <= BITMAP_FACTOR * flat.size:
+                if self._seen is None:
+                    self._seen = np.zeros(self.t, dtype=bool)
+                seen = self._seen
+            ids, uniq, unique = partition_counts(flat, r, seen)
             payload[1:1 + r], payload[1 + r:] = ids, uniq
         table = agree("embedding_limits", None, self.comm, extra=self.table_code, payload=payload)
         n_bytes = table.shape[1] * 8 * (r - 1)

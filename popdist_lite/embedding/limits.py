@@ -82,17 +82,26 @@ class IdLimits:
                 bool(self.allow_id_dropping), bool(self.enable_minibatching), bool(self.track_id_stats))
 
 
-def partition_counts(flat: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def partition_counts(flat: np.ndarray, r: int, seen: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """This replica's IDs and unique IDs per owner.
 
     Args:
         flat: ``int64[n]`` valid indices.
         r: number of replicas.
+        seen: optional all-False ``bool[t]`` scratch (left all-False): deduplicate with
+            a bitmap, ``O(t + n)``, instead of ``np.unique``; worth it when ``t`` is at
+            most a few dozen times ``n``.
 
     Returns:
-        ``(ids int64[r], unique int64[r], unique_values int64[u])``.
+        ``(ids int64[r], unique int64[r], unique_values int64[u])`` (unique values sorted).
     """
-    unique = np.unique(flat)
+    if seen is None:
+        unique = np.unique(flat)
+    else:
+        seen[flat] = True
+        unique = np.flatnonzero(seen)
+        seen[unique] = False
     return (np.bincount(flat % r, minlength=r).astype(np.int64),
             np.bincount(unique % r, minlength=r).astype(np.int64), unique)
 
