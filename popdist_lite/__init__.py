@@ -7,24 +7,27 @@ One MPI rank drives one replica. Import and go::
     emb = popdist_lite.create_host_embedding("chars", shape=[256, 256])
 
 Topology (PopDist names are aliases of the snake_case ones), collectives on numpy
-arrays, sharded host embeddings with their optimizer specs, data-parallel helpers,
-dense optimizers, stochastic rounding, loss scaling, the per-replica counters
-(:func:`stats`, :func:`reset_stats`) and the host feed (``infeed``: batches computed
-by feed processes or a thread, with prefetch) are re-exported here (see
-docs/precision.md, docs/performance.md, docs/infeed.md).
+arrays, sharded host embeddings with their optimizer specs, ID limits, minibatching
+and combiners, data-parallel helpers, dense optimizers, stochastic rounding, loss
+scaling, the per-replica counters (:func:`stats`, :func:`reset_stats`) and the host
+feed (``infeed``: batches computed by feed processes or a thread, with prefetch) are
+re-exported here (see docs/precision.md, docs/performance.md, docs/infeed.md,
+docs/minibatching.md).
 """
 
 from .collectives import all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast, reduce_scatter_sum
 from .counters import reset_stats, stats
 from .data_parallel import CrossReplicaOptimizer, all_reduce_gradients, broadcast_parameters
-from .embedding import (EmbeddingOptimizerSpec, HostEmbedding, HostEmbeddingAdagradOptimizerSpec,
+from .embedding import (COMBINERS, EmbeddingOptimizerSpec, HostEmbedding, HostEmbeddingAdagradOptimizerSpec,
                         HostEmbeddingAdamOptimizerSpec, HostEmbeddingMomentumOptimizerSpec, HostEmbeddingOptimizerSpec,
-                        HostEmbeddingSGDGAOptimizerSpec, create_host_embedding)
+                        HostEmbeddingSGDGAOptimizerSpec, IdLimitError, IdLimits, bucket_of, create_host_embedding,
+                        minibatch_ranges, split_mask)
+from .id_stats import IdLimitRecorder, last_id_stats
+from .infeed import Infeed, feed_shard, infeed
 from .loss_scaling import DynamicLossScale, DynamicLossScaler, FixedLossScale, LossScaler, StaticLossScaler
 from .optimizers import SGD, Adam, DenseOptimizer, MomentumSGD
 from .stochastic_rounding import (StochasticRounding, StochasticRoundingBehaviour, round_to_nearest,
                                   stochastic_round)
-from .infeed import Infeed, feed_shard, infeed
 from .topology import (execute_on_instances, getInstanceIndex, getLocalInstanceIndex, getNumInstances,
                        getNumIpusPerReplica, getNumLocalReplicas, getNumTotalReplicas, getReplicaIndexOffset,
                        init, instance_index, is_initialized, is_popdist_env_set, isPopdistEnvSet,
@@ -50,4 +53,6 @@ __all__ = [
     "LossScaler", "StaticLossScaler", "DynamicLossScaler", "FixedLossScale", "DynamicLossScale",
     "stats", "reset_stats",
     "feeders_per_replica", "feeder_index", "infeed", "Infeed", "feed_shard",
+    "IdLimits", "IdLimitError", "IdLimitRecorder", "last_id_stats", "COMBINERS", "bucket_of", "split_mask",
+    "minibatch_ranges",
 ]

@@ -9,6 +9,7 @@ The API follows TensorFlow-IPU's ``create_host_embedding`` / ``HostEmbedding``
 from __future__ import annotations
 
 import contextlib
+import functools
 import zlib
 from time import perf_counter
 from typing import Callable
@@ -18,7 +19,10 @@ import numpy as np
 from .. import counters, topology
 from ..collectives.all_gather import all_gather, gather_rows
 from ..stochastic_rounding import as_stochastic_rounding
+from . import combiners
 from .encoding import EncodingPartition
+from .limiter import Limiter
+from .limits import IdLimits
 from .optimizer import EmbeddingOptimizerSpec, UpdateContext
 from .sparse import SparseTokenExchange
 from .token import TokenPartition
@@ -56,11 +60,14 @@ class HostEmbedding:
             per-replica stream, ``OFF``/``REPLICA_IDENTICAL_ONLY`` round to nearest).
         local_shard: this replica's partition in ``master_dtype``, TOKEN
             ``(ceil(t/r), e)``, ENCODING ``(t, ceil(e/r))``.
+        id_limits: the table's :class:`~popdist_lite.embedding.limits.IdLimits` (TOKEN
+            only), or ``None``.
     """
 
     def __init__(self, name: str, shape, dtype, partition_strategy: str,
                  optimizer_spec: EmbeddingOptimizerSpec | None, initializer, seed: int, comm,
-                 master_weights=None, stochastic_rounding=None, exchange: str = "dense"):
+                 master_weights=None, stochastic_rounding=None, exchange: str = "dense",
+                 id_limits: IdLimits | None = None):
         self.name = name
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
@@ -74,6 +81,12 @@ class HostEmbedding:
         self.local_shard = np.zeros(self._partition.shard_shape, dtype=self.master_dtype)
         self.exchange = exchange
         self._sparse = SparseTokenExchange(name, t, e, comm) if exchange == "sparse" else None
+        self.id_limits = id_limits
+        self._limiter = None
+        if id_limits is not None and id_limits.active:
+            self._limiter = Limiter(name, t, comm, id_limits, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+            if self._sparse is not None and id_limits.capacity is not None:
+                self._size_buffers(id_limits.capacity)
         self._initialize(initializer, seed)
         # Lookups read the serving copy: the master shard itself, or its float16 (lookup
         # dtype) rounding kept in step with every update (only written rows are re-cast).
@@ -81,6 +94,17 @@ class HostEmbedding:
         trainable = optimizer_spec is not None and optimizer_spec.trainable
         self.optimizer_state = optimizer_spec.init_state(self._partition.shard_shape) if trainable else {}
         self._registered = 0
+
+    def _size_buffers(self, capacity: int) -> None:
+        """Allocate the sparse exchange's buffers for ``capacity`` unique IDs per partition
+        (``r * capacity`` per direction), once: a call within the limits never grows them."""
+        b, sp, e = self._sparse.buffers, self._sparse, self.shape[1]
+        n = self._comm.size * capacity
+        acc = np.float32 if self.dtype == np.float16 else self.dtype
+        for name, shape, dtype in (("ids", n, sp.id_dtype), ("wanted", n, sp.id_dtype),
+                                   ("found", (n, e), self.dtype), ("rows", (n, e), self.dtype),
+                                   ("their_ids", n, sp.id_dtype), ("their_sums", (n, e), acc)):
+            b.get(name, shape, dtype)
 
     # -- initial values -------------------------------------------------------------
     def _initialize(self, initializer, seed: int) -> None:
@@ -193,13 +217,21 @@ class HostEmbedding:
         start = perf_counter()
         indices = np.asarray(indices)
         flat, _, problem = self._prepare(indices, clip_indices)
-        if self._sparse is not None:
-            rows = self._sparse.lookup(self._serving, flat, problem)
-        else:
-            gathered, counts = self._gather_indices(flat, problem)
-            rows = self._partition.lookup(self._serving, gathered, counts, self._comm)
+        rows = self._lookup_flat(flat, problem)
         counters.record("lookup", start, kind=counters.PHASE, detail=self.name)
         return rows.reshape(indices.shape + (self.shape[1],))
+
+    def _lookup_flat(self, flat: np.ndarray, problem) -> np.ndarray:
+        """``(n, e)`` rows of ``flat`` under the table's ID limits (if any). Collective."""
+        if self._limiter is None:
+            return self._lookup_once(flat, problem)
+        return self._limiter.lookup(flat, problem, self._lookup_once)
+
+    def _lookup_once(self, flat: np.ndarray, problem) -> np.ndarray:
+        if self._sparse is not None:
+            return self._sparse.lookup(self._serving, flat, problem)
+        gathered, counts = self._gather_indices(flat, problem)
+        return self._partition.lookup(self._serving, gathered, counts, self._comm)
 
     def apply_gradients(self, indices, grads, clip_indices: bool = False, *, loss_scale: float = 1.0) -> None:
         """Update the rows looked up with ``indices`` with the optimizer spec. Collective.
@@ -226,6 +258,19 @@ class HostEmbedding:
         start = perf_counter()
         indices = np.asarray(indices)
         flat, grads, problem = self._prepare(indices, clip_indices, grads=grads)
+        self._update_flat(flat, grads, problem, loss_scale)
+        counters.record("update", start, kind=counters.PHASE, detail=self.name)
+
+    def _update_flat(self, flat: np.ndarray, grads, problem, loss_scale: float = 1.0) -> None:
+        """Apply ``grads`` ``(n, e)`` of ``flat`` under the table's ID limits. Collective.
+        With minibatching the optimizer steps once per minibatch (each row is in one)."""
+        update = functools.partial(self._update_once, loss_scale=loss_scale)
+        if self._limiter is None:
+            update(flat, grads, problem)
+        else:
+            self._limiter.update(flat, grads, problem, update)
+
+    def _update_once(self, flat: np.ndarray, grads, problem, loss_scale: float = 1.0) -> None:
         spec = self.optimizer_spec
         trainable = spec is not None and spec.trainable
         if self._sparse is not None:
@@ -237,7 +282,78 @@ class HostEmbedding:
             step = perf_counter()
             self._apply(*pairs, loss_scale)
             counters.record("update.apply", step, kind=counters.PHASE, detail=self.name)
-        counters.record("update", start, kind=counters.PHASE, detail=self.name)
+
+    # -- multivalent features ----------------------------------------------------------
+    def lookup_bags(self, values, lengths=None, weights=None, combiner: str = "sum", padding_id=None,
+                    clip_indices: bool = False) -> np.ndarray:
+        """Pooled lookup of bags of IDs (multivalent features). Collective.
+
+        Bags are ragged (``values`` ``int[n]`` with ``lengths`` ``int[B]``) or padded
+        (``values`` ``int[..., L]``, ``padding_id`` marks unused positions); ``weights``
+        (optional, float, ``values.shape``) weigh each ID. Bag ``b`` pools to
+        ``sum_i w_i row_i / d_b`` with ``d_b`` = 1 (``"sum"``), ``sum_i w_i`` (``"mean"``)
+        or ``sqrt(sum_i w_i**2)`` (``"sqrtn"``), SparseCore's combiners. The divisor is
+        always the whole bag's, even when its IDs live on several replicas (rows are
+        pooled after they return; TorchRec#2362 divided by the local part). An empty bag
+        pools to zeros. Works with both exchanges, ID limits and minibatching (the IDs go
+        through :meth:`lookup`'s path; dropped IDs contribute zeros, divisors unchanged).
+        Details: :mod:`popdist_lite.embedding.combiners`.
+
+        Returns:
+            ``(B, e)`` (ragged) or ``values.shape[:-1] + (e,)`` (padded), table dtype.
+
+        Raises:
+            ValueError, TypeError: on every replica, for any replica's malformed bags
+                (see :func:`~popdist_lite.embedding.combiners.make_bags`).
+            IndexError, IdLimitError: as :meth:`lookup`.
+        """
+        start = perf_counter()
+        bags, flat, problem = self._prepare_bags(values, lengths, weights, combiner, padding_id, clip_indices)
+        rows = self._lookup_flat(flat, problem)
+        out = combiners.pool(rows, bags)
+        counters.record("lookup_bags", start, kind=counters.PHASE, detail=self.name)
+        return out
+
+    def apply_bag_gradients(self, values, grads, lengths=None, weights=None, combiner: str = "sum",
+                            padding_id=None, clip_indices: bool = False, *, loss_scale: float = 1.0) -> None:
+        """Optimizer update from the gradients of :meth:`lookup_bags`'s output. Collective.
+
+        Args:
+            values, lengths, weights, combiner, padding_id: the same bags as the lookup.
+            grads: the gradient of the pooled output, its shape (``(B, e)`` ragged,
+                ``values.shape[:-1] + (e,)`` padded). Each ID receives
+                ``grads[b] * w_i / d_b``; then as :meth:`apply_gradients`.
+
+        Raises:
+            ValueError, TypeError: on every replica, for any replica's malformed bags or
+                gradients; nothing is updated.
+            IndexError, IdLimitError: as :meth:`apply_gradients`.
+        """
+        start = perf_counter()
+        e = self.shape[1]
+        bags, flat, problem = self._prepare_bags(values, lengths, weights, combiner, padding_id, clip_indices)
+        per_id = None
+        if problem is None:
+            grads = np.asarray(grads)
+            if grads.shape != bags.shape + (e,) or grads.dtype.kind != "f":
+                problem = (ValueError, f"host embedding {self.name!r}: argument grads: expected a floating "
+                                       f"array of shape {bags.shape + (e,)}, got {grads.dtype}{list(grads.shape)}")
+                flat = np.zeros(0, dtype=np.int64)
+            else:
+                per_id = combiners.unpool(grads, bags, e, self.dtype)
+        self._update_flat(flat, per_id, problem, loss_scale)
+        counters.record("update_bags", start, kind=counters.PHASE, detail=self.name)
+
+    def _prepare_bags(self, values, lengths, weights, combiner, padding_id, clip_indices):
+        """``(bags, flat, problem)``: a local problem is raised on every replica by the exchange."""
+        try:
+            bags = combiners.make_bags(values, lengths, weights, combiner, padding_id)
+        except (ValueError, TypeError) as exc:
+            empty = np.zeros(0, dtype=np.int64)
+            bags = combiners.Bags(empty, np.zeros(0), empty, empty, (0,))
+            return bags, empty, (type(exc), f"host embedding {self.name!r}: {exc}")
+        flat, _, problem = self._prepare(bags.ids, clip_indices)
+        return bags, flat, problem
 
     def _apply(self, rows: np.ndarray, sums: np.ndarray, loss_scale: float) -> None:
         """One optimizer step on this replica's ``rows`` (local, sorted, unique) with the
@@ -277,6 +393,7 @@ class HostEmbedding:
         master = f", master_weights={self.master_dtype}" if self.master_dtype != self.dtype else ""
         return (f"HostEmbedding({self.name!r}, shape={list(self.shape)}, dtype={self.dtype}{master}, "
                 f"partition_strategy={self.partition_strategy!r}, exchange={self.exchange!r}, "
+                f"id_limits={self.id_limits}, "
                 f"local_shard={self.local_shard.shape})")
 
 
@@ -284,6 +401,9 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
                           optimizer_spec: EmbeddingOptimizerSpec | None = None,
                           initializer: np.ndarray | Callable | None = None, seed: int = 0,
                           *, master_weights=None, stochastic_rounding=None, exchange: str | None = None,
+                          max_ids_per_partition: int | None = None, max_unique_ids_per_partition: int | None = None,
+                          allow_id_dropping: bool = False, enable_minibatching: bool = False,
+                          track_id_stats: bool = False,
                           comm=None) -> HostEmbedding:
     """Create a ``(t, e)`` embedding table partitioned over the replicas. Collective.
 
@@ -318,6 +438,18 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
             :mod:`popdist_lite.embedding.sparse`); ``"dense"``: the seed's algorithm
             (all-gather, mask, reduce-scatter-sum for TOKEN; all-gather and all-to-all for
             ENCODING, its only exchange). ``None`` picks the default.
+        max_ids_per_partition, max_unique_ids_per_partition: TOKEN tables only: the most
+            IDs (with duplicates / distinct) one replica may send to one owner replica in
+            one call (SparseCore's ``TableSpec`` limits; ``None``: no limit). The sparse
+            exchange's buffers are sized from them once. Exceeding one raises
+            :class:`~popdist_lite.embedding.limits.IdLimitError` on every replica unless
+            one of the next two options is set. Docs: ``docs/minibatching.md``.
+        allow_id_dropping: drop the IDs beyond a limit instead (rows read as zeros,
+            gradients ignored; the choice is in :mod:`popdist_lite.embedding.limits`).
+        enable_minibatching: split an exceeding call into minibatches by ID hash bucket
+            instead (:mod:`popdist_lite.embedding.limiter`); results equal one pass.
+        track_id_stats: publish per-call ID statistics (:mod:`popdist_lite.id_stats`)
+            even without limits (costs one small all-gather per call).
 
     Returns:
         :class:`HostEmbedding`.
@@ -328,6 +460,7 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
         TypeError: an unsupported dtype, master dtype or optimizer spec.
     """
     topology.init()
+    id_limits = None
     comm = topology.replica_comm() if comm is None else comm
     problem = None
     try:
@@ -351,11 +484,16 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
                                            or np.dtype(master_weights).itemsize < np.dtype(dtype).itemsize):
             raise TypeError(f"argument master_weights: expected None, float32 or float64 (at least as wide as "
                             f"dtype {np.dtype(dtype)}), got {np.dtype(master_weights)}")
+        id_limits = IdLimits(max_ids_per_partition, max_unique_ids_per_partition, bool(allow_id_dropping),
+                             bool(enable_minibatching), bool(track_id_stats))
+        if id_limits.active and partition_strategy != "TOKEN":
+            raise ValueError("ID limits and track_id_stats apply to TOKEN tables only (an ENCODING table "
+                             "sends every ID to every replica)")
         rounding = as_stochastic_rounding(stochastic_rounding, seed=seed)
         signature = (name, shape, str(np.dtype(dtype)), partition_strategy,
                      optimizer_spec.signature() if optimizer_spec else None, seed,
                      str(np.dtype(master_weights)) if master_weights is not None else None, rounding.mode.name,
-                     exchange)
+                     exchange, id_limits.signature())
     except (ValueError, TypeError) as exc:
         problem, signature = exc, None
     # Creation is rare: a pickled all-gather keeps the check simple.
@@ -366,7 +504,8 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
     for r, (_, item) in enumerate(gathered):
         if item != gathered[0][1]:
             raise ValueError(f"create_host_embedding({name!r}): replica {r} passed (name, shape, dtype, "
-                             f"strategy, optimizer, seed, master weights, stochastic rounding, exchange) = "
+                             f"strategy, optimizer, seed, master weights, stochastic rounding, exchange, id limits) = "
                              f"{item}, expected {gathered[0][1]} as on replica 0")
     return HostEmbedding(name, shape, dtype, partition_strategy, optimizer_spec, initializer, seed, comm,
-                         master_weights=master_weights, stochastic_rounding=rounding, exchange=exchange)
+                         master_weights=master_weights, stochastic_rounding=rounding, exchange=exchange,
+                         id_limits=id_limits if id_limits.active else None)

@@ -1,0 +1,133 @@
+"""Multivalent features: bags of IDs per sample, pooled with a combiner. Pure numpy.
+
+Source: SparseCore ``FeatureSpec``/``TableSpec`` combiners ``"sum"``, ``"mean"``,
+``"sqrtn"`` (REFERENCE.md) and TorchRec's pooled embedding bags (SUM/MEAN). Used by
+:meth:`HostEmbedding.lookup_bags` and :meth:`HostEmbedding.apply_bag_gradients`.
+
+Bags, on one replica:
+
+- ragged: ``values`` ``int[n]`` and ``lengths`` ``int[B]`` (``lengths.sum() == n``;
+  bag ``b`` is the next ``lengths[b]`` values), or
+- padded: ``values`` ``int[..., L]`` (batch shape ``values.shape[:-1]``), positions equal
+  to ``padding_id`` are not part of their bag;
+- optional ``weights`` of ``values.shape`` (float; default 1 per ID).
+
+Bag ``b`` with IDs ``i`` and weights ``w_i`` pools to ``sum_i w_i * row_i / d_b`` with
+``d_b = 1`` (``"sum"``), ``sum_i w_i`` (``"mean"``) or ``sqrt(sum_i w_i**2)``
+(``"sqrtn"``). An empty bag (or a divisor of 0) pools to a row of zeros. The gradient
+of the pooled row ``g_b`` reaches each ID as ``g_b * w_i / d_b`` (weights are constants).
+
+Where pooling happens: the rows of a bag's IDs come back from their owners (whatever
+replica they live on) before the bag is pooled on the replica that holds the bag, so
+the divisor is always the bag's whole weight sum. TorchRec#2362 pooled partial bags on
+each shard and divided by the *local* count; that cannot happen here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+@dataclass
+class Bags:
+    """Bags flattened for one lookup: ``ids`` ``int64[n]`` (padding removed, bag order),
+    ``scale`` ``float64[n]`` (``w_i / d_b``), ``starts``/``sizes`` ``int[B]`` of each bag's
+    run in ``ids``, ``shape``: the batch shape (the output is ``shape + (e,)``)."""
+
+    ids: np.ndarray
+    scale: np.ndarray
+    starts: np.ndarray
+    sizes: np.ndarray
+    shape: tuple
+
+
+def make_bags(values, lengths=None, weights=None, combiner: str = "sum", padding_id=None) -> Bags:
+    """Validate and flatten one replica's bags (format in the module docstring).
+
+    Raises:
+        ValueError: unknown combiner, ``lengths`` that do not add up to ``values.size``,
+            negative lengths, ``weights`` of another shape, ``lengths`` with 2-D values.
+        TypeError: non-integer ``values``/``lengths`` or non-float ``weights``.
+    """
+    if combiner not in COMBINERS:
+        raise ValueError(f"argument combiner: expected one of {', '.join(map(repr, COMBINERS))}, got {combiner!r}")
+    values = np.asarray(values)
+    if values.dtype.kind not in "iu":
+        raise TypeError(f"argument values: expected an integer dtype, got {values.dtype}")
+    if weights is not None:
+        weights = np.asarray(weights)
+        if weights.shape != values.shape:
+            raise ValueError(f"argument weights: expected the shape of values {values.shape}, got {weights.shape}")
+        if weights.dtype.kind not in "fiu":
+            raise TypeError(f"argument weights: expected a real dtype, got {weights.dtype}")
+    if lengths is not None:
+        lengths = np.asarray(lengths)
+        if values.ndim != 1:
+            raise ValueError(f"argument lengths: expected 1-D values with lengths (ragged), got values of "
+                             f"shape {values.shape}; pass padded 2-D values without lengths")
+        if lengths.dtype.kind not in "iu" or lengths.ndim != 1:
+            raise TypeError(f"argument lengths: expected a 1-D integer array, got {lengths.dtype}{list(lengths.shape)}")
+        if (lengths < 0).any() or int(lengths.sum()) != values.size:
+            raise ValueError(f"argument lengths: expected non-negative lengths adding up to values.size = "
+                             f"{values.size}, got a sum of {int(lengths.sum())} (min {int(lengths.min(initial=0))})")
+        ids = values.astype(np.int64)
+        w = np.ones(ids.size) if weights is None else weights.astype(np.float64).reshape(-1)
+        sizes = lengths.astype(np.intp)
+        shape = (lengths.size,)
+    else:
+        if values.ndim < 1:
+            raise ValueError("argument values: expected at least 1 dimension (bags on the last axis)")
+        shape = values.shape[:-1]
+        ids = values.reshape(-1).astype(np.int64)
+        w = np.ones(ids.size) if weights is None else weights.astype(np.float64).reshape(-1)
+        width = values.shape[-1]
+        if padding_id is None:
+            sizes = np.full(int(np.prod(shape, dtype=np.int64)), width, dtype=np.intp)
+        else:
+            real = ids != padding_id
+            sizes = real.reshape(-1, width).sum(axis=1).astype(np.intp) if width else \
+                np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=np.intp)
+            ids, w = ids[real], w[real]
+    starts = np.cumsum(sizes) - sizes
+    bag = np.repeat(np.arange(sizes.size), sizes)
+    if combiner == "sum":
+        divisor = np.ones(sizes.size)
+    elif combiner == "mean":
+        divisor = np.bincount(bag, weights=w, minlength=sizes.size)
+    else:
+        divisor = np.sqrt(np.bincount(bag, weights=w * w, minlength=sizes.size))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inverse = np.where(divisor != 0, 1.0 / divisor, 0.0)
+    return Bags(ids, w * inverse[bag], starts, sizes, tuple(shape))
+
+
+def acc_dtype(dtype) -> np.dtype:
+    """Accumulation dtype for a table dtype (float32 for float16)."""
+    return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
+
+
+def pool(rows: np.ndarray, bags: Bags) -> np.ndarray:
+    """Pool looked-up rows ``(n, e)`` (in ``bags.ids`` order) to ``bags.shape + (e,)``,
+    in the rows' dtype (accumulated in float32 for float16)."""
+    e = rows.shape[1]
+    acc = acc_dtype(rows.dtype)
+    weighted = rows.astype(acc) * bags.scale.astype(acc)[:, None]
+    out = np.zeros((bags.sizes.size, e), dtype=acc)
+    full = bags.sizes > 0
+    if weighted.shape[0]:
+        out[full] = np.add.reduceat(weighted, bags.starts[full], axis=0)
+    return out.astype(rows.dtype, copy=False).reshape(bags.shape + (e,))
+
+
+def unpool(grads: np.ndarray, bags: Bags, e: int, dtype) -> np.ndarray:
+    """Gradient of each ID ``(n, e)`` from the gradient of the pooled rows
+    ``bags.shape + (e,)``: ``g_b * w_i / d_b``."""
+    grads = np.asarray(grads)
+    acc = acc_dtype(dtype)
+    g = grads.reshape(-1, e).astype(acc, copy=False)
+    bag = np.repeat(np.arange(bags.sizes.size), bags.sizes)
+    return (g[bag] * bags.scale.astype(acc)[:, None]).astype(dtype, copy=False)
