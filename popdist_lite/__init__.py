@@ -15,7 +15,8 @@ re-exported here (see docs/precision.md, docs/performance.md, docs/infeed.md,
 docs/minibatching.md).
 """
 
-from .collectives import all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast, reduce_scatter_sum
+from .collectives import (all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast, reduce_scatter_sum,
+                          set_collective_checks)
 from .counters import reset_stats, stats
 from .data_parallel import CrossReplicaOptimizer, all_reduce_gradients, broadcast_parameters
 from .embedding import (COMBINERS, EmbeddingOptimizerSpec, HostEmbedding, HostEmbeddingAdagradOptimizerSpec,
@@ -44,6 +45,7 @@ __all__ = [
     "isPopdistEnvSet", "getNumTotalReplicas", "getNumInstances", "getInstanceIndex", "getReplicaIndexOffset",
     "getNumLocalReplicas", "getNumIpusPerReplica", "getLocalInstanceIndex",
     "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
+    "set_collective_checks",
     "HostEmbedding", "HostEmbeddingOptimizerSpec", "create_host_embedding",
     "EmbeddingOptimizerSpec", "HostEmbeddingSGDGAOptimizerSpec", "HostEmbeddingMomentumOptimizerSpec",
     "HostEmbeddingAdagradOptimizerSpec", "HostEmbeddingAdamOptimizerSpec",

@@ -307,7 +307,9 @@ def replica_comm():
     """
     t = _topo()
     if t.replicas is None:
-        raise RuntimeError(f"rank {t.world.rank} has role {t.role!r}: it is not a replica and has no replica communicator")
+        raise RuntimeError(f"rank {t.world.rank} has role {t.role!r}: it is not a replica and has no replica "
+                           f"communicator; a feeder serves its replica from popdist_lite.infeed(...), so "
+                           f"call infeed() right after init(), before any collective")
     return t.replicas
 
 

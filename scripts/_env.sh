@@ -13,10 +13,14 @@ stamp="$VENV/.popdist-lite-installed"
 want="$(cksum < "$ROOT/pyproject.toml") $ROOT"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "popdist-lite: installing .[test] into $VENV" >&2
-    "$VENV/bin/python" -m pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" >&2 || true
-    "$VENV/bin/python" -m pip install --quiet --editable "$ROOT[test]" 2>&1 | grep -v "is ignored" >&2 || true
-    "$VENV/bin/python" -c "import popdist_lite, popdist_lite_launcher, mpi4py, pytest" \
-        || { echo "popdist-lite: installation into $VENV failed" >&2; exit 1; }
+    log="$VENV/pip-install.log"
+    if ! { "$VENV/bin/python" -m pip install --upgrade pip \
+           && "$VENV/bin/python" -m pip install --editable "$ROOT[test]" \
+           && "$VENV/bin/python" -c "import popdist_lite, popdist_lite_launcher, mpi4py, pytest"; } > "$log" 2>&1; then
+        tail -n 40 "$log" >&2
+        echo "popdist-lite: installation into $VENV failed (full log: $log)" >&2
+        exit 1
+    fi
     echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -12,6 +12,8 @@ Method (OSU micro-benchmarks): for every message size from 8 B to ``--max-bytes`
 warm-up and timed iterations (100/1000 up to 8 KiB, 10/100 above). Ours and raw run on
 the same preallocated arrays in the same run, interleaved in 5 alternating blocks
 so load from other processes hits both alike; ours passes ``out=`` (no allocation).
+Ours is measured twice: as shipped (every call starts with the cross-replica argument
+check) and with ``popdist_lite.set_collective_checks(False)`` ("unchecked").
 Latency per call is averaged per replica, then avg/min/max across replicas (OSU's
 report). ``ratio`` and ``overhead_us`` compare the median of the 10 blocks (slowest
 replica), which is robust to other processes taking the cores for a while.
@@ -81,16 +83,19 @@ def across(comm, value: float) -> dict:
 
 
 def measure(op: str, n_bytes: int, comm) -> dict:
+    import popdist_lite as pl
+
     ours, raw = calls(op, n_bytes, comm)
     warmup, iters = (100, 1000) if n_bytes <= SMALL else (10, 100)
     comm.Barrier()
     for f in (raw, ours):
         for _ in range(warmup):
             f()
-    blocks = {"raw": [], "ours": []}
+    blocks = {"raw": [], "ours": [], "unchecked": []}
     per_block = iters // BLOCKS
     for _ in range(BLOCKS):
-        for name, f in (("raw", raw), ("ours", ours)):
+        for name, f in (("raw", raw), ("ours", ours), ("unchecked", ours)):
+            pl.set_collective_checks(name != "unchecked")
             comm.Barrier()
             start = time.perf_counter()
             for _ in range(per_block):
@@ -100,10 +105,15 @@ def measure(op: str, n_bytes: int, comm) -> dict:
     raw_us, ours_us = across(comm, float(np.mean(blocks["raw"]))), across(comm, float(np.mean(blocks["ours"])))
     # The median block is robust to other processes stealing the cores for a while.
     raw_med, ours_med = across(comm, float(np.median(blocks["raw"]))), across(comm, float(np.median(blocks["ours"])))
+    unchecked_med = across(comm, float(np.median(blocks["unchecked"])))
+    pl.set_collective_checks(True)
     return {"bytes": n_bytes, "iterations": n, "raw_us": raw_us, "ours_us": ours_us,
             "raw_median_block_us": raw_med["max"], "ours_median_block_us": ours_med["max"],
             "ratio": round(ours_med["max"] / raw_med["max"], 3),
-            "overhead_us": round(ours_med["max"] - raw_med["max"], 3)}
+            "overhead_us": round(ours_med["max"] - raw_med["max"], 3),
+            "unchecked_median_block_us": unchecked_med["max"],
+            "unchecked_ratio": round(unchecked_med["max"] / raw_med["max"], 3),
+            "unchecked_overhead_us": round(unchecked_med["max"] - raw_med["max"], 3)}
 
 
 def worker(opts) -> None:
@@ -124,6 +134,11 @@ def worker(opts) -> None:
     }
     summary["met"] = bool((summary["max_ratio_at_or_above_64KiB"] or 0) <= 1.10
                           and (summary["max_overhead_us_below_64KiB"] or 0) < 15.0)
+    # set_collective_checks(False): the same calls without the cross-replica argument check.
+    summary["unchecked_max_ratio_at_or_above_64KiB"] = max((m["unchecked_ratio"] for m in large), default=None)
+    summary["unchecked_max_overhead_us_below_64KiB"] = max((m["unchecked_overhead_us"] for m in small), default=None)
+    summary["unchecked_met"] = bool((summary["unchecked_max_ratio_at_or_above_64KiB"] or 0) <= 1.10
+                                    and (summary["unchecked_max_overhead_us_below_64KiB"] or 0) < 15.0)
     if comm.rank == 0:
         report = {"benchmark": "collectives", "replicas": comm.size, "dtype": "float32",
                   "seconds": round(time.perf_counter() - start, 1), "summary": summary, "results": results}

@@ -205,3 +205,24 @@ def test_out_receives_the_result(comm, rng, dtype):
     if np.dtype(dtype).kind in "iu":
         with pytest.raises(ValueError, match="argument out: not supported for the mean of integers"):
             pl.all_reduce(mine, op="mean", out=np.empty_like(mine))
+
+
+@pytest.mark.mpi
+def test_unchecked_collectives_match_checked(comm, rng):
+    """set_collective_checks(False) skips the signature exchange, same results."""
+    x = inputs(rng, comm.size, (comm.size, 3), np.float32)
+    checked = [pl.all_gather(x[comm.rank]), pl.all_reduce(x[comm.rank]), pl.reduce_scatter_sum(x[comm.rank]),
+               pl.all_to_all(x[comm.rank]), pl.broadcast(x[comm.rank], root=comm.size - 1)]
+    before = pl.stats()["collectives"].get("agree", {}).get("calls", 0)
+    previous = pl.set_collective_checks(False)
+    try:
+        unchecked = [pl.all_gather(x[comm.rank]), pl.all_reduce(x[comm.rank]), pl.reduce_scatter_sum(x[comm.rank]),
+                     pl.all_to_all(x[comm.rank]), pl.broadcast(x[comm.rank], root=comm.size - 1)]
+        with pytest.raises(ValueError, match=f"replica {comm.rank}: argument root"):
+            pl.broadcast(x[comm.rank], root=comm.size)  # a local error is still raised locally
+    finally:
+        pl.set_collective_checks(previous)
+    assert previous is True
+    assert pl.stats()["collectives"].get("agree", {}).get("calls", 0) == before
+    for a, b in zip(checked, unchecked):
+        np.testing.assert_array_equal(a, b)
