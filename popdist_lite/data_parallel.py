@@ -12,6 +12,7 @@ import numpy as np
 
 from . import topology
 from .collectives import all_gather, all_reduce, broadcast
+from .collectives._common import agree, default_comm
 from .collectives.reduce_scatter import reduce_scatter
 from .optimizers import DenseOptimizer
 from .stochastic_rounding import as_stochastic_rounding
@@ -133,7 +134,11 @@ class CrossReplicaOptimizer:
         """
         missing = sorted(set(params) - set(grads))
         if missing:
-            raise KeyError(f"CrossReplicaOptimizer.step: argument grads: missing gradients for {missing}")
+            # Raised on every replica: the others are entering the first collective of
+            # the step, so this replica joins its argument check with the error.
+            agree("reduce_scatter_sum" if self.shard_optimizer_state else "all_reduce", None,
+                  default_comm(self._comm),
+                  problem=(KeyError, f"CrossReplicaOptimizer.step: argument grads: missing gradients for {missing}"))
         if self.shard_optimizer_state:
             self._sharded_step(params, grads, loss_scale)
             return

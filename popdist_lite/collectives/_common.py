@@ -20,7 +20,7 @@ from .. import counters, topology
 MAX_NDIM = 8
 _OPS = ("all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
         "embedding_lookup", "embedding_update", "embedding_limits")
-_ERRORS = (None, ValueError, TypeError, IndexError)
+_ERRORS = (None, ValueError, TypeError, IndexError, KeyError)
 #: dtypes every collective accepts (reductions also need :data:`REDUCIBLE`).
 DTYPES = tuple(np.dtype(t) for t in (
     np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,

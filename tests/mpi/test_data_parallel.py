@@ -44,3 +44,18 @@ def test_missing_gradient_is_a_clear_error(comm):
     opt = pl.CrossReplicaOptimizer(pl.MomentumSGD(0.1))
     with pytest.raises(KeyError, match=r"missing gradients for \['b'\]"):
         opt.step({"w": np.zeros(2), "b": np.zeros(2)}, {"w": np.zeros(2)})
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sharded", [False, True])
+def test_gradient_missing_on_one_replica_raises_on_every_replica(comm, sharded):
+    """Only the last replica forgets a gradient: every replica raises, none hangs."""
+    opt = pl.CrossReplicaOptimizer(pl.MomentumSGD(0.1), shard_optimizer_state=sharded)
+    params = {"w": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    grads = {"w": np.ones(4, np.float32)}
+    if comm.rank != comm.size - 1:
+        grads["b"] = np.ones(4, np.float32)
+    with pytest.raises(KeyError, match=rf"replica {comm.size - 1}: .*missing gradients for \['b'\]"):
+        opt.step(params, grads)
+    np.testing.assert_array_equal(params["w"], 0)  # nothing applied
+    assert pl.all_reduce(np.array([1.0]))[0] == comm.size  # still in step
