@@ -39,6 +39,17 @@ F16 = np.dtype(np.float16)
 _PAIRWISE = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 
 
+def finish_mean(result: np.ndarray, op: str, r: int) -> np.ndarray:
+    """After an MPI sum: divide by ``r`` for ``op == "mean"`` (in place for floats;
+    integers give a new float64 array), else return ``result`` as it is."""
+    if op != "mean":
+        return result
+    if result.dtype.kind in "iu":
+        return result / r
+    result /= np.asarray(r, result.dtype)
+    return result
+
+
 def _combine(chunks: np.ndarray, op: str, r: int, out: np.ndarray | None = None) -> np.ndarray:
     """Reduce ``(r, ...)`` float16 chunks over axis 0, wide, rounded once to float16
     (into ``out`` when given: a float16 array of ``chunks.shape[1:]``).

@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from .. import counters
 from ._common import agree, as_array, buf, check_out, default_comm
-from ._reduce import F16, REDUCIBLE, f16_all_reduce
+from ._reduce import F16, REDUCIBLE, f16_all_reduce, finish_mean
 
 OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _NAMES = tuple(OPS)
@@ -66,8 +66,4 @@ def all_reduce(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) 
     comm.Allreduce(send, buf(result), op=OPS[op])
     n = x.nbytes * (comm.size - 1)
     counters.record("all_reduce", start, n, n)
-    if op == "mean":
-        if result.dtype.kind in "iu":
-            return result / comm.size
-        result /= np.asarray(comm.size, result.dtype)
-    return result
+    return finish_mean(result, op, comm.size)

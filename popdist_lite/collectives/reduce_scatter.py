@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from .. import counters
 from ._common import agree, as_array, buf, check_out, default_comm
-from ._reduce import F16, REDUCIBLE, f16_reduce_scatter, f16_reduce_scatter_v
+from ._reduce import F16, REDUCIBLE, f16_reduce_scatter, f16_reduce_scatter_v, finish_mean
 
 
 def reduce_scatter_sum(x, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
@@ -65,11 +65,7 @@ def reduce_scatter(x, op: str = "sum", *, comm=None, out: np.ndarray | None = No
     comm.Reduce_scatter_block(buf(x), buf(result), op=MPI.SUM)
     n = result.nbytes * (comm.size - 1)
     counters.record("reduce_scatter_sum", start, n, n)
-    if op == "mean":
-        if result.dtype.kind in "iu":
-            return result / comm.size
-        result /= np.asarray(comm.size, result.dtype)
-    return result
+    return finish_mean(result, op, comm.size)
 
 
 def reduce_scatter_sum_v(x: np.ndarray, counts: np.ndarray, *, comm=None) -> np.ndarray:
