@@ -5,24 +5,34 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "popdist-lite: creating $VENV" >&2
-    "${PYTHON:-python3}" -m venv "$VENV"
-fi
-stamp="$VENV/.popdist-lite-installed"
-want="$(cksum < "$ROOT/pyproject.toml") $ROOT"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "popdist-lite: installing .[test] into $VENV" >&2
-    log="$VENV/pip-install.log"
-    if ! { "$VENV/bin/python" -m pip install --upgrade pip \
-           && "$VENV/bin/python" -m pip install --editable "$ROOT[test]" \
-           && "$VENV/bin/python" -c "import popdist_lite, popdist_lite_launcher, mpi4py, pytest"; } > "$log" 2>&1; then
-        tail -n 40 "$log" >&2
-        echo "popdist-lite: installation into $VENV failed (full log: $log)" >&2
-        exit 1
+
+# ensure_venv DIR PIP_ARGS...: create the venv DIR if missing and pip-install PIP_ARGS
+# into it, unless a stamp says it already holds them for this pyproject.toml. On
+# failure, prints the end of DIR/pip-install.log and returns 1.
+ensure_venv() {
+    local dir="$1"; shift
+    local stamp="$dir/.popdist-lite-installed" log="$dir/pip-install.log"
+    local want; want="$(cksum < "$ROOT/pyproject.toml") $ROOT $*"
+    if [ ! -x "$dir/bin/python" ]; then
+        echo "popdist-lite: creating $dir" >&2
+        "${PYTHON:-python3}" -m venv "$dir"
     fi
-    echo "$want" > "$stamp"
-fi
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        return 0
+    fi
+    echo "popdist-lite: installing $* into $dir" >&2
+    rm -f "$stamp"
+    if { "$dir/bin/python" -m pip install "$@" \
+         && "$dir/bin/python" -c "import popdist_lite, popdist_lite_launcher, mpi4py.MPI, pytest"; } > "$log" 2>&1; then
+        echo "$want" > "$stamp"
+    else
+        tail -n 40 "$log" >&2
+        echo "popdist-lite: installation into $dir failed (full log: $log)" >&2
+        return 1
+    fi
+}
+
+ensure_venv "$VENV" --editable "$ROOT[test]" || exit 1
 export PATH="$VENV/bin:$PATH"
 export VENV ROOT
 cd "$ROOT"
