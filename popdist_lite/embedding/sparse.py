@@ -9,9 +9,16 @@ partition) use. Placement is unchanged (row ``i`` on replica ``i % r`` at local 
 
 Lookup, on replica ``k`` with ``n`` indices of which ``u`` are distinct:
 
-1. ``lookup.route``: key ``(i % r) * ceil(t/r) + i // r`` orders the indices by owner
-   then local row; deduplicate the keys (sort, or a bitmap when the table is small)
-   into ``u`` unique keys plus the inverse map, and count how many go to each owner.
+1. ``lookup.route``: deduplicate the indices into ``u`` unique ones plus the inverse
+   map, grouped by owner, and count how many go to each owner. Three ways, all
+   ``O(n)`` but the last: a bitmap over the key space when the table is small (at most
+   ``BITMAP_FACTOR * n`` rows); else a *position array* (one int32 per table row, kept
+   between calls, never cleared: ``slot[i] = position`` for every index, then the
+   positions that read their own number back are one per distinct index, as in
+   hash-free deduplication on GPUs), while that array fits ``POSITION_BYTES_MAX`` or the
+   local shard's size; else a sort of the keys ``(i % r) * ceil(t/r) + i // r``.
+   For 8192 Zipf(1.1) indices of a 1M-row table the position array takes 60-80 us
+   where the sort took 320 us (docs/performance.md).
 2. ``lookup.header``: one ``Allgather`` of a small header per replica (the call
    signature that every checked collective exchanges, see
    :func:`popdist_lite.collectives._common.agree`, plus a bad-index flag, the first bad
@@ -51,9 +58,12 @@ from ..collectives.all_to_all import exchange_rows
 from ._buffers import Buffers
 from ._segment import group, inverse_of, sum_groups
 
-#: Use a bitmap (O(t + n)) instead of a sort to deduplicate lookup indices when the
-#: key space is at most this many times the number of indices.
+#: Use a bitmap (O(t + n)) to deduplicate lookup indices when the key space is at most
+#: this many times the number of indices.
 BITMAP_FACTOR = 16
+#: Else use a position array (``4 t`` bytes per replica, kept between calls) when it
+#: takes at most this many bytes, or no more than the local shard; else sort.
+POSITION_BYTES_MAX = 64 << 20
 _BAD, _BAD_VALUE, _COUNTS = 0, 1, 2  # payload fields
 
 
@@ -79,6 +89,9 @@ class SparseTokenExchange:
         self.buffers = Buffers()
         self._seen: np.ndarray | None = None   # bitmap scratch (all False between calls)
         self._position: np.ndarray | None = None
+        self.use_slots = 4 * num_tokens <= max(POSITION_BYTES_MAX, self.rows * encoding * 4)
+        self._slot: np.ndarray | None = None   # position array (stale values never read)
+        self._iota = np.arange(0, dtype=np.int32)
 
     # -- routing ------------------------------------------------------------------------
     def _keys(self, flat: np.ndarray) -> np.ndarray:
@@ -100,30 +113,60 @@ class SparseTokenExchange:
         position[unique] = np.arange(unique.size)
         return unique, position[keys]
 
+    def _unique_slots(self, flat: np.ndarray):
+        """Deduplicate with the position array: ``(ids, inverse, counts)`` where ``ids``
+        are the distinct indices' local rows grouped by owner (in owner order; any order
+        within an owner), ``inverse`` maps each index to its position in
+        ``ids`` and ``counts[j]`` is how many go to owner ``j``. No sort of ``n`` values."""
+        n = flat.size
+        if self._slot is None:
+            self._slot = np.empty(self.t, dtype=np.int32)
+        if self._iota.size < n:
+            self._iota = np.arange(max(n, 2 * self._iota.size), dtype=np.int32)
+        slot, iota = self._slot, self._iota[:n]
+        slot[flat] = iota  # for a repeated index one of its positions stays
+        distinct = flat[slot[flat] == iota]  # the index at that position: each distinct one once
+        if self.r == 1:
+            local, counts = distinct, np.array([distinct.size], dtype=np.int64)
+        else:
+            local, owner = np.divmod(distinct, self.r)
+            order = np.argsort(owner.astype(np.int16 if self.r < 2 ** 15 else np.int32), kind="stable")
+            distinct, local = distinct[order], local[order]  # stable radix sort by owner
+            counts = np.bincount(owner, minlength=self.r)
+        slot[distinct] = iota[:distinct.size]
+        inverse = slot[flat]
+        return local.astype(self.id_dtype, copy=False), inverse, counts
+
     def _route(self, op: str, flat: np.ndarray, problem, need_groups: bool):
         """Deduplicate, agree on the header, raise on every replica for any problem.
 
-        Returns ``(unique_keys, inverse_or_None, perm, starts, send_counts, recv_counts)``.
+        Returns ``(ids, inverse_or_None, perm, starts, send_counts, recv_counts)``, counts as lists:
+        ``ids``, the distinct indices' local rows (``id_dtype``) grouped by owner;
+        ``inverse`` (lookups) or ``perm``/``starts`` of :func:`group` (updates, where
+        ``ids`` are sorted).
         """
         start = perf_counter()
         n = flat.size
         payload = np.zeros(2 + self.r, dtype=np.int64)
-        unique = inverse = perm = starts = None
+        ids = inverse = perm = starts = None
         if problem is None and n:
             lo, hi = flat.min(), flat.max()
             if lo < 0 or hi >= self.t:
                 payload[_BAD] = 1
                 payload[_BAD_VALUE] = flat[np.argmax((flat < 0) | (flat >= self.t))]
         if problem is None and not payload[_BAD]:
-            keys = self._keys(flat)
-            if need_groups or self.space > BITMAP_FACTOR * max(n, 1):
-                unique, perm, starts = group(keys)
-                if not need_groups:
-                    inverse = inverse_of(perm, starts)
+            if not need_groups and self.space > BITMAP_FACTOR * max(n, 1) and self.use_slots:
+                ids, inverse, payload[_COUNTS:] = self._unique_slots(flat)
             else:
-                unique, inverse = self._unique_bitmap(keys)
-            bounds = np.searchsorted(unique, self.edges)
-            payload[_COUNTS:] = np.diff(bounds)
+                keys = self._keys(flat)
+                if need_groups or self.space > BITMAP_FACTOR * max(n, 1):
+                    unique, perm, starts = group(keys)
+                    if not need_groups:
+                        inverse = inverse_of(perm, starts)
+                else:
+                    unique, inverse = self._unique_bitmap(keys)
+                payload[_COUNTS:] = np.diff(np.searchsorted(unique, self.edges))
+                ids = self._local_rows(unique, "ids")
         counters.record(f"{op}.route", start, kind=counters.PHASE, detail=self.name)
         start = perf_counter()
         table = agree("embedding_" + op, None, self.comm, problem=problem, extra=self.table_code,
@@ -132,9 +175,9 @@ class SparseTokenExchange:
         n_bytes = table.shape[1] * 8 * (self.r - 1)
         counters.record(f"{op}.header", start, n_bytes, n_bytes, kind=counters.PHASE, detail=self.name)
         self._check(op, table, header)
-        send_counts = header[self.k, _COUNTS:].copy()
-        recv_counts = header[:, _COUNTS + self.k].copy()
-        return unique, inverse, perm, starts, send_counts, recv_counts
+        send_counts = header[self.k, _COUNTS:].tolist()
+        recv_counts = header[:, _COUNTS + self.k].tolist()
+        return ids, inverse, perm, starts, send_counts, recv_counts
 
     def _check(self, op: str, table: np.ndarray, header: np.ndarray) -> None:
         other = np.flatnonzero(table[:, EXTRA] != self.table_code)
@@ -170,20 +213,29 @@ class SparseTokenExchange:
             IndexError: on every replica, for an index outside ``[0, t)`` on any replica.
             TypeError, ValueError: on every replica, for any replica's ``problem``.
         """
-        unique, inverse, _, _, send_counts, recv_counts = self._route("lookup", flat, problem, False)
-        e, b = self.e, self.buffers
+        ids, inverse, _, _, send_counts, recv_counts = self._route("lookup", flat, problem, False)
+        e, b, k, comm = self.e, self.buffers, self.k, self.comm
+        # This replica's own IDs stay here: gathered straight into their place in `rows`.
+        mine = sum(send_counts[:k])
+        mine = slice(mine, mine + send_counts[k])
+        theirs = sum(recv_counts[:k])
+        before, after = slice(0, theirs), slice(theirs + recv_counts[k], sum(recv_counts))
         start = perf_counter()
-        ids = self._local_rows(unique, "ids")
-        wanted = exchange_rows(ids, send_counts, recv_counts, self.comm,
-                               out=b.get("wanted", int(recv_counts.sum()), self.id_dtype))
+        wanted = exchange_rows(ids, send_counts, recv_counts, comm, skip_self=True,
+                               out=b.get("wanted", after.stop, self.id_dtype))
         self._phase("lookup.ids", start, send_counts, recv_counts, ids.itemsize)
         start = perf_counter()
-        found = b.get("found", (wanted.size, e), shard.dtype)
-        np.take(shard, wanted, axis=0, out=found, mode="clip")  # mode="clip": no buffering; ids are valid
+        found = b.get("found", (after.stop, e), shard.dtype)
+        rows = b.get("rows", (ids.size, e), shard.dtype)
+        # mode="clip": no buffering (the ids were checked); the own segment of `wanted`
+        # and `found` is never written nor read
+        for part in (before, after):
+            if part.start < part.stop:
+                np.take(shard, wanted[part], axis=0, out=found[part], mode="clip")
+        np.take(shard, ids[mine], axis=0, out=rows[mine], mode="clip")
         counters.record("lookup.gather", start, kind=counters.PHASE, detail=self.name)
         start = perf_counter()
-        rows = exchange_rows(found, recv_counts, send_counts, self.comm,
-                             out=b.get("rows", (unique.size, e), shard.dtype))
+        exchange_rows(found, recv_counts, send_counts, comm, out=rows, skip_self=True)
         self._phase("lookup.rows", start, recv_counts, send_counts, e * found.itemsize)
         start = perf_counter()
         out = np.take(rows, inverse, axis=0, mode="clip") if flat.size else np.zeros((0, e), shard.dtype)
@@ -207,7 +259,7 @@ class SparseTokenExchange:
         Raises:
             as :meth:`lookup`; nothing is returned (so nothing is updated) on error.
         """
-        unique, _, perm, starts, send_counts, recv_counts = self._route("update", flat, problem, True)
+        ids, _, perm, starts, send_counts, recv_counts = self._route("update", flat, problem, True)
         if not trainable:
             return None
         acc = np.float32 if grads.dtype == np.float16 else grads.dtype
@@ -215,9 +267,8 @@ class SparseTokenExchange:
         sums = sum_groups(grads, perm, starts, dtype=acc, buffers=self.buffers)
         counters.record("update.coalesce", start, kind=counters.PHASE, detail=self.name)
         start = perf_counter()
-        ids = self._local_rows(unique, "ids")
         b, e = self.buffers, self.e
-        n_in = int(recv_counts.sum())
+        n_in = sum(recv_counts)
         their_ids = exchange_rows(ids, send_counts, recv_counts, self.comm, out=b.get("their_ids", n_in, self.id_dtype))
         their_sums = exchange_rows(sums, send_counts, recv_counts, self.comm, out=b.get("their_sums", (n_in, e), acc))
         self._phase("update.exchange", start, send_counts, recv_counts, ids.itemsize + e * sums.itemsize)
@@ -231,6 +282,6 @@ class SparseTokenExchange:
         """Record a phase whose exchanges moved rows of ``row_bytes`` (payload bytes
         without this replica's own part, as the collective counters)."""
         k = self.k
-        sent = (int(send_counts.sum()) - int(send_counts[k])) * row_bytes
-        received = (int(recv_counts.sum()) - int(recv_counts[k])) * row_bytes
+        sent = (sum(send_counts) - send_counts[k]) * row_bytes
+        received = (sum(recv_counts) - recv_counts[k]) * row_bytes
         counters.record(name, start, sent, received, kind=counters.PHASE, detail=self.name)
