@@ -2,13 +2,13 @@
 """Embedding lookup and lookup + update per step: dense TOKEN (seed), ENCODING (seed),
 sparse TOKEN, against single-process ``np.take`` and a plain mpi4py sparse exchange.
 
-    python scripts/bench_lookup.py [--ranks 2] [--steps-char 200] [--steps-recsys 40] [--timeout 170]
+    python scripts/bench_lookup.py [--ranks 2] [--steps-char 200] [--steps-recsys 160] [--timeout 300]
 
 prints one JSON object on stdout. Without ``--worker`` it launches itself once per
-(workload, variant) on ``--ranks`` replicas with ``poprun-lite`` (each under
-``--timeout``), so peak resident memory is per variant; ``--repeat`` rounds (default
-2) and, per variant, the round with the fastest lookup is reported (this machine may be
-shared: a burst of load from other processes then spoils one round, not the report).
+workload on ``--ranks`` replicas with ``poprun-lite`` (under ``--timeout``). Every
+variant runs in that same job and their timed blocks are interleaved (block 1 of every
+variant, then block 2, ...; ``--blocks``, default 16), so load from other processes on a
+shared machine hits all of them alike; a variant's time is its median block.
 
 Workloads (indices per replica, drawn per replica and step from a fixed seed, the same
 for every variant):
@@ -21,10 +21,11 @@ Variants:
     mpi4py    plain mpi4py sparse exchange written as simply as possible (np.unique,
               Alltoall of counts, Alltoallv of ids and rows; update with np.add.at): the floor
     np_take   np.take on the whole table in one process, no communication
-Reported per variant: ms per step (per replica the median over 8 blocks of the block's
-mean step time, then avg and max across replicas) for lookup and lookup + update, payload bytes moved per replica
-and lookup step (sent + received, popdist_lite.stats()), unique-index ratio, peak
-RSS per replica (ru_maxrss).
+Reported per variant: ms per step (per replica the median block's mean step time, then
+avg and max across replicas) for lookup and lookup + update, payload bytes moved per
+replica and lookup step (sent + received, popdist_lite.stats()), unique-index ratio,
+resident memory the variant added (its table, state and scratch, after warm-up) and the
+job's peak RSS per replica (ru_maxrss), and the time per lookup phase.
 """
 
 from __future__ import annotations
@@ -122,9 +123,10 @@ def make(variant: str, w: dict, comm):
 
     spec = pl.HostEmbeddingOptimizerSpec(0.01)
     if variant in ("dense", "sparse"):
-        return pl.create_host_embedding("bench", shape=[w["t"], w["e"]], optimizer_spec=spec, exchange=variant)
+        return pl.create_host_embedding(f"bench_{variant}", shape=[w["t"], w["e"]], optimizer_spec=spec,
+                                        exchange=variant)
     if variant == "encoding":
-        return pl.create_host_embedding("bench", shape=[w["t"], w["e"]], partition_strategy="ENCODING",
+        return pl.create_host_embedding("bench_encoding", shape=[w["t"], w["e"]], partition_strategy="ENCODING",
                                         optimizer_spec=spec)
     if variant == "mpi4py":
         return PlainSparse(w["t"], w["e"], comm)
@@ -140,19 +142,27 @@ def across(comm, value: float) -> dict:
             "per_replica": [round(v, 4) for v in values]}
 
 
-def timed(comm, steps: int, body, blocks: int = 8) -> float:
-    """ms per step: the median over ``blocks`` blocks of steps (robust to other
-    processes taking the cores for a while), each block's mean."""
+def rss_mib() -> float:
+    """This process's resident memory now (MiB)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def interleaved(comm, variants: dict, steps: int, blocks: int, body) -> dict:
+    """ms per step for each variant: block ``b`` of every variant runs before block
+    ``b + 1`` of any, each after a barrier; a variant's figure is its median block mean."""
+    per_block, means = max(steps // blocks, 1), {name: [] for name in variants}
     for s in range(WARMUP):
-        body(s)
-    comm.Barrier()
-    per_block, means = max(steps // blocks, 1), []
+        for v in variants.values():
+            body(v, s)
     for b in range(blocks):
-        start = time.perf_counter()
-        for s in range(b * per_block, (b + 1) * per_block):
-            body(s)
-        means.append((time.perf_counter() - start) / per_block * 1e3)
-    return float(np.median(means))
+        for name, v in variants.items():
+            comm.Barrier()
+            start = time.perf_counter()
+            for s in range(b * per_block, (b + 1) * per_block):
+                body(v, s)
+            means[name].append((time.perf_counter() - start) / per_block * 1e3)
+    return {name: float(np.median(m)) for name, m in means.items()}
 
 
 def worker(opts) -> None:
@@ -161,79 +171,81 @@ def worker(opts) -> None:
     pl.init()
     comm = pl.replica_comm()
     w = WORKLOADS[opts.workload]
-    steps = opts.steps
     idx = batches(w, comm.rank)
     grads = [np.full(i.shape + (w["e"],), 1e-3, np.float32) for i in idx]
-    emb = make(opts.variant, w, comm)
     unique_ratio = float(np.mean([np.unique(i).size / i.size for i in idx]))
-    pl.reset_stats()
-    lookup_ms = timed(comm, steps, lambda s: emb.lookup(idx[s % BATCHES]))
-    stats = pl.stats()
-    calls = WARMUP + max(steps // 8, 1) * 8
-    if opts.variant == "mpi4py":
-        moved = emb.moved
-    else:
-        moved = (stats["bytes_sent"] + stats["bytes_received"]) / calls
-    phases = {name: round(v["seconds"] / calls * 1e3, 4) for name, v in stats["phases"].items()}
+    variants, added, moved, phases = {}, {}, {}, {}
+    for name in opts.variants.split(","):
+        before = rss_mib()
+        v = variants[name] = make(name, w, comm)
+        pl.reset_stats()
+        for s in range(WARMUP + BATCHES):  # warm-up (scratch sized), then one counted pass
+            if s == WARMUP:
+                pl.reset_stats()
+            v.lookup(idx[s % BATCHES])
+        stats = pl.stats()
+        moved[name] = v.moved if name == "mpi4py" else (stats["bytes_sent"] + stats["bytes_received"]) / BATCHES
+        phases[name] = {p: round(x["seconds"] / BATCHES * 1e3, 4) for p, x in stats["phases"].items()}
+        added[name] = rss_mib() - before
+    lookup = interleaved(comm, variants, opts.steps, opts.blocks, lambda v, s: v.lookup(idx[s % BATCHES]))
 
-    def step(s):
-        emb.lookup(idx[s % BATCHES])
-        emb.apply_gradients(idx[s % BATCHES], grads[s % BATCHES])
+    def step(v, s):
+        v.lookup(idx[s % BATCHES])
+        v.apply_gradients(idx[s % BATCHES], grads[s % BATCHES])
 
-    update_ms = timed(comm, steps, step)
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    report = {"workload": opts.workload, "variant": opts.variant, "steps": steps,
-              "lookup_ms": across(comm, lookup_ms), "lookup_update_ms": across(comm, update_ms),
-              "bytes_per_lookup_per_replica": across(comm, float(moved)),
-              "unique_ratio": across(comm, unique_ratio), "peak_rss_mib": across(comm, rss_mib),
-              "lookup_phase_ms": phases}
+    update = interleaved(comm, variants, opts.steps, opts.blocks, step)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    report = {name: {"workload": opts.workload, "variant": name, "steps": opts.steps, "blocks": opts.blocks,
+                     "lookup_ms": across(comm, lookup[name]), "lookup_update_ms": across(comm, update[name]),
+                     "bytes_per_lookup_per_replica": across(comm, float(moved[name])),
+                     "unique_ratio": across(comm, unique_ratio), "rss_added_mib": across(comm, added[name]),
+                     "lookup_phase_ms": phases[name]}
+              for name in variants}
+    peak = across(comm, peak)
     if comm.rank == 0:
-        print("JSON " + json.dumps(report), flush=True)
+        print("JSON " + json.dumps({"variants": report, "job_peak_rss_mib": peak}), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps-char", type=int, default=200)
-    parser.add_argument("--steps-recsys", type=int, default=40)
-    parser.add_argument("--timeout", type=float, default=170)
-    parser.add_argument("--repeat", type=int, default=2,
-                        help="runs per variant; the one with the fastest lookup is reported (default 2)")
+    parser.add_argument("--steps-recsys", type=int, default=160)
+    parser.add_argument("--blocks", type=int, default=16, help="timed blocks per variant (median kept)")
+    parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
-    parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker or under_mpi():
         worker(opts)
         return
-    start = time.perf_counter()
-    results: dict = {}
-    for _ in range(opts.repeat):  # rounds: a burst of load from other processes hits one round
-        for workload in opts.workloads.split(","):
-            steps = opts.steps_char if workload == "char" else opts.steps_recsys
-            for variant in opts.variants.split(","):
-                args = ["--workload", workload, "--variant", variant, "--steps", str(steps)]
-                got = run_ranks(os.path.abspath(__file__), args, opts.ranks, opts.timeout)[0]
-                best = results.setdefault(workload, {}).get(variant)
-                if best is None or got["lookup_ms"]["avg"] < best["lookup_ms"]["avg"]:
-                    results[workload][variant] = got
+    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    results, peaks = {}, {}
+    for workload in opts.workloads.split(","):
+        steps = opts.steps_char if workload == "char" else opts.steps_recsys
+        args = ["--workload", workload, "--variants", opts.variants, "--steps", str(steps),
+                "--blocks", str(opts.blocks)]
+        got = run_ranks(os.path.abspath(__file__), args, opts.ranks, opts.timeout)[0]
+        results[workload], peaks[workload] = got["variants"], got["job_peak_rss_mib"]
     summary = {}
     for workload, r in results.items():
         s = {}
         if "sparse" in r and "dense" in r:
-            s["dense_over_sparse_lookup"] = round(r["dense"]["lookup_ms"]["avg"] / r["sparse"]["lookup_ms"]["avg"], 2)
+            s["dense_over_sparse_lookup"] = round(r["dense"]["lookup_ms"]["max"] / r["sparse"]["lookup_ms"]["max"], 2)
         if "sparse" in r and "mpi4py" in r:
-            s["sparse_over_mpi4py_lookup"] = round(r["sparse"]["lookup_ms"]["avg"] / r["mpi4py"]["lookup_ms"]["avg"], 3)
+            s["sparse_over_mpi4py_lookup"] = round(r["sparse"]["lookup_ms"]["max"] / r["mpi4py"]["lookup_ms"]["max"], 3)
         summary[workload] = s
     rec = summary.get("recsys", {})
     summary["targets"] = {"dense_over_sparse_lookup_at_least": 5.0, "sparse_over_mpi4py_lookup_at_most": 1.25,
                           "met": bool(rec.get("dense_over_sparse_lookup", 0) >= 5.0
                                       and rec.get("sparse_over_mpi4py_lookup", 99) <= 1.25)}
     print(json.dumps({"benchmark": "lookup", "replicas": opts.ranks, "seconds": round(time.perf_counter() - start, 1),
-                      "summary": summary, "results": results}, indent=1))
+                      "machine": {"cpus": os.cpu_count(), "load_avg_1min_before": round(load_before, 2),
+                                  "load_avg_1min_after": round(os.getloadavg()[0], 2)},
+                      "summary": summary, "job_peak_rss_mib": peaks, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -86,12 +86,16 @@ class SparseTokenExchange:
         self.id_dtype = np.dtype(np.int32 if self.rows < 2 ** 31 else np.int64)
         self.edges = np.arange(self.r + 1, dtype=np.int64) * self.rows
         self.table_code = zlib.crc32(name.encode()) & 0x7FFFFFFF
+        self._codes = np.full(self.r, self.table_code, dtype=np.int64).tobytes()
         self.buffers = Buffers()
         self._seen: np.ndarray | None = None   # bitmap scratch (all False between calls)
         self._position: np.ndarray | None = None
         self.use_slots = 4 * num_tokens <= max(POSITION_BYTES_MAX, self.rows * encoding * 4)
         self._slot: np.ndarray | None = None   # position array (stale values never read)
         self._iota = np.arange(0, dtype=np.int32)
+        self.shift = self.r.bit_length() - 1 if self.r & (self.r - 1) == 0 else None
+        # numpy's stable argsort is a radix sort for 8- and 16-bit integers
+        self.owner_dtype = np.int8 if self.r < 2 ** 7 else np.int16 if self.r < 2 ** 15 else np.int32
 
     # -- routing ------------------------------------------------------------------------
     def _keys(self, flat: np.ndarray) -> np.ndarray:
@@ -116,26 +120,33 @@ class SparseTokenExchange:
     def _unique_slots(self, flat: np.ndarray):
         """Deduplicate with the position array: ``(ids, inverse, counts)`` where ``ids``
         are the distinct indices' local rows grouped by owner (in owner order; any order
-        within an owner), ``inverse`` maps each index to its position in
-        ``ids`` and ``counts[j]`` is how many go to owner ``j``. No sort of ``n`` values."""
+        within an owner), ``inverse`` maps each index to its position in ``ids`` and
+        ``counts[j]`` is how many go to owner ``j``. No sort of ``n`` values, and two
+        random passes over the position array (the rest stays within ``O(n)`` scratch).
+        """
         n = flat.size
         if self._slot is None:
             self._slot = np.empty(self.t, dtype=np.int32)
         if self._iota.size < n:
             self._iota = np.arange(max(n, 2 * self._iota.size), dtype=np.int32)
         slot, iota = self._slot, self._iota[:n]
-        slot[flat] = iota  # for a repeated index one of its positions stays
-        distinct = flat[slot[flat] == iota]  # the index at that position: each distinct one once
+        slot[flat] = iota  # for a repeated index one of its positions stays ...
+        first = np.take(slot, flat)  # ... and every occurrence reads that position back
+        chosen = np.flatnonzero(first == iota)  # one position per distinct index
+        distinct = flat[chosen]
         if self.r == 1:
-            local, counts = distinct, np.array([distinct.size], dtype=np.int64)
+            local, counts = distinct, [distinct.size]
         else:
-            local, owner = np.divmod(distinct, self.r)
-            order = np.argsort(owner.astype(np.int16 if self.r < 2 ** 15 else np.int32), kind="stable")
-            distinct, local = distinct[order], local[order]  # stable radix sort by owner
+            if self.shift is not None:  # r a power of two: no integer division
+                owner, local = distinct & (self.r - 1), distinct >> self.shift
+            else:
+                local, owner = np.divmod(distinct, self.r)
+            order = np.argsort(owner.astype(self.owner_dtype), kind="stable")
+            chosen, local = chosen[order], local[order]  # grouped by owner (radix sort)
             counts = np.bincount(owner, minlength=self.r)
-        slot[distinct] = iota[:distinct.size]
-        inverse = slot[flat]
-        return local.astype(self.id_dtype, copy=False), inverse, counts
+        compact = self.buffers.get("compact", n, np.intp)  # intp: np.take's own index type
+        compact[chosen] = iota[:chosen.size]
+        return local.astype(self.id_dtype, copy=False), np.take(compact, first), counts
 
     def _route(self, op: str, flat: np.ndarray, problem, need_groups: bool):
         """Deduplicate, agree on the header, raise on every replica for any problem.
@@ -180,6 +191,8 @@ class SparseTokenExchange:
         return ids, inverse, perm, starts, send_counts, recv_counts
 
     def _check(self, op: str, table: np.ndarray, header: np.ndarray) -> None:
+        if not header[:, _BAD].any() and table[:, EXTRA].tobytes() == self._codes:
+            return  # the common case: no bad index and the same table everywhere
         other = np.flatnonzero(table[:, EXTRA] != self.table_code)
         if other.size:
             raise RuntimeError(f"host embedding {self.name!r}: replica {int(other[0])} called "
