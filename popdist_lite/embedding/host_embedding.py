@@ -164,7 +164,8 @@ class HostEmbedding:
             problem = (TypeError, f"host embedding {self.name!r}: argument indices: expected an integer "
                                   f"dtype, got {indices.dtype}")
         else:
-            flat = indices.reshape(-1).astype(np.int64)
+            # no copy of int64 indices unless clipping writes to them (the exchanges only read)
+            flat = indices.reshape(-1).astype(np.int64, copy=bool(clip_indices))
             if clip_indices:
                 np.clip(flat, 0, t - 1, out=flat)
         if grads is not None and problem is None:

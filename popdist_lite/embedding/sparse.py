@@ -131,7 +131,9 @@ class SparseTokenExchange:
             self._iota = np.arange(max(n, 2 * self._iota.size), dtype=np.int32)
         slot, iota = self._slot, self._iota[:n]
         slot[flat] = iota  # for a repeated index one of its positions stays ...
-        first = np.take(slot, flat)  # ... and every occurrence reads that position back
+        first = np.take(slot, flat, out=self.buffers.get("first", n, np.int32), mode="clip")  # ... and
+        # every occurrence reads that position back (n-sized temporaries live in reused
+        # buffers: fresh pages cost a fault each; mode="clip": no buffering, ids are checked)
         chosen = np.flatnonzero(first == iota)  # one position per distinct index
         distinct = flat[chosen]
         if self.r == 1:
@@ -146,7 +148,8 @@ class SparseTokenExchange:
             counts = np.bincount(owner, minlength=self.r)
         compact = self.buffers.get("compact", n, np.intp)  # intp: np.take's own index type
         compact[chosen] = iota[:chosen.size]
-        return local.astype(self.id_dtype, copy=False), np.take(compact, first), counts
+        inverse = np.take(compact, first, out=self.buffers.get("inverse", n, np.intp), mode="clip")
+        return local.astype(self.id_dtype, copy=False), inverse, counts
 
     def _route(self, op: str, flat: np.ndarray, problem, need_groups: bool):
         """Deduplicate, agree on the header, raise on every replica for any problem.
