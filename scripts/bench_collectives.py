@@ -7,16 +7,19 @@ prints one JSON object on stdout. Without ``--worker`` it launches itself on
 ``--ranks`` replicas with ``poprun-lite`` (under ``--timeout``) and prints what replica
 0 reports.
 
-Method (OSU micro-benchmarks): for every message size from 8 B to ``--max-bytes``
-(powers of two; the size is each replica's input array, float32), a barrier, then a
-warm-up and timed iterations (100/1000 up to 8 KiB, 10/100 above). Ours and raw run on
-the same preallocated arrays in the same run, interleaved in 5 alternating blocks
-so load from other processes hits both alike; ours passes ``out=`` (no allocation).
-Ours is measured twice: as shipped (every call starts with the cross-replica argument
-check) and with ``popdist_lite.set_collective_checks(False)`` ("unchecked").
-Latency per call is averaged per replica, then avg/min/max across replicas (OSU's
-report). ``ratio`` and ``overhead_us`` compare the median of the 10 blocks (slowest
-replica), which is robust to other processes taking the cores for a while.
+Method (OSU micro-benchmarks, made robust to a shared machine): for every message size
+from 8 B to ``--max-bytes`` (powers of two; the size is each replica's input array,
+float32), a barrier and a warm-up, then ``--blocks`` rounds (default 31). Each round
+times one block of calls of each variant, in a rotating order, each block after a
+barrier and sized to about 1 ms from a calibration (at least 1 call, at most 200): raw
+mpi4py, ours as shipped (every call starts with the cross-replica argument check) and
+ours with ``popdist_lite.set_collective_checks(False)`` ("unchecked"). Ours and raw use
+the same preallocated arrays; ours passes ``out=`` (no allocation). A block's time is
+the slowest replica's (one Allreduce MAX at the end). Per variant: ``*_us``, avg/min/max
+across replicas of the per-replica mean (OSU's report), and ``*_median_block_us``. The
+``ratio`` of ours to raw is the median over rounds of the ratio of the two blocks of the
+same round (adjacent in time, so a burst of load from other processes cancels out);
+``overhead_us`` is the median of their differences.
 Operations (ours / raw):
     all_gather          Allgather(x, out)                  out: (r, n)
     reduce_scatter_sum  Reduce_scatter_block(x, out, SUM)  x: (r, n/r)
@@ -41,7 +44,6 @@ from _launch import run_ranks, under_mpi  # noqa: E402
 
 OPS = ("all_gather", "reduce_scatter_sum", "all_to_all", "all_reduce", "broadcast")
 SMALL = 8192
-BLOCKS = 10
 
 
 def calls(op: str, n_bytes: int, comm):
@@ -82,38 +84,46 @@ def across(comm, value: float) -> dict:
     return {"avg": round(total[0] / comm.size, 3), "min": round(lo[0], 3), "max": round(hi[0], 3)}
 
 
-def measure(op: str, n_bytes: int, comm) -> dict:
+def measure(op: str, n_bytes: int, comm, blocks: int) -> dict:
     import popdist_lite as pl
+    from mpi4py import MPI
 
     ours, raw = calls(op, n_bytes, comm)
-    warmup, iters = (100, 1000) if n_bytes <= SMALL else (10, 100)
+    variants = (("raw", raw, True), ("ours", ours, True), ("unchecked", ours, False))
     comm.Barrier()
-    for f in (raw, ours):
-        for _ in range(warmup):
+    for _, f, checks in variants:  # warm-up, and a calibration of the block size
+        pl.set_collective_checks(checks)
+        for _ in range(20 if n_bytes <= SMALL else 3):
             f()
-    blocks = {"raw": [], "ours": [], "unchecked": []}
-    per_block = iters // BLOCKS
-    for _ in range(BLOCKS):
-        for name, f in (("raw", raw), ("ours", ours), ("unchecked", ours)):
-            pl.set_collective_checks(name != "unchecked")
+    start = time.perf_counter()
+    for _ in range(5):
+        raw()
+    guess = np.array([(time.perf_counter() - start) / 5], np.float64)
+    comm.Allreduce(MPI.IN_PLACE, guess, op=MPI.MAX)  # the same block size on every replica
+    per_block = int(min(200, max(1, 1e-3 // max(guess[0], 1e-9))))
+    times = np.zeros((len(variants), blocks))
+    for b in range(blocks):
+        for i in range(len(variants)):
+            j = (i + b) % len(variants)  # rotate the order: no variant always runs first
+            _, f, checks = variants[j]
+            pl.set_collective_checks(checks)
             comm.Barrier()
             start = time.perf_counter()
             for _ in range(per_block):
                 f()
-            blocks[name].append((time.perf_counter() - start) / per_block * 1e6)
-    n = per_block * BLOCKS
-    raw_us, ours_us = across(comm, float(np.mean(blocks["raw"]))), across(comm, float(np.mean(blocks["ours"])))
-    # The median block is robust to other processes stealing the cores for a while.
-    raw_med, ours_med = across(comm, float(np.median(blocks["raw"]))), across(comm, float(np.median(blocks["ours"])))
-    unchecked_med = across(comm, float(np.median(blocks["unchecked"])))
+            times[j, b] = (time.perf_counter() - start) / per_block * 1e6
     pl.set_collective_checks(True)
-    return {"bytes": n_bytes, "iterations": n, "raw_us": raw_us, "ours_us": ours_us,
-            "raw_median_block_us": raw_med["max"], "ours_median_block_us": ours_med["max"],
-            "ratio": round(ours_med["max"] / raw_med["max"], 3),
-            "overhead_us": round(ours_med["max"] - raw_med["max"], 3),
-            "unchecked_median_block_us": unchecked_med["max"],
-            "unchecked_ratio": round(unchecked_med["max"] / raw_med["max"], 3),
-            "unchecked_overhead_us": round(unchecked_med["max"] - raw_med["max"], 3)}
+    mine = times.mean(axis=1)
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, op=MPI.MAX)
+    result = {"bytes": n_bytes, "calls_per_block": per_block, "blocks": blocks}
+    for j, (name, _, _) in enumerate(variants):
+        result[f"{name}_us"] = across(comm, float(mine[j]))
+        result[f"{name}_median_block_us"] = round(float(np.median(slowest[j])), 3)
+    for j, prefix in ((1, ""), (2, "unchecked_")):
+        result[f"{prefix}ratio"] = round(float(np.median(slowest[j] / slowest[0])), 3)
+        result[f"{prefix}overhead_us"] = round(float(np.median(slowest[j] - slowest[0])), 3)
+    return result
 
 
 def worker(opts) -> None:
@@ -124,7 +134,7 @@ def worker(opts) -> None:
     sizes = [1 << p for p in range(3, 64) if (1 << p) <= opts.max_bytes]
     results, start = {}, time.perf_counter()
     for op in OPS:
-        results[op] = [measure(op, s, comm) for s in sizes]
+        results[op] = [measure(op, s, comm, opts.blocks) for s in sizes]
     large = [m for op in OPS for m in results[op] if m["bytes"] >= 65536]
     small = [m for op in OPS for m in results[op] if m["bytes"] < 65536]
     summary = {
@@ -139,6 +149,12 @@ def worker(opts) -> None:
     summary["unchecked_max_overhead_us_below_64KiB"] = max((m["unchecked_overhead_us"] for m in small), default=None)
     summary["unchecked_met"] = bool((summary["unchecked_max_ratio_at_or_above_64KiB"] or 0) <= 1.10
                                     and (summary["unchecked_max_overhead_us_below_64KiB"] or 0) < 15.0)
+    for prefix in ("", "unchecked_"):
+        # the smallest size from which every operation, at every larger size too, is within 1.10x
+        ok = [all(m[f"{prefix}ratio"] <= 1.10 for op in OPS for m in results[op] if m["bytes"] >= s) for s in sizes]
+        summary[f"{prefix}within_1.10_from_bytes"] = next((s for s, good in zip(sizes, ok) if good), None)
+        summary[f"{prefix}max_overhead_us_at_or_above_64KiB"] = max(
+            (m[f"{prefix}overhead_us"] for m in large), default=None)
     if comm.rank == 0:
         report = {"benchmark": "collectives", "replicas": comm.size, "dtype": "float32",
                   "seconds": round(time.perf_counter() - start, 1), "summary": summary, "results": results}
@@ -150,12 +166,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--max-bytes", type=int, default=16 << 20)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--blocks", type=int, default=31, help="timed rounds per size (default 31)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker or under_mpi():
         worker(opts)
         return
-    reports = run_ranks(os.path.abspath(__file__), ["--max-bytes", str(opts.max_bytes)], opts.ranks, opts.timeout)
+    reports = run_ranks(os.path.abspath(__file__), ["--max-bytes", str(opts.max_bytes), "--blocks", str(opts.blocks)],
+                        opts.ranks, opts.timeout)
     print(json.dumps(reports[0], indent=1))
 
 
