@@ -54,6 +54,33 @@ def test_lookup_and_update_match_numpy(comm, rng, exchange, kind, t, e):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["bitmap", "positions", "sort"])
+@pytest.mark.parametrize("kind", ["uniform", "zipf"])
+def test_every_deduplication_matches_numpy(comm, rng, strategy, kind):
+    """Lookups deduplicate with a bitmap (many indices for the table's size), a position
+    array (few indices, table within POSITION_BYTES_MAX) or a sort (tables beyond it):
+    each gives numpy's rows, and updates stay exact."""
+    r, k, t, e, lr = comm.size, comm.rank, 1000, 4, 0.25
+    full = rng.standard_normal((t, e)).astype(np.float32)
+    emb = make("dedup", t, e, "sparse", full, lr=lr)
+    if strategy == "sort":
+        emb._sparse.use_slots = False  # as for a table whose position array would be too large
+    n = 200 if strategy == "bitmap" else 30  # bitmap when t <= BITMAP_FACTOR * n
+    reference = full.astype(np.float64)
+    for step in range(3):
+        idx = step_indices(rng, r, t, kind, sizes=[n + 3 * j + step for j in range(r)])
+        out = emb.lookup(idx[k])
+        # exact before any update; after one, float32 steps round where the float64 reference does not
+        np.testing.assert_allclose(out, reference[idx[k]].astype(np.float32), rtol=0 if step == 0 else 1e-6,
+                                   atol=0 if step == 0 else 1e-6)
+        grads = [np.full((i.size, e), 1.0 + j, np.float32) for j, i in enumerate(idx)]
+        emb.apply_gradients(idx[k], grads[k])
+        for i, g in zip(idx, grads):
+            np.subtract.at(reference, i, lr * g)
+    np.testing.assert_allclose(emb.get_embedding_tensor(), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("kind", ["uniform", "zipf"])
 def test_sparse_equals_dense_step_by_step(comm, rng, kind):
     """The two exchanges of the same table agree on every lookup and every update."""
