@@ -32,7 +32,9 @@ Lookup, on replica ``k`` with ``n`` indices of which ``u`` are distinct:
 
 Update (TorchRec's EXACT_SGD: duplicates coalesced, then one step per row):
 
-1. ``update.route`` and ``update.header`` as above (sort-based grouping).
+1. ``update.route`` and ``update.header`` as above, plus the runs of equal indices: a
+   stable radix sort of the deduplicated numbers (:func:`._segment.runs_of`), or a sort
+   of the keys where there is no position array.
 2. ``update.coalesce``: sum the gradients of duplicate indices locally (segment sum).
 3. ``update.exchange``: ``Alltoallv`` of the unique local rows and of their summed
    gradients to the owners.
@@ -56,7 +58,7 @@ from .. import counters
 from ..collectives._common import EXTRA, PAYLOAD, agree
 from ..collectives.all_to_all import exchange_rows
 from ._buffers import Buffers
-from ._segment import group, inverse_of, sum_groups
+from ._segment import group, inverse_of, runs_of, sum_groups
 
 #: Use a bitmap (O(t + n)) to deduplicate lookup indices when the key space is at most
 #: this many times the number of indices.
@@ -156,8 +158,8 @@ class SparseTokenExchange:
 
         Returns ``(ids, inverse_or_None, perm, starts, send_counts, recv_counts)``, counts as lists:
         ``ids``, the distinct indices' local rows (``id_dtype``) grouped by owner;
-        ``inverse`` (lookups) or ``perm``/``starts`` of :func:`group` (updates, where
-        ``ids`` are sorted).
+        ``inverse`` (lookups) or ``perm``/``starts`` as :func:`group` gives them (updates:
+        ``flat[perm]`` runs through the distinct indices in the order of ``ids``).
         """
         start = perf_counter()
         n = flat.size
@@ -169,11 +171,15 @@ class SparseTokenExchange:
                 payload[_BAD] = 1
                 payload[_BAD_VALUE] = flat[np.argmax((flat < 0) | (flat >= self.t))]
         if problem is None and not payload[_BAD]:
-            if not need_groups and self.space > BITMAP_FACTOR * max(n, 1) and self.use_slots:
+            small = self.space <= BITMAP_FACTOR * max(n, 1)
+            if self.use_slots and (need_groups or not small):
                 ids, inverse, payload[_COUNTS:] = self._unique_slots(flat)
+                if need_groups:  # updates: the runs of equal indices, by their number
+                    perm, starts = runs_of(inverse, ids.size)
+                    inverse = None
             else:
                 keys = self._keys(flat)
-                if need_groups or self.space > BITMAP_FACTOR * max(n, 1):
+                if need_groups or not small:
                     unique, perm, starts = group(keys)
                     if not need_groups:
                         inverse = inverse_of(perm, starts)
