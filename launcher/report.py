@@ -47,18 +47,25 @@ class Failure:
     feeder: int | None = None  # index of a feeder among its replica's feeders
 
     @property
+    def raised(self) -> bool:
+        """Did the rank raise an uncaught exception of its own (not KeyboardInterrupt)?"""
+        return bool(self.exception) and self.exception != "KeyboardInterrupt"
+
+    @property
     def is_candidate(self) -> bool:
         """Can this failure be the root cause? Not when the rank was told to stop,
         unless it had raised an exception of its own (other than KeyboardInterrupt)."""
-        if self.exception and self.exception != "KeyboardInterrupt":
-            return True
-        return not self.terminated
+        return self.raised or not self.terminated
 
     def status(self) -> str:
         """``signal SIGX`` or ``exit code N``.
 
-        The failure hook always aborts with code 1, so an exception without an exit
-        record (the agent was killed by the abort first) reads ``exit code 1``."""
+        The failure hook always aborts with code 1, so an exception reads ``exit code 1``:
+        without an exit record (the agent was killed by the abort first), and when the
+        rank was then stopped by a signal (mpirun's SIGTERM after the abort it asked for,
+        a consequence, not the cause)."""
+        if self.raised:
+            return "exit code 1"
         if self.signal:
             return f"signal {self.signal}"
         if self.exitcode is not None:
@@ -67,6 +74,8 @@ class Failure:
 
     def launcher_exit_code(self) -> int:
         """The exit code the launcher should use for this failure."""
+        if self.raised:
+            return 1
         if self.signal:
             try:
                 return 128 + int(_signal.Signals[self.signal])

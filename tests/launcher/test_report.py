@@ -64,6 +64,21 @@ def test_error_record_wins_over_stderr_tail_and_sets_time():
     assert "noise" not in text
 
 
+def test_exception_then_stopped_by_signal_reads_as_the_exception():
+    # both replicas raise at once; the first to raise is then SIGTERMed by mpirun's abort
+    failures, text = make([
+        error_rec(1, 4.0, exc="AttributeError", msg="no attribute 'x'"),
+        exit_rec(1, 4.5, sig="SIGTERM", terminated=True, tail="noise"),
+        error_rec(0, 4.1, exc="AttributeError", msg="no attribute 'x'"),
+        exit_rec(0, 4.6, code=1),
+    ])
+    assert report.root_cause(failures).rank == 1
+    assert "root cause: replica 1 (rank 1, host h, pid 101): exit code 1\n  AttributeError: no attribute 'x'" in text
+    assert "SIGTERM" not in text
+    assert report.exit_code_for(failures, 143) == 1
+    assert text.startswith("poprun-lite: job failed (exit code 1)")
+
+
 def test_signal_root_cause_shows_stderr_tail_and_exit_code():
     failures, text = make([exit_rec(3, 1.0, sig="SIGKILL", tail="last words")])
     assert "root cause: replica 3 (rank 3, host h, pid 103): signal SIGKILL\n  last words" in text
