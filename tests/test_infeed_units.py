@@ -6,8 +6,8 @@ import pytest
 
 from popdist_lite.infeed import feed_shard
 from popdist_lite.infeed.buffers import BufferPool
-from popdist_lite.infeed.structure import (check_same, describe, empty_arrays, encode_shapes,
-                                           flatten, unflatten)
+from popdist_lite.infeed.structure import (check_same, describe, empty_arrays, encode_shapes, flatten,
+                                           layout, unflatten)
 from popdist_lite.topology import _feed_layout
 from popdist_lite_launcher import cli, report
 
@@ -17,7 +17,7 @@ def test_flatten_roundtrip_dict_tuple_array():
     structure, arrays = flatten(batch)
     assert structure == ("dict", (("ids", "<i4", 2), ("w", "<f2", 1)))
     words = np.array(encode_shapes(arrays))
-    empty = empty_arrays(structure, words)
+    empty = empty_arrays(layout(structure), words)
     assert [a.shape for a in empty] == [(2, 3), (2,)] and empty[1].dtype == np.float16
     again = unflatten(structure, arrays)
     assert again.keys() == batch.keys() and all(np.array_equal(again[k], batch[k]) for k in batch)

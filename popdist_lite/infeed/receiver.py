@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from . import protocol
 from .buffers import BufferPool
-from .structure import Structure, describe, empty_arrays, num_shape_words, unflatten
+from .structure import Structure, describe, empty_arrays, layout, num_shape_words, unflatten
 
 #: Batches beyond the one being fetched whose data receives are posted ahead. One is
 #: what overlaps the next transfer with the training step (where the network moves data
@@ -32,7 +32,7 @@ from .structure import Structure, describe, empty_arrays, num_shape_words, unfla
 DATA_LOOKAHEAD = 1
 
 
-@dataclass
+@dataclass(slots=True)
 class _Slot:
     step: int
     source: int  # rank in the feed communicator: 1 + feeder index
@@ -78,12 +78,14 @@ class FeederSource:
         self.structure = known[0][1] if known else None
         fields = len(self.structure[1]) if self.structure else 0
         self.pool = BufferPool((self.depth + 2) * fields)
+        self.header_words = protocol.HEADER_WORDS + num_shape_words(self.structure)
+        self.fields = layout(self.structure) if self.structure else []
         for _ in range(self.depth):
             self._post()
 
     def _post(self) -> None:
         step, source = self.next_step, 1 + self.next_step % self.num_feeders
-        header = np.empty(protocol.HEADER_WORDS + num_shape_words(self.structure), dtype=np.int64)
+        header = np.empty(self.header_words, dtype=np.int64)
         self.slots.append(_Slot(
             step, source, header,
             self.comm.Irecv(header, source=source, tag=protocol.HEADER),
@@ -98,7 +100,7 @@ class FeederSource:
         if code == protocol.END:
             slot.ended = True
             return
-        slot.arrays = empty_arrays(self.structure, slot.header[protocol.HEADER_WORDS:], self.pool.empty)
+        slot.arrays = empty_arrays(self.fields, slot.header[protocol.HEADER_WORDS:], self.pool.empty)
         slot.data_requests = [self.comm.Irecv([a, MPI.BYTE], source=slot.source, tag=protocol.DATA)
                               for a in slot.arrays]
 

@@ -42,6 +42,8 @@ class Infeed:
         self.steps = 0
         self._started = False
         self._closed = False
+        comm = topology.replica_comm()
+        self._replicas = comm if comm.Get_size() > 1 else None  # None: nobody to agree with
 
     def start(self) -> "Infeed":
         """Start prefetching now (feeders call ``make_dataset``). Idempotent."""
@@ -62,11 +64,12 @@ class Infeed:
             raise StopIteration
         self.start()
         batch = self._source.fetch()
-        comm = topology.replica_comm()
-        have = np.array([batch is not None], dtype=np.int32)
-        if comm.Get_size() > 1:
-            comm.Allreduce(MPI.IN_PLACE, have, op=MPI.MIN)
-        if not have[0]:
+        have = batch is not None
+        if self._replicas is not None:  # every replica has a batch, or all stop here
+            flag = np.array([have], dtype=np.int32)
+            self._replicas.Allreduce(MPI.IN_PLACE, flag, op=MPI.MIN)
+            have = bool(flag[0])
+        if not have:
             self.close()
             raise StopIteration
         self.steps += 1

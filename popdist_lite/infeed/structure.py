@@ -96,12 +96,19 @@ def encode_shapes(arrays: list[np.ndarray]) -> list[int]:
     return [int(n) for a in arrays for n in a.shape]
 
 
-def empty_arrays(structure: Structure, words: np.ndarray, allocate=np.empty) -> list[np.ndarray]:
-    """Allocate the arrays of one batch from the shape integers of its header with
-    ``allocate(shape, dtype)``."""
-    arrays, pos = [], 0
+def layout(structure: Structure) -> list[tuple[np.dtype, int, int]]:
+    """Per field, its dtype and the slice ``[start, stop)`` of its shape among a header's
+    shape words (computed once per stream, used by :func:`empty_arrays` per batch)."""
+    fields, at = [], 0
     for _, dtype, ndim in structure[1]:
-        shape = tuple(int(n) for n in words[pos:pos + ndim])
-        pos += ndim
-        arrays.append(allocate(shape, np.dtype(dtype)))
-    return arrays
+        fields.append((np.dtype(dtype), at, at + ndim))
+        at += ndim
+    return fields
+
+
+def empty_arrays(fields: list, words, allocate=np.empty) -> list[np.ndarray]:
+    """Allocate the arrays of one batch with ``allocate(shape, dtype)``, the shapes read
+    from the shape integers ``words`` of its header (a list or array) by the
+    :func:`layout` ``fields``."""
+    words = words.tolist() if isinstance(words, np.ndarray) else words
+    return [allocate(tuple(words[start:stop]), dtype) for dtype, start, stop in fields]
