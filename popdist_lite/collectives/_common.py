@@ -144,16 +144,16 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | No
     comm.Allgather(sig, table)
     n = sig.nbytes * (size - 1)
     counters.record("agree", start, n, n)
-    if problem is None:
+    if problem is None:  # fast paths: nothing wrong anywhere
         if same_from == 0:
             if table.tobytes() == sig.tobytes() * size:
-                return table  # fast path: identical signatures (so no problem anywhere)
+                return table  # identical signatures
         elif same_from is None and table[:, :_WIDTH].tobytes() == sig[:_WIDTH].tobytes() * size:
-            return table  # fast path: identical rows but for the payloads
-    if same_from != 0 and problem is None and (table[:, OP:DTYPE] == sig[OP:DTYPE]).all():
-        if same_from is None or ((table[:, DTYPE:SHAPE] == sig[DTYPE:SHAPE]).all()
-                                 and (table[:, SHAPE + 1:_WIDTH] == sig[SHAPE + 1:_WIDTH]).all()):
-            return table  # fast path: same collective and call number, no problem anywhere
+            return table  # identical rows but for the payloads
+        elif (table[:, OP:DTYPE] == sig[OP:DTYPE]).all() and (
+                same_from is None or ((table[:, DTYPE:SHAPE] == sig[DTYPE:SHAPE]).all()
+                                      and (table[:, SHAPE + 1:_WIDTH] == sig[SHAPE + 1:_WIDTH]).all())):
+            return table  # same collective and call number (and trailing shape for same_from=1)
     bad = np.flatnonzero((table[:, OP] != table[0, OP]) | (table[:, SEQ] != table[0, SEQ]))
     if bad.size:
         r = int(bad[0])

@@ -139,12 +139,12 @@ def exchange_rows(x: np.ndarray, send_counts, recv_counts, comm, out: np.ndarray
     on tiny arrays.
     """
     k, row = comm.rank, prod(x.shape[1:])
+    recv_rows = [int(c) for c in recv_counts]
     send = [int(c) * row for c in send_counts]
-    recv = [int(c) * row for c in recv_counts]
+    recv = [c * row for c in recv_rows]
     send_at, recv_at = list(accumulate(send, initial=0)), list(accumulate(recv, initial=0))
     if out is None:
-        out = np.empty((recv_at[-1] // row if row else sum(int(c) for c in recv_counts), *x.shape[1:]),
-                       dtype=x.dtype)
+        out = np.empty((sum(recv_rows), *x.shape[1:]), dtype=x.dtype)
     sent, received = (send_at[-1] - send[k]) * x.itemsize, (recv_at[-1] - recv[k]) * x.itemsize
     if skip_self:  # after the displacements: the others' rows keep their places
         send[k] = recv[k] = 0

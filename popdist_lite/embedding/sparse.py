@@ -238,8 +238,8 @@ class SparseTokenExchange:
         ids, inverse, _, _, send_counts, recv_counts = self._route("lookup", flat, problem, False)
         e, b, k, comm = self.e, self.buffers, self.k, self.comm
         # This replica's own IDs stay here: gathered straight into their place in `rows`.
-        mine = sum(send_counts[:k])
-        mine = slice(mine, mine + send_counts[k])
+        at = sum(send_counts[:k])
+        mine = slice(at, at + send_counts[k])
         theirs = sum(recv_counts[:k])
         before, after = slice(0, theirs), slice(theirs + recv_counts[k], sum(recv_counts))
         start = perf_counter()
