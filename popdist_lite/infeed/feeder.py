@@ -27,13 +27,19 @@ class _Shutdown(Exception):
 
 
 def _receive_control(comm, pending: list | None = None) -> tuple[int, int]:
-    """The next control message. While sends are ``pending`` keep testing them (MPI
-    moves a message along only inside MPI calls), then wait without spinning."""
+    """The next control message, waited for politely (:func:`protocol.wait_until`: a
+    short spin, then sleeps), testing the ``pending`` sends meanwhile so MPI can move
+    them along and their buffers are freed. Spinning until it came took a core from the
+    replica whenever feeders outnumber free cores (F = 2 on 2 cores: 20 % fewer steps)."""
     message = np.empty(2, dtype=np.int64)
     request = comm.Irecv(message, source=0, tag=protocol.CONTROL)
-    while pending and not request.Test():
-        pending[:] = [p for p in pending if not MPI.Request.Testall(p[0])]
-    protocol.wait(request)
+
+    def arrived() -> bool:
+        if pending:
+            pending[:] = [p for p in pending if not MPI.Request.Testall(p[0])]
+        return request.Test()
+
+    protocol.wait_until(arrived)
     return int(message[0]), int(message[1])
 
 

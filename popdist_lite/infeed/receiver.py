@@ -3,8 +3,8 @@
 Step ``s`` of a session comes from feeder ``s % F`` (round robin, hence a fixed batch
 order for given R, F and data). The replica keeps ``depth`` steps outstanding: for each
 it posts the header receive and sends the feeder a credit, so feeders compute up to
-``depth`` batches ahead. The data receives of the batch being fetched and of the next
-``DATA_LOOKAHEAD`` are posted as soon as their headers arrive, into arrays of earlier
+``depth`` batches ahead. The data receives of the batch being fetched (and of the next
+``DATA_LOOKAHEAD``) are posted once their headers have arrived, into arrays of earlier
 batches the training loop has dropped, else new ones (:mod:`.buffers`). A step's slot is
 re-granted only when the training loop asks for the next batch, so sent-but-not-released
 batches never exceed ``depth``.
@@ -21,15 +21,18 @@ import numpy as np
 from mpi4py import MPI
 
 from . import protocol
-from .buffers import BufferPool
+from .buffers import shared_pool
 from .structure import Structure, describe, empty_arrays, layout, num_shape_words, unflatten
 
-#: Batches beyond the one being fetched whose data receives are posted ahead. One is
-#: what overlaps the next transfer with the training step (where the network moves data
-#: without the CPU); more only make more large receives active at once and more buffers
-#: rotate through the cache. Measured with one feeder (docs/infeed.md): 1 instead of
-#: ``depth - 1`` moved 4 MiB batches 25-65 % and 16 MiB batches 5-15 % faster.
-DATA_LOOKAHEAD = 1
+#: Batches beyond the one being fetched whose data receives are posted ahead. None: the
+#: launcher places feeders on their replica's host, where MPI moves a batch by a copy
+#: the receiving process makes inside its own MPI call once the receive matches (CMA or
+#: shared-memory fragments), so a receive posted early overlaps nothing; it only adds a
+#: buffer to the set rotating through the cache. Measured with one feeder, in one job
+#: (docs/infeed.md): 0 was as fast as 1 at 64 KiB and 1 MiB, 5-7 % faster at 4 MiB and
+#: 2-5 % faster at 16 MiB. Credits and headers still run ``depth`` ahead, so feeders
+#: still compute ahead of the training loop.
+DATA_LOOKAHEAD = 0
 
 
 @dataclass(slots=True)
@@ -77,7 +80,7 @@ class FeederSource:
                     f"{describe(s)}; every feeder's make_dataset must yield the same keys and dtypes")
         self.structure = known[0][1] if known else None
         fields = len(self.structure[1]) if self.structure else 0
-        self.pool = BufferPool((self.depth + 2) * fields)
+        self.pool = shared_pool((self.depth + 2) * fields)
         self.header_words = protocol.HEADER_WORDS + num_shape_words(self.structure)
         self.fields = layout(self.structure) if self.structure else []
         for _ in range(self.depth):
