@@ -24,7 +24,7 @@ from . import protocol
 from .buffers import shared_pool
 from .structure import Structure, describe, empty_arrays, layout, num_shape_words, unflatten
 
-#: Batches beyond the one being fetched whose data receives are posted ahead. None: the
+#: Batches beyond the one being fetched whose data receives are posted ahead. Zero: the
 #: launcher places feeders on their replica's host, where MPI moves a batch by a copy
 #: the receiving process makes inside its own MPI call once the receive matches (CMA or
 #: shared-memory fragments), so a receive posted early overlaps nothing; it only adds a
