@@ -166,8 +166,11 @@ class SparseTokenExchange:
         payload = np.zeros(2 + self.r, dtype=np.int64)
         ids = inverse = perm = starts = None
         if problem is None and n:
-            lo, hi = flat.min(), flat.max()
-            if lo < 0 or hi >= self.t:
+            if flat.dtype == np.int64:  # one pass: as unsigned, a negative index exceeds any table
+                bad = flat.view(np.uint64).max() >= self.t
+            else:
+                bad = flat.min() < 0 or flat.max() >= self.t
+            if bad:
                 payload[_BAD] = 1
                 payload[_BAD_VALUE] = flat[np.argmax((flat < 0) | (flat >= self.t))]
         if problem is None and not payload[_BAD]:

@@ -108,12 +108,13 @@ def test_all_replicas_pass_nothing(comm):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("call", ["lookup", "update"])
-def test_sparse_bad_index_raises_everywhere_and_updates_nothing(comm, rng, call):
+@pytest.mark.parametrize("too_large", [True, False], ids=["negative-and-too-large", "negative-only"])
+def test_sparse_bad_index_raises_everywhere_and_updates_nothing(comm, rng, call, too_large):
     t, e, r = 10, 3, comm.size
     full = rng.standard_normal((t, e)).astype(np.float32)
     emb = make("bad", t, e, "sparse", full, lr=1.0)
     bad_replica, value = r - 1, -7
-    idx = np.array([1, 2, value, t + 3] if comm.rank == bad_replica else [0, 1, 1])
+    idx = np.array([1, 2, value] + [t + 3] * too_large if comm.rank == bad_replica else [0, 1, 1])
     run = (lambda: emb.lookup(idx)) if call == "lookup" else \
         (lambda: emb.apply_gradients(idx, np.ones((idx.size, e), np.float32)))
     with pytest.raises(IndexError, match=rf"host embedding 'bad': replica {bad_replica} passed index {value}, "
