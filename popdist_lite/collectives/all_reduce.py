@@ -15,6 +15,10 @@ OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _NAMES = tuple(OPS)
 
 
+def _op_name(code: int) -> str:
+    return repr(_NAMES[code])
+
+
 def all_reduce(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
     """Reduce ``x`` element-wise over replicas; every replica gets the result.
 
@@ -53,7 +57,7 @@ def all_reduce(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) 
     else:
         problem = check_out(out, x.shape, x.dtype)
     agree("all_reduce", x, comm, problem=problem, extra=_NAMES.index(op) if op in OPS else -1, same_from=0,
-          extra_name="op", extra_format=lambda v: repr(_NAMES[v]))
+          extra_name="op", extra_format=_op_name)
     if x.dtype == F16:
         return f16_all_reduce(x, comm, op, out=out)
     if out is not None:  # receive straight into the caller's array

@@ -9,7 +9,7 @@ One call (lookup or update), on every replica:
 
 1. **Check** (``limits.check`` phase). Count this replica's IDs and unique IDs per owner
    (:func:`.limits.partition_counts`) and exchange them in one ``Allgather`` of
-   ``(15 + 2r) x 8`` bytes per replica (the call-signature check every collective
+   ``(14 + 2r) x 8`` bytes per replica (the call-signature check every collective
    makes, :func:`popdist_lite.collectives._common.agree`, with the counts as payload).
    Every replica then holds the whole ``(sender, owner)`` count matrix: the logical OR
    of "this replica needs minibatching" is ``(counts > limit).any()``, and the error

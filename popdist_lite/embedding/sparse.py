@@ -22,7 +22,7 @@ Lookup, on replica ``k`` with ``n`` indices of which ``u`` are distinct:
 2. ``lookup.header``: one ``Allgather`` of a small header per replica (the call
    signature that every checked collective exchanges, see
    :func:`popdist_lite.collectives._common.agree`, plus a bad-index flag, the first bad
-   value and the ``r`` send counts): ``(15 + 2 + r) x 8`` bytes per replica. Every
+   value and the ``r`` send counts): ``(14 + 2 + r) x 8`` bytes per replica. Every
    replica learns every replica's counts, and an out-of-range index anywhere raises
    :class:`IndexError` on every replica before any data moves.
 3. ``lookup.ids``: ``Alltoallv`` of the unique local rows (int32) to their owners.

@@ -164,6 +164,30 @@ def test_different_collectives_are_named_not_deadlocked(comm):
     np.testing.assert_array_equal(pl.all_gather(np.array([comm.rank])).ravel(), np.arange(comm.size))
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", ["shape", "op", "collective"])
+def test_mismatch_after_the_same_call_agreed(comm, case):
+    """A call that agreed before takes a cached fast path on the replicas that repeat it;
+    a replica that deviates from it is still named, with the same error everywhere."""
+    x = np.ones(5, np.float32)
+    for _ in range(2):
+        assert pl.all_reduce(x)[0] == comm.size  # agreed, so now a repeat on every replica
+    deviating, last = comm.rank == comm.size - 1, comm.size - 1
+    if case == "shape":
+        with pytest.raises(ValueError, match=rf"all_reduce: argument x: replica {last} passed shape \(6,\), "
+                                             rf"expected the same shape as replica 0, which passed \(5,\)"):
+            pl.all_reduce(np.ones(6, np.float32) if deviating else x)
+    elif case == "op":
+        with pytest.raises(ValueError, match=rf"all_reduce: argument op: replica {last} passed 'max', "
+                                             rf"expected 'sum' as on replica 0"):
+            pl.all_reduce(x, op="max" if deviating else "sum")
+    else:
+        with pytest.raises(RuntimeError, match=rf"collective mismatch: replica 0 called all_reduce .* "
+                                               rf"but replica {last} called broadcast"):
+            pl.broadcast(x) if deviating else pl.all_reduce(x)
+    assert pl.all_reduce(x)[0] == comm.size  # still in step
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64])
 def test_out_receives_the_result(comm, rng, dtype):
