@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from math import prod
+
 import numpy as np
 
 
@@ -17,16 +19,18 @@ class Buffers:
         self._arrays: dict[str, np.ndarray] = {}
 
     def get(self, name: str, shape, dtype) -> np.ndarray:
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        size = 1
-        for s in shape:
-            size *= int(s)
-        dtype = np.dtype(dtype)
+        if isinstance(shape, (int, np.integer)):
+            size = int(shape)
+            shape = None  # one dimension: the slice itself
+        else:
+            shape = tuple(shape)
+            size = prod(shape)
         a = self._arrays.get(name)
         if a is None or a.dtype != dtype or a.size < size:
+            dtype = np.dtype(dtype)
             grown = 2 * a.size if a is not None and a.dtype == dtype else 0
             a = self._arrays[name] = np.empty(max(size, grown, 16), dtype=dtype)
-        return a[:size].reshape(shape)
+        return a[:size] if shape is None else a[:size].reshape(shape)
 
     @property
     def nbytes(self) -> int:

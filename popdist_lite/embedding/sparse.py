@@ -133,10 +133,10 @@ class SparseTokenExchange:
             self._iota = np.arange(max(n, 2 * self._iota.size), dtype=np.int32)
         slot, iota = self._slot, self._iota[:n]
         slot[flat] = iota  # for a repeated index one of its positions stays ...
-        first = np.take(slot, flat, out=self.buffers.get("first", n, np.int32), mode="clip")  # ... and
+        first = slot.take(flat, out=self.buffers.get("first", n, np.int32), mode="clip")  # ... and
         # every occurrence reads that position back (n-sized temporaries live in reused
         # buffers: fresh pages cost a fault each; mode="clip": no buffering, ids are checked)
-        chosen = np.flatnonzero(first == iota)  # one position per distinct index
+        chosen = (first == iota).nonzero()[0]  # one position per distinct index
         distinct = flat[chosen]
         if self.r == 1:
             local, counts = distinct, [distinct.size]
@@ -145,12 +145,12 @@ class SparseTokenExchange:
                 owner, local = distinct & (self.r - 1), distinct >> self.shift
             else:
                 local, owner = np.divmod(distinct, self.r)
-            order = np.argsort(owner.astype(self.owner_dtype), kind="stable")
+            order = owner.astype(self.owner_dtype).argsort(kind="stable")
             chosen, local = chosen[order], local[order]  # grouped by owner (radix sort)
             counts = np.bincount(owner, minlength=self.r)
         compact = self.buffers.get("compact", n, np.intp)  # intp: np.take's own index type
         compact[chosen] = iota[:chosen.size]
-        inverse = np.take(compact, first, out=self.buffers.get("inverse", n, np.intp), mode="clip")
+        inverse = compact.take(first, out=self.buffers.get("inverse", n, np.intp), mode="clip")
         return local.astype(self.id_dtype, copy=False), inverse, counts
 
     def _route(self, op: str, flat: np.ndarray, problem, need_groups: bool):
@@ -203,7 +203,7 @@ class SparseTokenExchange:
         return ids, inverse, perm, starts, send_counts, recv_counts
 
     def _check(self, op: str, table: np.ndarray, header: np.ndarray) -> None:
-        if not header[:, _BAD].any() and table[:, EXTRA].tobytes() == self._codes:
+        if not np.count_nonzero(header[:, _BAD]) and table[:, EXTRA].tobytes() == self._codes:
             return  # the common case: no bad index and the same table everywhere
         other = np.flatnonzero(table[:, EXTRA] != self.table_code)
         if other.size:
@@ -256,14 +256,14 @@ class SparseTokenExchange:
         # and `found` is never written nor read
         for part in (before, after):
             if part.start < part.stop:
-                np.take(shard, wanted[part], axis=0, out=found[part], mode="clip")
-        np.take(shard, ids[mine], axis=0, out=rows[mine], mode="clip")
+                shard.take(wanted[part], axis=0, out=found[part], mode="clip")
+        shard.take(ids[mine], axis=0, out=rows[mine], mode="clip")
         counters.record("lookup.gather", start, kind=counters.PHASE, detail=self.name)
         start = perf_counter()
         exchange_rows(found, recv_counts, send_counts, comm, out=rows, skip_self=True)
         self._phase("lookup.rows", start, recv_counts, send_counts, e * found.itemsize)
         start = perf_counter()
-        out = np.take(rows, inverse, axis=0, mode="clip") if flat.size else np.zeros((0, e), shard.dtype)
+        out = rows.take(inverse, axis=0, mode="clip") if flat.size else np.zeros((0, e), shard.dtype)
         counters.record("lookup.expand", start, kind=counters.PHASE, detail=self.name)
         return out
 
