@@ -25,7 +25,10 @@ Reported per variant: ms per step (per replica the median block's mean step time
 avg and max across replicas) for lookup and lookup + update, payload bytes moved per
 replica and lookup step (sent + received, popdist_lite.stats()), unique-index ratio,
 resident memory the variant added (its table, state and scratch, after warm-up) and the
-job's peak RSS per replica (ru_maxrss), and the time per lookup phase.
+job's peak RSS per replica (ru_maxrss), and the time per lookup phase. The summary gives
+dense / sparse and sparse / mpi4py as ratios of those medians (the targets) and, as a
+check on drift, ``*_paired``: the median over rounds of the ratio of the two variants'
+blocks in the same round (each block the slowest replica's).
 """
 
 from __future__ import annotations
@@ -149,8 +152,8 @@ def rss_mib() -> float:
 
 
 def interleaved(comm, variants: dict, steps: int, blocks: int, body) -> dict:
-    """ms per step for each variant: block ``b`` of every variant runs before block
-    ``b + 1`` of any, each after a barrier; a variant's figure is its median block mean."""
+    """ms per step of each block of each variant (this replica): block ``b`` of every
+    variant runs before block ``b + 1`` of any, each after a barrier."""
     per_block, means = max(steps // blocks, 1), {name: [] for name in variants}
     for s in range(WARMUP):
         for v in variants.values():
@@ -162,7 +165,19 @@ def interleaved(comm, variants: dict, steps: int, blocks: int, body) -> dict:
             for s in range(b * per_block, (b + 1) * per_block):
                 body(v, s)
             means[name].append((time.perf_counter() - start) / per_block * 1e3)
-    return {name: float(np.median(m)) for name, m in means.items()}
+    return means
+
+
+def paired_ratio(comm, slow: list, fast: list) -> float:
+    """Median over rounds of slow / fast, each block the slowest replica's: the two
+    blocks of a round ran seconds apart, so drifts of the machine cancel out (as
+    bench_collectives.py's ratios)."""
+    from mpi4py import MPI
+
+    both = np.array([slow, fast], np.float64)
+    slowest = np.empty_like(both)
+    comm.Allreduce(both, slowest, op=MPI.MAX)
+    return round(float(np.median(slowest[0] / slowest[1])), 2)
 
 
 def worker(opts) -> None:
@@ -196,14 +211,20 @@ def worker(opts) -> None:
     update = interleaved(comm, variants, opts.steps, opts.blocks, step)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     report = {name: {"workload": opts.workload, "variant": name, "steps": opts.steps, "blocks": opts.blocks,
-                     "lookup_ms": across(comm, lookup[name]), "lookup_update_ms": across(comm, update[name]),
+                     "lookup_ms": across(comm, float(np.median(lookup[name]))),
+                     "lookup_update_ms": across(comm, float(np.median(update[name]))),
                      "bytes_per_lookup_per_replica": across(comm, float(moved[name])),
                      "unique_ratio": across(comm, unique_ratio), "rss_added_mib": across(comm, added[name]),
                      "lookup_phase_ms": phases[name]}
               for name in variants}
     peak = across(comm, peak)
+    paired = {}
+    if "dense" in lookup and "sparse" in lookup:
+        paired["dense_over_sparse_lookup"] = paired_ratio(comm, lookup["dense"], lookup["sparse"])
+    if "sparse" in lookup and "mpi4py" in lookup:
+        paired["sparse_over_mpi4py_lookup"] = paired_ratio(comm, lookup["sparse"], lookup["mpi4py"])
     if comm.rank == 0:
-        print("JSON " + json.dumps({"variants": report, "job_peak_rss_mib": peak}), flush=True)
+        print("JSON " + json.dumps({"variants": report, "job_peak_rss_mib": peak, "paired": paired}), flush=True)
 
 
 def main() -> None:
@@ -223,13 +244,13 @@ def main() -> None:
         worker(opts)
         return
     start, load_before = time.perf_counter(), os.getloadavg()[0]
-    results, peaks = {}, {}
+    results, peaks, paired = {}, {}, {}
     for workload in opts.workloads.split(","):
         steps = opts.steps_char if workload == "char" else opts.steps_recsys
         args = ["--workload", workload, "--variants", opts.variants, "--steps", str(steps),
                 "--blocks", str(opts.blocks)]
         got = run_ranks(os.path.abspath(__file__), args, opts.ranks, opts.timeout)[0]
-        results[workload], peaks[workload] = got["variants"], got["job_peak_rss_mib"]
+        results[workload], peaks[workload], paired[workload] = got["variants"], got["job_peak_rss_mib"], got["paired"]
     summary = {}
     for workload, r in results.items():
         s = {}
@@ -237,6 +258,8 @@ def main() -> None:
             s["dense_over_sparse_lookup"] = round(r["dense"]["lookup_ms"]["max"] / r["sparse"]["lookup_ms"]["max"], 2)
         if "sparse" in r and "mpi4py" in r:
             s["sparse_over_mpi4py_lookup"] = round(r["sparse"]["lookup_ms"]["max"] / r["mpi4py"]["lookup_ms"]["max"], 3)
+        for name, ratio in paired[workload].items():
+            s[name + "_paired"] = ratio
         summary[workload] = s
     rec = summary.get("recsys", {})
     summary["targets"] = {"dense_over_sparse_lookup_at_least": 5.0, "sparse_over_mpi4py_lookup_at_most": 1.25,
