@@ -35,7 +35,8 @@ _calls: dict[int, int] = {}
 # only writes its call number (the Allgather copies the row, so reuse is safe).
 _signatures: dict[tuple, np.ndarray] = {}
 # The fixed-shape collectives' common case, by (op, dtype, shape, extra, replicas):
-# ``[signature row, gathered table]``, both reused (their callers ignore the table).
+# ``[signature row, gathered table, bytes counted]``, row and table reused (the callers
+# of that form ignore the table).
 _fixed: dict[tuple, list] = {}
 
 
