@@ -166,11 +166,8 @@ class SparseTokenExchange:
         payload = np.zeros(2 + self.r, dtype=np.int64)
         ids = inverse = perm = starts = None
         if problem is None and n:
-            if flat.dtype == np.int64:  # one pass: as unsigned, a negative index exceeds any table
-                bad = flat.view(np.uint64).max() >= self.t
-            else:
-                bad = flat.min() < 0 or flat.max() >= self.t
-            if bad:
+            # flat is int64 (HostEmbedding._prepare): one pass, as unsigned a negative index exceeds any table
+            if flat.view(np.uint64).max() >= self.t:
                 payload[_BAD] = 1
                 payload[_BAD_VALUE] = flat[np.argmax((flat < 0) | (flat >= self.t))]
         if problem is None and not payload[_BAD]:
