@@ -1,27 +1,31 @@
 """Per-rank supervisor: ``python -m popdist_lite_launcher.agent -- program args``.
 
-mpirun starts one agent per rank (like torchrun's per-worker agent). The agent
-starts the program as its child, tees the child's stderr while keeping its last
-lines, forwards SIGTERM/SIGINT, and when the child fails writes
-``<POPDIST_LITE_RUN_DIR>/rank-<R>.exit.json`` for the launcher's failure report.
+mpirun starts one agent per rank (like torchrun's per-worker agent) on the rank's host.
+The agent starts the program as its child, tees the child's stderr while keeping its
+last lines, forwards SIGTERM/SIGINT, and keeps ONE TCP connection to the launcher's
+collector (``POPRUN_LITE_COLLECTOR``) over which it sends, as newline-delimited JSON
+(:mod:`popdist_lite.records`): ``hello``, a ``heartbeat`` every second, every record the
+program sends it (its uncaught exception from ``popdist_lite``'s excepthook, progress),
+and ``exit`` with the exit code or signal and the stderr tail. The same connection
+carries the launcher's requests to this agent: :data:`REQUESTS` maps a record kind to
+its handler (``signal``: send a signal to the program).
+
+The program reaches its agent through a host-local socket pair whose descriptor is in
+``POPDIST_LITE_RECORD_FD`` (see :func:`popdist_lite.records.send`).
 
 Environment read here (set by the launcher):
-    POPDIST_LITE_RUN_DIR                    where records go (skipped if unset/missing)
+    POPRUN_LITE_COLLECTOR                   the collector's host:port (no records if unset)
     POPDIST_LITE_ROLE                       "replica" (default) or "feeder"
     POPDIST_LITE_FEEDER_OF / _FEEDER_INDEX  on a feeder: the replica it feeds, its index
     POPDIST_REPLICA_INDEX_OFFSET            this rank's replica (= instance) index
     POPDIST_NUM_LOCAL_REPLICAS              replicas per instance (1)
     POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE  if set and not this instance: hide output
     OMPI_COMM_WORLD_RANK / PMI_RANK / PMIX_RANK   the MPI rank (first set)
-Environment added for the child:
-    POPDIST_LITE_ERROR_FILE = <RUN_DIR>/rank-<R>.error.json
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -30,32 +34,14 @@ import sys
 import threading
 import time
 
+from . import records
+from .tee import Tee
+
 TAIL_LINES = 200
-KILL_GRACE_SECONDS = 3.0
-RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-
-
-def env_rank(environ=None) -> int | None:
-    """The MPI rank from the launcher-set variables (first of OMPI_COMM_WORLD_RANK,
-    PMI_RANK, PMIX_RANK that is set), or None."""
-    environ = os.environ if environ is None else environ
-    for name in RANK_VARS:
-        value = environ.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                continue
-    return None
-
-
-def write_json_atomic(path: str, record: dict) -> None:
-    """Write ``record`` as JSON to ``path`` atomically (temporary file, then rename)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
-
+#: Seconds between forwarding SIGTERM/SIGINT to the program and SIGKILLing it.
+PROGRAM_KILL_DELAY_SECONDS = 3.0
+#: Seconds to wait for the collector to accept the connection.
+CONNECT_TIMEOUT_SECONDS = 10.0
 
 def _set_pdeathsig() -> None:
     """In the child (preexec_fn): get SIGKILL when the agent dies (Linux only)."""
@@ -66,39 +52,119 @@ def _set_pdeathsig() -> None:
         pass
 
 
-class _Tail:
-    """Tee bytes from a pipe to a file descriptor (or nowhere) and keep the last lines."""
+class Link:
+    """The agent's connection to the launcher's collector.
 
-    def __init__(self, src_fd: int, dst_fd: int | None, max_lines: int = TAIL_LINES):
-        self.src_fd, self.dst_fd = src_fd, dst_fd
-        self.lines: collections.deque[bytes] = collections.deque(maxlen=max_lines)
-        self.partial = b""
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+    ``address`` is ``host:port`` (None or unreachable: records are dropped, with one
+    warning on stderr). :meth:`send` is thread-safe; :meth:`start` sends ``hello`` and
+    starts the heartbeat and the reader of the launcher's requests, which calls
+    ``on_request(record)``.
+    """
 
-    def _run(self) -> None:
+    def __init__(self, address: str | None):
+        self.sock = None
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        if not address:
+            return
+        host, _, port = address.rpartition(":")
+        try:
+            self.sock = socket.create_connection((host.strip("[]"), int(port)),
+                                                 timeout=CONNECT_TIMEOUT_SECONDS)
+            self.sock.settimeout(None)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except (OSError, ValueError) as exc:
+            print(f"poprun-lite agent on {socket.gethostname()}: cannot reach the launcher's "
+                  f"collector at {address}: {exc}; this rank's failures will not be reported",
+                  file=sys.stderr, flush=True)
+            self.sock = None
+
+    def send(self, record: dict | bytes) -> bool:
+        """Send a record (a dict, or an already encoded line); False if not sent."""
+        if self.sock is None:
+            return False
+        line = record if isinstance(record, bytes) else records.encode(record)
+        with self.lock:
+            try:
+                self.sock.sendall(line)
+                return True
+            except OSError:
+                return False
+
+    def start(self, hello: dict, on_request) -> None:
+        if self.sock is None:
+            return
+        self.send(records.make("hello", hello))
+        threading.Thread(target=self._heartbeat, daemon=True).start()
+        threading.Thread(target=self._requests, args=(on_request,), daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        beat = records.encode(records.make("heartbeat"))
+        while not self.closed.wait(records.HEARTBEAT_SECONDS):
+            if not self.send(beat):
+                return
+
+    def _requests(self, on_request) -> None:
+        lines = records.LineBuffer()
         while True:
             try:
-                chunk = os.read(self.src_fd, 65536)
+                chunk = self.sock.recv(65536)
             except OSError:
-                break
+                return
             if not chunk:
-                break
-            if self.dst_fd is not None:
+                return
+            for line in lines.feed(chunk):
                 try:
-                    os.write(self.dst_fd, chunk)
-                except OSError:
-                    self.dst_fd = None
-            parts = (self.partial + chunk).split(b"\n")
-            self.partial = parts.pop()[-65536:]
-            self.lines.extend(parts)
-        os.close(self.src_fd)
+                    on_request(records.decode(line))
+                except Exception as exc:  # noqa: BLE001 - a bad request must not kill the agent
+                    print(f"poprun-lite agent: ignored request {line[:200]!r}: {exc}",
+                          file=sys.stderr, flush=True)
 
-    def text(self, timeout: float = 2.0) -> str:
-        """The kept lines (waiting up to ``timeout`` s for the pipe to drain)."""
-        self.thread.join(timeout)
-        lines = list(self.lines) + ([self.partial] if self.partial else [])
-        return b"\n".join(lines[-TAIL_LINES:]).decode("utf-8", "replace")
+    def close(self) -> None:
+        """Stop the heartbeat and close the connection (after the last record)."""
+        self.closed.set()
+        if self.sock is not None:
+            with self.lock:
+                try:
+                    self.sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                self.sock.close()
+
+
+def _relay(sock: socket.socket, link: Link) -> None:
+    """Pass every record line from the program to the launcher and acknowledge it with
+    one byte (the program may wait for that before aborting the job)."""
+    lines = records.LineBuffer()
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        for line in lines.feed(chunk):
+            try:
+                records.decode(line)
+            except ValueError:
+                continue
+            link.send(line + b"\n")
+            try:
+                sock.sendall(b"\x06")
+            except OSError:
+                pass
+    sock.close()
+
+
+def _signal_program(state: dict, request: dict) -> None:
+    """``{"kind": "signal", "signal": "SIGUSR1"}``: send that signal to the program."""
+    proc = state.get("child")
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.Signals[request["signal"]])
+
+
+#: The launcher's requests this agent understands: record kind -> handler(state, request).
+REQUESTS = {"signal": _signal_program}
 
 
 def _signal_name(signum: int) -> str:
@@ -121,21 +187,17 @@ def _is_shown(environ) -> bool:
 def run(program: list[str]) -> int:
     """Run ``program`` under supervision and return the agent's exit code: 0 on
     success, else the child's exit code (128+signum when killed by a signal), 127
-    when the program cannot be started. Failures leave ``rank-<R>.exit.json``.
-    Does not raise for failures of the program.
+    when the program cannot be started. Sends the records described in the module
+    docstring. Does not raise for failures of the program.
     """
     environ = os.environ
-    rank = env_rank(environ)
-    run_dir = environ.get("POPDIST_LITE_RUN_DIR")
-    if run_dir and not os.path.isdir(run_dir):
-        run_dir = None  # e.g. a remote host: no records, the stderr tail still flows
-    child_env = dict(environ)
-    name = f"rank-{rank if rank is not None else os.getpid()}"
-    if run_dir:
-        child_env["POPDIST_LITE_ERROR_FILE"] = os.path.join(run_dir, f"{name}.error.json")
+    ident = records.env_identity(environ)
     shown = _is_shown(environ)
+    ours, theirs = socket.socketpair()
+    child_env = dict(environ)
+    child_env[records.RECORD_FD_ENV] = str(theirs.fileno())
 
-    pass_fds = []
+    pass_fds = [theirs.fileno()]
     pmi_fd = environ.get("PMI_FD")
     if pmi_fd and pmi_fd.isdigit():
         pass_fds.append(int(pmi_fd))
@@ -152,11 +214,18 @@ def run(program: list[str]) -> int:
             except OSError:
                 pass
 
+    def on_request(request: dict) -> None:
+        handler = REQUESTS.get(request["kind"])
+        if handler is not None:
+            handler(stop, request)
+
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    link = Link(environ.get(records.COLLECTOR_ENV))
 
     read_fd, write_fd = os.pipe()
     stdout = None if shown else subprocess.DEVNULL
+    relay = None
     try:
         child = subprocess.Popen(
             program, env=child_env, stdout=stdout, stderr=write_fd, pass_fds=pass_fds,
@@ -164,12 +233,20 @@ def run(program: list[str]) -> int:
     except OSError as exc:
         os.close(read_fd)
         os.close(write_fd)
+        theirs.close()
+        ours.close()
         print(f"poprun-lite agent: cannot start {program[0]!r}: {exc}", file=sys.stderr)
         child, code, tail = None, 127, str(exc)
+        link.start(ident, on_request)
     else:
         os.close(write_fd)
-        tail_reader = _Tail(read_fd, sys.stderr.fileno() if shown else None)
+        theirs.close()
+        tail_reader = Tee(read_fd, sys.stderr.fileno() if shown else None, TAIL_LINES)
+        ident["pid"] = child.pid
+        relay = threading.Thread(target=_relay, args=(ours, link), daemon=True)
+        relay.start()
         stop["child"] = child
+        link.start(ident, on_request)
         if stop["signal"] is not None:  # told to stop while starting the child
             forward(stop["signal"], None)
 
@@ -180,35 +257,23 @@ def run(program: list[str]) -> int:
                 break
             except subprocess.TimeoutExpired:
                 stopped_at = stop["time"]
-                if stopped_at is not None and time.monotonic() - stopped_at > KILL_GRACE_SECONDS:
+                if stopped_at is not None \
+                        and time.monotonic() - stopped_at > PROGRAM_KILL_DELAY_SECONDS:
                     child.kill()
-        # when told to stop, mpirun SIGKILLs us soon: do not wait long for the pipe
-        tail = tail_reader.text(timeout=0.2 if stop["signal"] is not None else 2.0)
+        # when told to stop, mpirun SIGKILLs us soon: do not wait long for the pipes
+        wait = 0.2 if stop["signal"] is not None else 2.0
+        relay.join(wait)
+        tail = tail_reader.text(timeout=wait)
 
+    sig = -code if code < 0 else None
+    ident["time"] = time.time()
+    link.send(records.make("exit", ident, exitcode=None if sig else code,
+                           signal=_signal_name(sig) if sig else None,
+                           stderr_tail=tail if code else "",
+                           terminated=stop["signal"] is not None))
+    link.close()
     if code == 0:
         return 0
-    sig = -code if code < 0 else None
-    if run_dir:
-        record = {
-            "rank": rank,
-            "replica": int(environ.get("POPDIST_REPLICA_INDEX_OFFSET", "0")),
-            "role": environ.get("POPDIST_LITE_ROLE", "replica"),
-            "host": socket.gethostname(),
-            "pid": child.pid if child is not None else None,
-            "time": time.time(),
-            "exitcode": None if sig else code,
-            "signal": _signal_name(sig) if sig else None,
-            "stderr_tail": tail,
-            "terminated": stop["signal"] is not None,
-        }
-        if record["role"] == "feeder":
-            record["replica"] = int(environ.get("POPDIST_LITE_FEEDER_OF", record["replica"]))
-            index = environ.get("POPDIST_LITE_FEEDER_INDEX", "")
-            record["feeder"] = int(index) if index.isdigit() else None
-        try:
-            write_json_atomic(os.path.join(run_dir, f"{name}.exit.json"), record)
-        except OSError as exc:
-            print(f"poprun-lite agent: cannot write failure record: {exc}", file=sys.stderr)
     return 128 + sig if sig else code
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
+import socket
 import sys
-import tempfile
 
-from . import __version__, job, report
+from . import __version__, job, records, report
+from .collector import Collector
 from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,
                      default_rank_env, detect_implementation, find_mpirun, is_local_host)
 
@@ -36,8 +36,8 @@ examples:
 
 Each rank gets POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_IPUS_PER_REPLICA,
 POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
-POPDIST_REPLICA_INDEX_OFFSET, POPDIST_LOCAL_INSTANCE_INDEX, POPDIST_LITE_ROLE and
-POPDIST_LITE_RUN_DIR, POPDIST_LITE_FEEDERS_PER_REPLICA (and POPDIST_LITE_TIMELINE with
+POPDIST_REPLICA_INDEX_OFFSET, POPDIST_LOCAL_INSTANCE_INDEX, POPDIST_LITE_ROLE,
+POPRUN_LITE_COLLECTOR (where its agent sends records), POPDIST_LITE_FEEDERS_PER_REPLICA (and POPDIST_LITE_TIMELINE with
 --timeline). Feeders (ranks after the replicas, on their replica's host) get their
 replica's variables plus POPDIST_LITE_ROLE=feeder, POPDIST_LITE_FEEDER_OF and
 POPDIST_LITE_FEEDER_INDEX. OMP_NUM_THREADS and the BLAS thread variables default to 1.
@@ -184,8 +184,9 @@ def read_hostfile(path: str) -> list[str]:
     return hosts
 
 
-def plan_ranks(opts: argparse.Namespace, run_dir: str) -> list[RankSpec]:
-    """One :class:`RankSpec` per MPI rank, in rank order, with its PopDist environment.
+def plan_ranks(opts: argparse.Namespace, collector: str) -> list[RankSpec]:
+    """One :class:`RankSpec` per MPI rank, in rank order, with its PopDist environment
+    and ``POPRUN_LITE_COLLECTOR=collector`` (the launcher's ``host:port``).
 
     Instance ``i`` drives replica ``i``; with hosts, instances are divided evenly
     (consecutive blocks) among them and ``POPDIST_LOCAL_INSTANCE_INDEX`` counts
@@ -207,7 +208,7 @@ def plan_ranks(opts: argparse.Namespace, run_dir: str) -> list[RankSpec]:
         "POPDIST_NUM_IPUS_PER_REPLICA": str(opts.ipus_per_replica),
         "POPDIST_NUM_LOCAL_REPLICAS": "1",
         "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE": "1",
-        "POPDIST_LITE_RUN_DIR": run_dir,
+        records.COLLECTOR_ENV: collector,
         # Open MPI gives every rank a pty, so ranks can't tell a terminal from a pipe.
         "POPDIST_LITE_STDOUT_ISATTY": "1" if sys.stdout.isatty() else "0",
         "POPDIST_LITE_FEEDERS_PER_REPLICA": str(opts.feeders_per_replica),
@@ -256,6 +257,22 @@ def format_topology(ranks: list[RankSpec]) -> str:
                      for row in rows)
 
 
+def collector_host(hosts: list[str]) -> str:
+    """The launcher's address the ranks' hosts reach it at: the source address of the
+    route to the first remote host (a UDP ``connect`` sends nothing).
+
+    Raises:
+        LauncherError: the host name does not resolve or has no route.
+    """
+    host = next(h for h in hosts if not is_local_host(h))
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise LauncherError(f"no route to host {host!r}: {exc}") from exc
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run ``poprun-lite`` and exit with the job's exit code (0 on success, the root
     cause's code or 128+signal on failure, 124 on --timeout, 2 on usage errors)."""
@@ -267,10 +284,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"poprun-lite: error: {exc}", file=sys.stderr)
         sys.exit(2)
 
-    run_dir = tempfile.mkdtemp(prefix="poprun-lite-")
+    local = all(is_local_host(host) for host in opts.hosts or [None])
     try:
-        ranks = plan_ranks(opts, run_dir)
-        local = all(is_local_host(spec.host) for spec in ranks)
+        collector = Collector("127.0.0.1" if local else collector_host(opts.hosts))
+    except (OSError, LauncherError) as exc:
+        print(f"poprun-lite: error: cannot start the record collector: {exc}", file=sys.stderr)
+        sys.exit(2)
+    with collector:
+        ranks = plan_ranks(opts, collector.address)
         export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
         cmd = build_command(
             mpirun, implementation, ranks, [opts.program, *opts.args],
@@ -285,28 +306,26 @@ def main(argv: list[str] | None = None) -> None:
             print(shlex.join(cmd), file=sys.stderr, flush=True)
         sys.stdout.flush()
         try:
-            result = job.run_job(cmd, run_dir, timeout=opts.timeout or None)
+            result = job.run_job(cmd, collector, timeout=opts.timeout or None)
         except OSError as exc:
             print(f"poprun-lite: error: cannot run {mpirun}: {exc}", file=sys.stderr)
             sys.exit(2)
 
-        if result.returncode == 0 and not result.stop_reason:
-            code = 0
-            if opts.timeline:
-                path = os.path.abspath(opts.timeline)
-                state = "written to" if os.path.exists(path) else "not written (did the program call popdist_lite.init()?):"
-                print(f"poprun-lite: timeline {state} {path}", file=sys.stderr, flush=True)
-        else:
-            code = report.exit_code_for(result.failures, result.returncode)
-            if result.timed_out:
-                code = 124
-            elif result.stop_signal is not None:
-                code = 128 + result.stop_signal
-            print(report.format_report(result.failures, code, reason=result.stop_reason,
-                                       mpirun_tail=result.mpirun_tail),
-                  file=sys.stderr, flush=True)
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    if result.returncode == 0 and not result.stop_reason and not result.failures:
+        code = 0
+        if opts.timeline:
+            path = os.path.abspath(opts.timeline)
+            state = "written to" if os.path.exists(path) else "not written (did the program call popdist_lite.init()?):"
+            print(f"poprun-lite: timeline {state} {path}", file=sys.stderr, flush=True)
+    else:
+        code = report.exit_code_for(result.failures, result.returncode)
+        if result.timed_out:
+            code = 124
+        elif result.stop_signal is not None:
+            code = 128 + result.stop_signal
+        print(report.format_report(result.failures, code, reason=result.stop_reason,
+                                   mpirun_tail=result.mpirun_tail),
+              file=sys.stderr, flush=True)
     sys.exit(code)
 
 

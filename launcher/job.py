@@ -1,15 +1,17 @@
-"""Running the mpirun command: signals, timeout, hard kill, failure records.
+"""Running the mpirun command: signals, timeout, lost ranks, hard kill, failure records.
 
 :func:`run_job` starts mpirun in a new session, passes its stderr through while
-keeping the last lines, forwards SIGINT/SIGTERM to it, enforces ``--timeout``,
-and if the job is not gone ``KILL_GRACE_SECONDS`` after being told to stop,
-SIGKILLs every process of mpirun's session (mpirun gives each rank its own
-process group, so killing one group is not enough).
+keeping the last lines, forwards SIGINT/SIGTERM to it, enforces ``--timeout``, stops
+the job when the collector has lost a rank's agent (a host went down: mpirun may wait
+for it for minutes) or when mpirun is still running
+``FAILED_JOB_STOP_DELAY_SECONDS`` after a rank failed, and if the job is not gone
+``SESSION_KILL_DELAY_SECONDS`` after being told to stop, SIGKILLs every process of
+mpirun's session (mpirun gives each rank its own process group, so killing one group
+is not enough). The failures come from the collector's records.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import signal
 import subprocess
@@ -19,9 +21,12 @@ import time
 from dataclasses import dataclass, field
 
 from . import report
+from .tee import Tee
 
-#: Seconds between asking the job to stop and killing all of its processes.
-KILL_GRACE_SECONDS = 8.0
+#: Seconds between asking mpirun to stop and SIGKILLing every process of its session.
+SESSION_KILL_DELAY_SECONDS = 8.0
+#: Seconds mpirun gets to end the job by itself after a rank failed.
+FAILED_JOB_STOP_DELAY_SECONDS = 10.0
 MPIRUN_TAIL_LINES = 50
 
 
@@ -35,32 +40,6 @@ class JobResult:
     timed_out: bool = False
     mpirun_tail: str = ""
     failures: list = field(default_factory=list)
-
-
-def _pump_stderr(src, tail: collections.deque) -> None:
-    """Copy mpirun's stderr to ours, keeping the last lines."""
-    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
-    partial = b""
-    fd = src.fileno()
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        chunk = chunk.replace(b"\0", b"")  # prterun ends its help messages with a NUL
-        if out is not None:
-            try:
-                out.write(chunk)
-                out.flush()
-            except (OSError, ValueError):
-                out = None
-        parts = (partial + chunk).split(b"\n")
-        partial = parts.pop()[-65536:]
-        tail.extend(parts)
-    if partial:
-        tail.append(partial)
 
 
 def session_pids(sid: int) -> list[int]:
@@ -98,13 +77,16 @@ def kill_session(sid: int) -> None:
         pass
 
 
-def run_job(cmd: list[str], run_dir: str, *, timeout: float | None = None,
+def run_job(cmd: list[str], collector, *, timeout: float | None = None,
             env: dict[str, str] | None = None) -> JobResult:
-    """Run ``cmd`` (an mpirun command) to completion and collect failure records.
+    """Run ``cmd`` (an mpirun command) to completion; failures come from ``collector``
+    (a :class:`~popdist_lite_launcher.collector.Collector` whose address the ranks got).
 
-    SIGINT/SIGTERM received meanwhile are forwarded to mpirun; ``timeout``
-    seconds (None/0: no limit) after the start mpirun gets SIGTERM. In both cases
-    the whole session is SIGKILLed if still alive ``KILL_GRACE_SECONDS`` later.
+    SIGINT/SIGTERM received meanwhile are forwarded to mpirun; ``timeout`` seconds
+    (None/0: no limit) after the start mpirun gets SIGTERM, and so it does when the
+    collector reports a failure and mpirun is still running
+    ``FAILED_JOB_STOP_DELAY_SECONDS`` later (at once for a lost agent). In every case
+    the whole session is SIGKILLed if still alive ``SESSION_KILL_DELAY_SECONDS`` later.
     Must be called from the main thread (it installs signal handlers).
 
     Raises:
@@ -113,12 +95,16 @@ def run_job(cmd: list[str], run_dir: str, *, timeout: float | None = None,
     result = JobResult(returncode=0)
     state = {"proc": None, "stop_at": None}
 
-    def stop(signum, _frame=None):
+    def interrupt(signum, _frame):
         if result.stop_signal is None and not result.timed_out:
             result.stop_signal = signum
             result.stop_reason = f"job interrupted by {signal.Signals(signum).name}"
+        stop(signum)
+
+    def stop(signum):
         if state["stop_at"] is None:
             state["stop_at"] = time.monotonic()
+            collector.stopping()
         if state["proc"] is not None:
             try:
                 state["proc"].send_signal(signum)
@@ -126,17 +112,21 @@ def run_job(cmd: list[str], run_dir: str, *, timeout: float | None = None,
                 pass
 
     # handlers first: a Ctrl-C while starting must not orphan mpirun (its own session)
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 start_new_session=True, env=env)
         state["proc"] = proc
         if result.stop_signal is not None:
             stop(result.stop_signal)
-        tail: collections.deque = collections.deque(maxlen=MPIRUN_TAIL_LINES)
-        pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, tail), daemon=True)
-        pump.start()
+        try:
+            err_fd = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            err_fd = 2
+        tail = Tee(os.dup(proc.stderr.fileno()), err_fd, MPIRUN_TAIL_LINES, drop=b"\0")
+        proc.stderr.close()
         start = time.monotonic()
+        failed_at = None
         killed = False
         while True:
             try:
@@ -150,16 +140,22 @@ def run_job(cmd: list[str], run_dir: str, *, timeout: float | None = None,
                 result.timed_out = True
                 result.stop_reason = f"job timed out after {timeout:g} s"
                 stop(signal.SIGTERM)
+            if failed_at is None and collector.has_failure():
+                failed_at = now
+            if failed_at is not None and state["stop_at"] is None and (
+                    any(not r["terminated"] for r in collector.records("lost"))
+                    or now - failed_at > FAILED_JOB_STOP_DELAY_SECONDS):
+                stop(signal.SIGTERM)
             if state["stop_at"] is not None and not killed \
-                    and now - state["stop_at"] > KILL_GRACE_SECONDS:
+                    and now - state["stop_at"] > SESSION_KILL_DELAY_SECONDS:
                 kill_session(proc.pid)
                 killed = True
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if killed or result.stop_reason:
+    if killed or state["stop_at"] is not None:
         kill_session(proc.pid)  # leftovers that ignored the stop request
-    pump.join(2.0)
-    result.mpirun_tail = b"\n".join(tail).decode("utf-8", "replace")
-    result.failures = report.merge_records(report.load_records(run_dir))
+    result.mpirun_tail = tail.text(timeout=2.0)
+    collector.wait_closed(2.0)
+    result.failures = report.merge_records(collector.failure_records())
     return result

@@ -1,11 +1,13 @@
 """The failure report printed by poprun-lite after a failed job (torchrun style).
 
-Inputs are the JSON records the ranks leave in the run directory:
+Inputs are the records the launcher's collector received from the ranks' agents
+(format: :mod:`popdist_lite.records`):
 
-* ``rank-<R>.exit.json`` by the agent when its program failed: ``rank, replica,
-  role, host, pid, time, exitcode, signal, stderr_tail, terminated``;
-* ``rank-<R>.error.json`` by ``popdist_lite._excepthook`` on an uncaught
-  exception: ``rank, replica, role, host, pid, time, exception, message, traceback``.
+* ``exit`` from the agent when its program ended (those of programs that succeeded
+  are left out): exit code or signal, stderr tail, ``terminated``;
+* ``error`` from ``popdist_lite._excepthook`` on an uncaught exception: exception
+  class, message, traceback;
+* ``lost`` from the collector when an agent vanished (killed, or its host down).
 
 Records of host feed processes have ``role == "feeder"``, ``replica`` = the replica
 they feed and ``feeder`` = their index; they are titled ``feeder K of replica N``.
@@ -16,9 +18,6 @@ job being stopped. Pure functions on plain dicts: no MPI, no processes.
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 import signal as _signal
 from dataclasses import dataclass
 
@@ -45,6 +44,7 @@ class Failure:
     stderr_tail: str = ""
     has_exit_record: bool = False
     feeder: int | None = None  # index of a feeder among its replica's feeders
+    lost: str | None = None    # why the launcher lost contact with the rank's agent
 
     @property
     def raised(self) -> bool:
@@ -66,6 +66,8 @@ class Failure:
         a consequence, not the cause)."""
         if self.raised:
             return "exit code 1"
+        if self.lost and not self.has_exit_record:
+            return f"lost: {self.lost}"
         if self.signal:
             return f"signal {self.signal}"
         if self.exitcode is not None:
@@ -99,41 +101,30 @@ class Failure:
         return f"{name} ({details})" if details else name
 
 
-def load_records(run_dir: str) -> list[dict]:
-    """Read every ``rank-*.exit.json`` / ``rank-*.error.json`` of ``run_dir``.
-
-    Each returned dict gets ``"kind": "exit" | "error"``. Unreadable or partial
-    files are skipped (never raises for a missing directory).
-    """
-    records = []
-    for kind in ("exit", "error"):
-        for path in sorted(glob.glob(os.path.join(run_dir, f"rank-*.{kind}.json"))):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    record = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if isinstance(record, dict):
-                record["kind"] = kind
-                records.append(record)
-    return records
-
-
 def merge_records(records: list[dict]) -> list[Failure]:
-    """Merge exit and error records of the same rank into :class:`Failure`, sorted by time.
+    """Merge the ``exit``, ``error`` and ``lost`` records of each rank into one
+    :class:`Failure`, sorted by time; ranks that only exited with code 0 are left out.
 
-    The time of a rank with an error record is the time of the exception.
+    The time of a rank with an error record is the time of the exception; a lost
+    rank's is when its agent was last heard from.
     """
     by_rank: dict = {}
     for record in records:
+        if record.get("kind") not in ("exit", "error", "lost"):
+            continue
         key = record.get("rank")
         if key is None:
             key = ("pid", record.get("pid"))
-        by_rank.setdefault(key, {})[record.get("kind", "exit")] = record
+        by_rank.setdefault(key, {})[record["kind"]] = record
     failures = []
     for parts in by_rank.values():
-        exit_rec, error_rec = parts.get("exit"), parts.get("error")
-        base = exit_rec or error_rec
+        exit_rec, error_rec, lost_rec = parts.get("exit"), parts.get("error"), parts.get("lost")
+        if exit_rec and not error_rec and not exit_rec.get("exitcode") \
+                and not exit_rec.get("signal"):
+            continue  # succeeded
+        base = exit_rec or error_rec or lost_rec
+        if base is None:
+            continue
         failure = Failure(rank=base.get("rank"), replica=base.get("replica"),
                           role=base.get("role") or "replica", host=base.get("host"),
                           pid=base.get("pid"), time=float(base.get("time") or 0.0),
@@ -149,6 +140,10 @@ def merge_records(records: list[dict]) -> list[Failure]:
             failure.exception = error_rec.get("exception")
             failure.message = error_rec.get("message")
             failure.traceback = error_rec.get("traceback")
+        if lost_rec:
+            failure.lost = lost_rec.get("reason") or "lost contact"
+            if not exit_rec:
+                failure.terminated = bool(lost_rec.get("terminated"))
         failures.append(failure)
     failures.sort(key=lambda f: (f.time, f.rank if f.rank is not None else -1))
     return failures

@@ -4,9 +4,10 @@
 uncaught exception the hook
 
 1. prints a line naming the replica, then the traceback, to stderr;
-2. if ``POPDIST_LITE_ERROR_FILE`` is set (by the poprun-lite agent) writes there,
-   atomically, ``{"rank", "replica", "role", "host", "pid", "time", "exception",
-   "message", "traceback"}`` (plus ``"feeder"``, the feeder index, on a feeder);
+2. sends an ``error`` record (:mod:`popdist_lite.records`: the replica, role, feeder
+   index, host, pid, time, exception class, message and traceback) to the rank's
+   poprun-lite agent, waiting up to :data:`RECORD_TIMEOUT_SECONDS` until the agent has
+   passed it on to the launcher (nothing is sent without an agent);
 3. calls ``MPI.COMM_WORLD.Abort(1)`` when MPI is initialised and the job has more
    than one rank (as ``python -m mpi4py`` does), so the other ranks stop within
    seconds instead of waiting forever in a collective.
@@ -14,13 +15,16 @@ uncaught exception the hook
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 import threading
-import time
 import traceback
+
+from . import records
+
+#: Seconds the hook waits for its agent to pass the error record on before aborting.
+RECORD_TIMEOUT_SECONDS = 5.0
 
 _state: dict = {"installed": False, "replica": 0, "role": "replica", "feeder": None}
 
@@ -49,37 +53,19 @@ def _rank() -> int | None:
     world = _mpi_world()
     if world is not None:
         return world.Get_rank()
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
+    return records.env_rank()
 
 
-def _write_record(exc_type, exc_value, text: str, rank) -> None:
-    path = os.environ.get("POPDIST_LITE_ERROR_FILE")
-    if not path:
-        return
-    record = {
-        "rank": rank,
-        "replica": _state["replica"],
-        "role": _state["role"],
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "time": time.time(),
-        "exception": getattr(exc_type, "__name__", str(exc_type)),
-        "message": str(exc_value),
-        "traceback": text,
-    }
-    if _state["feeder"] is not None:
-        record["feeder"] = _state["feeder"]
-    tmp = f"{path}.{os.getpid()}.tmp"
+def _send_record(exc_type, exc_value, text: str, rank) -> None:
+    ident = records.identity(rank=rank, replica=_state["replica"], role=_state["role"],
+                             feeder=_state["feeder"], pid=os.getpid())
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # the run directory is gone or not shared: the stderr tail remains
+        records.send(records.make("error", ident,
+                                  exception=getattr(exc_type, "__name__", str(exc_type)),
+                                  message=str(exc_value), traceback=text),
+                     timeout=RECORD_TIMEOUT_SECONDS)
+    except Exception:  # noqa: BLE001 - the abort below matters more than the record
+        pass
 
 
 def _handle(exc_type, exc_value, exc_tb, where: str = "") -> None:
@@ -93,7 +79,7 @@ def _handle(exc_type, exc_value, exc_tb, where: str = "") -> None:
         sys.stderr.flush()
     except Exception:  # noqa: BLE001 - stderr may be closed
         pass
-    _write_record(exc_type, exc_value, text, rank)
+    _send_record(exc_type, exc_value, text, rank)
     world = _mpi_world()
     if world is not None and world.Get_size() > 1:
         world.Abort(1)

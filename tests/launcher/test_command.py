@@ -9,17 +9,17 @@ import sys
 
 import pytest
 
-from popdist_lite_launcher import agent, cli
+from popdist_lite_launcher import agent, cli, records
 from popdist_lite_launcher.mpirun import (MPICH, OPENMPI, LauncherError, RankSpec,
                                           agent_command, build_command, default_rank_env,
                                           find_mpirun, parse_implementation)
 
-RUN_DIR = "/tmp/run-dir"
+COLLECTOR = "10.0.0.1:4567"
 
 
 def plan(argv):
     opts = cli.parse_args([*argv, "python3", "train.py"])
-    return opts, cli.plan_ranks(opts, RUN_DIR)
+    return opts, cli.plan_ranks(opts, COLLECTOR)
 
 
 def contexts(cmd):
@@ -153,7 +153,7 @@ def test_plan_env_per_instance():
         assert env["POPDIST_REPLICA_INDEX_OFFSET"] == str(i)
         assert env["POPDIST_LOCAL_INSTANCE_INDEX"] == str(i)
         assert env["POPDIST_LITE_ROLE"] == "replica"
-        assert env["POPDIST_LITE_RUN_DIR"] == RUN_DIR
+        assert env["POPRUN_LITE_COLLECTOR"] == COLLECTOR
         assert "POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE" not in env
 
 
@@ -239,10 +239,10 @@ def test_missing_program(capsys):
 # ---------------------------------------------------------------- agent helpers
 
 def test_agent_rank_and_output_selection():
-    assert agent.env_rank({"PMI_RANK": "3"}) == 3
-    assert agent.env_rank({"OMPI_COMM_WORLD_RANK": "1", "PMI_RANK": "3"}) == 1
-    assert agent.env_rank({"PMIX_RANK": "2"}) == 2
-    assert agent.env_rank({}) is None
+    assert records.env_rank({"PMI_RANK": "3"}) == 3
+    assert records.env_rank({"OMPI_COMM_WORLD_RANK": "1", "PMI_RANK": "3"}) == 1
+    assert records.env_rank({"PMIX_RANK": "2"}) == 2
+    assert records.env_rank({}) is None
     assert agent._is_shown({})
     sel = {"POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE": "1"}
     assert agent._is_shown({**sel, "POPDIST_REPLICA_INDEX_OFFSET": "1"})

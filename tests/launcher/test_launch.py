@@ -17,10 +17,9 @@ import time
 import pytest
 
 from popdist_lite_launcher import __version__, job
+from popdist_lite_launcher.collector import Collector
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
-EXCEPTHOOK_PY = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
-                                             "popdist_lite", "_excepthook.py"))
 
 
 def launch(*args, timeout=60, env=None, job_timeout=40):
@@ -50,7 +49,7 @@ def alive(pid):
 ENV_DUMP = """
     import json, os, sys
     info = {k: v for k, v in os.environ.items()
-            if k.startswith(("POPDIST", "OMP_", "OPENBLAS_", "MKL_"))}
+            if k.startswith(("POPDIST", "POPRUN", "OMP_", "OPENBLAS_", "MKL_"))}
     if "--mpi" in sys.argv:
         from mpi4py import MPI
         info["size"], info["rank"] = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
@@ -77,13 +76,13 @@ def test_topology_env_per_rank(tmp_path, n):
         assert info["POPDIST_REPLICA_INDEX_OFFSET"] == str(i)
         assert info["POPDIST_LOCAL_INSTANCE_INDEX"] == str(i)
         assert info["POPDIST_LITE_ROLE"] == "replica"
-        assert info["POPDIST_LITE_ERROR_FILE"] == os.path.join(
-            info["POPDIST_LITE_RUN_DIR"], f"rank-{i}.error.json")
+        assert info["POPRUN_LITE_COLLECTOR"] == infos[0]["POPRUN_LITE_COLLECTOR"]
+        assert info["POPRUN_LITE_COLLECTOR"].startswith("127.0.0.1:")
+        assert info["POPDIST_LITE_RECORD_FD"].isdigit()  # the socket to its agent
         assert info["OMP_NUM_THREADS"] == ("3" if n == 2 else "1")
         assert info["OPENBLAS_NUM_THREADS"] == info["MKL_NUM_THREADS"] == "1"
         if n == 4:
             assert (info["size"], info["rank"]) == (4, i)
-    assert not os.path.exists(infos[0]["POPDIST_LITE_RUN_DIR"])  # removed at the end
     assert proc.stderr == ""  # success: nothing extra
 
 
@@ -120,11 +119,9 @@ def test_bad_option_values(args, message):
 
 def test_exception_under_mpi_aborts_job_and_names_root_cause(tmp_path):
     prog = program(tmp_path, "boom.py", f"""
-        import importlib.util, time
+        import time
         from mpi4py import MPI
-        # popdist_lite._excepthook loaded by path: independent of popdist_lite.init()
-        spec = importlib.util.spec_from_file_location("_excepthook", {EXCEPTHOOK_PY!r})
-        hook = importlib.util.module_from_spec(spec); spec.loader.exec_module(hook)
+        from popdist_lite import _excepthook as hook   # independent of popdist_lite.init()
         comm = MPI.COMM_WORLD
         hook.install(comm.Get_rank())
         comm.Barrier()
@@ -262,7 +259,7 @@ def test_timeout_stops_job(tmp_path):
 
 def test_run_job_kills_whole_session_when_stop_is_ignored(tmp_path, monkeypatch):
     """If mpirun itself does not stop, every process of its session is SIGKILLed."""
-    monkeypatch.setattr(job, "KILL_GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(job, "SESSION_KILL_DELAY_SECONDS", 1.0)
     stubborn = program(tmp_path, "stubborn.py", """
         import os, signal, subprocess, sys, time
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -276,7 +273,8 @@ def test_run_job_kills_whole_session_when_stop_is_ignored(tmp_path, monkeypatch)
     """)
     pid_file = tmp_path / "pids"
     start = time.monotonic()
-    result = job.run_job([*stubborn, str(pid_file)], str(tmp_path), timeout=1.0)
+    with Collector() as collector:
+        result = job.run_job([*stubborn, str(pid_file)], collector, timeout=1.0)
     assert result.timed_out and result.returncode == -signal.SIGKILL
     assert time.monotonic() - start < 8
     pids = [int(p) for p in pid_file.read_text().split()]

@@ -1,15 +1,20 @@
-"""Unit tests of the failure report (synthetic records) and of the record writers
-(``popdist_lite._excepthook`` and the agent), without MPI."""
+"""Unit tests of the failure report (synthetic records), the record format and the
+collector, and of the record writers (``popdist_lite._excepthook`` and the agent),
+without MPI."""
 
-import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
-from popdist_lite_launcher import agent, report
+import pytest
+
+from popdist_lite_launcher import agent, records, report
+from popdist_lite_launcher.collector import Collector
 
 TB = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    1 / 0\n' \
      "ZeroDivisionError: division by zero\n"
@@ -128,105 +133,233 @@ def test_other_role_title():
     assert failures[0].title() == "feeder of replica 4 (rank 4, host h, pid 104)"
 
 
-def test_load_records_skips_partial_files(tmp_path):
-    (tmp_path / "rank-0.exit.json").write_text(json.dumps(exit_rec(0, 1.0, code=1)))
-    (tmp_path / "rank-0.error.json").write_text(json.dumps(error_rec(0, 0.5)))
-    (tmp_path / "rank-1.exit.json").write_text('{"rank": 1, "ti')
-    (tmp_path / "rank-2.exit.json.123.tmp").write_text("{}")
-    records = report.load_records(str(tmp_path))
-    assert sorted(r["kind"] for r in records) == ["error", "exit"]
-    assert report.load_records(str(tmp_path / "missing")) == []
+def test_successful_exit_is_not_a_failure_and_lost_agent_is():
+    ok = exit_rec(0, 1.0, code=0)
+    lost = {"kind": "lost", "rank": 1, "replica": 1, "role": "replica", "feeder": None,
+            "host": "h2", "pid": 101, "time": 2.0, "terminated": False,
+            "reason": "nothing from its agent for 10 s (host down or unreachable)"}
+    failures, text = make([ok, lost, exit_rec(2, 3.0, sig="SIGTERM", terminated=True)])
+    assert [f.rank for f in failures] == [1, 2]
+    assert "root cause: replica 1 (rank 1, host h2, pid 101): lost: nothing from its agent " \
+           "for 10 s (host down or unreachable)" in text
+    assert report.exit_code_for(failures, 0) == 1
+
+
+def test_records_contract():
+    ident = records.identity(rank=3, replica=1, role="feeder", feeder=0, pid=7)
+    rec = records.make("exit", ident, exitcode=2, signal=None, stderr_tail="x",
+                       terminated=False)
+    line = records.encode(rec)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert records.decode(line) == rec and rec["kind"] == "exit"
+    assert set(rec) == {"kind", *records.FIELDS["exit"]}
+    with pytest.raises(ValueError, match="has no field"):
+        records.make("error", ident, exitcode=1)
+    with pytest.raises(ValueError, match="kind"):
+        records.decode(b'{"rank": 1}')
+    with pytest.raises(ValueError):
+        records.decode(b'{"kind": "exit", "ti')
+    assert records.make("progress", ident, step=5)["step"] == 5  # other kinds: any fields
+    env = {"PMI_RANK": "4", "POPDIST_REPLICA_INDEX_OFFSET": "1", "POPDIST_LITE_ROLE": "feeder",
+           "POPDIST_LITE_FEEDER_OF": "1", "POPDIST_LITE_FEEDER_INDEX": "2"}
+    ident = records.env_identity(env)
+    assert (ident["rank"], ident["replica"], ident["role"], ident["feeder"]) == (4, 1, "feeder", 2)
+
+
+def test_collector_skips_bad_lines_and_reports_lost_agents():
+    with Collector(silence_timeout=1.0) as collector:
+        host, port = collector.address.rsplit(":", 1)
+        hello = records.make("hello", records.identity(rank=0, replica=0, pid=1))
+        # agent 0: a bad line, a progress record, then it vanishes without an exit record
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(records.encode(hello) + b"not json\n" +
+                         records.encode({"kind": "progress", "rank": 0, "step": 3}))
+            seen = []
+            collector.subscribe("progress", seen.append)
+            time.sleep(0.3)
+        assert collector.wait_closed(5)
+        assert [r["kind"] for r in collector.records()] == ["hello", "progress", "lost"]
+        lost = collector.records("lost")[0]
+        assert lost["rank"] == 0 and lost["terminated"] is False and "closed" in lost["reason"]
+        assert collector.has_failure()
+        # agent 1: says hello, then goes silent: lost after silence_timeout, a consequence now
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(records.encode({**hello, "rank": 1}))
+        deadline = time.monotonic() + 10
+        while len(collector.records("lost")) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        lost = collector.records("lost")[1]
+        assert lost["rank"] == 1 and lost["terminated"] is True and "nothing" in lost["reason"]
+        sock.close()
+
+
+def test_collector_sends_requests_to_one_agent():
+    with Collector() as collector:
+        host, port = collector.address.rsplit(":", 1)
+        socks = [socket.create_connection((host, int(port))) for _ in range(2)]
+        for rank, sock in enumerate(socks):
+            sock.sendall(records.encode(records.make(
+                "hello", records.identity(rank=rank, replica=rank, pid=1))))
+        deadline = time.monotonic() + 5
+        while len(collector.records("hello")) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert collector.send(1, {"kind": "signal", "signal": "SIGUSR1"})
+        assert not collector.send(5, {"kind": "signal", "signal": "SIGUSR1"})
+        socks[1].settimeout(5)
+        assert records.decode(socks[1].recv(1000)) == {"kind": "signal", "signal": "SIGUSR1"}
+        for sock in socks:
+            sock.close()
 
 
 # ---------------------------------------------------------------- record writers
 
-EXCEPTHOOK_PY = os.path.join(os.path.dirname(__file__), "..", "..", "popdist_lite",
-                             "_excepthook.py")
-# load the module by path: fast (no popdist_lite/__init__, hence no MPI start-up)
-LOAD = ("import importlib.util as u; s = u.spec_from_file_location('_excepthook', {!r}); "
-        "_excepthook = u.module_from_spec(s); s.loader.exec_module(_excepthook)\n")
+HOOK = ("import mpi4py; mpi4py.rc.initialize = False  # no MPI needed here\n"
+        "from popdist_lite import _excepthook\n")
 
 
-def run_py(code, tmp_path, **env):
-    code = LOAD.format(os.path.abspath(EXCEPTHOOK_PY)) + textwrap.dedent(code)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **env}, cwd=tmp_path)
+class FakeAgent:
+    """The agent's end of a rank's record socket: collects lines, acknowledges each."""
+
+    def __init__(self):
+        self.ours, self.theirs = socket.socketpair()
+        self.lines = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        buf = records.LineBuffer()
+        while chunk := self.ours.recv(65536):
+            for line in buf.feed(chunk):
+                self.lines.append(records.decode(line))
+                self.ours.sendall(b"\x06")
+
+    def env(self):
+        return {records.RECORD_FD_ENV: str(self.theirs.fileno())}
 
 
-def test_excepthook_prints_replica_and_writes_record(tmp_path):
-    path = tmp_path / "rank-0.error.json"
+def run_py(code, tmp_path, agent=None):
+    env = {k: v for k, v in os.environ.items() if k != records.RECORD_FD_ENV}
+    env.update(agent.env() if agent else {})
+    proc = subprocess.run([sys.executable, "-c", HOOK + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+                          pass_fds=[agent.theirs.fileno()] if agent else ())
+    if agent:
+        agent.theirs.close()
+        agent.thread.join(5)
+    return proc
+
+
+def test_excepthook_prints_replica_and_sends_record(tmp_path):
+    fake = FakeAgent()
     proc = run_py("""
         _excepthook.install(5)
         _excepthook.install(3)   # idempotent: only updates the replica
         def f():
             raise ValueError("bad value 42")
         f()
-    """, tmp_path, POPDIST_LITE_ERROR_FILE=str(path))
+    """, tmp_path, fake)
     assert proc.returncode == 1
     first = proc.stderr.splitlines()[0]
     assert first.startswith("popdist-lite: uncaught exception in replica 3 (")
     assert proc.stderr.count("Traceback (most recent call last)") == 1
-    record = json.loads(path.read_text())
-    assert set(record) == {"rank", "replica", "role", "host", "pid", "time", "exception",
-                           "message", "traceback"}
-    assert record["replica"] == 3 and record["role"] == "replica"
+    [record] = fake.lines
+    assert set(record) == {"kind", *records.FIELDS["error"]}
+    assert record["kind"] == "error" and record["replica"] == 3 and record["role"] == "replica"
     assert record["exception"] == "ValueError" and record["message"] == "bad value 42"
     assert "in f\n" in record["traceback"]
-    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_excepthook_in_thread(tmp_path):
-    path = tmp_path / "err.json"
+    fake = FakeAgent()
     proc = run_py("""
         import threading
         _excepthook.install(1, role="feeder")
         t = threading.Thread(target=lambda: {}["missing"], name="loader")
         t.start(); t.join()
         print("main continues")
-    """, tmp_path, POPDIST_LITE_ERROR_FILE=str(path))
+    """, tmp_path, fake)
     assert "uncaught exception in feeder 1" in proc.stderr and "thread loader" in proc.stderr
-    record = json.loads(path.read_text())
+    assert "main continues" in proc.stdout
+    [record] = fake.lines
     assert record["exception"] == "KeyError" and record["role"] == "feeder"
 
 
-def test_excepthook_without_error_file(tmp_path):
+def test_excepthook_without_agent(tmp_path):
     proc = run_py("""
         _excepthook.install(0)
-        raise RuntimeError("no file")
+        raise RuntimeError("no agent")
     """, tmp_path)
-    assert proc.returncode == 1 and "RuntimeError: no file" in proc.stderr
+    assert proc.returncode == 1 and "RuntimeError: no agent" in proc.stderr
     assert not list(tmp_path.iterdir())
 
 
-def test_agent_writes_exit_record(tmp_path):
-    script = tmp_path / "p.py"
-    script.write_text("import sys\nprint('out')\nprint('err line', file=sys.stderr)\n"
-                      "import os\nprint(os.environ['POPDIST_LITE_ERROR_FILE'])\nsys.exit(3)\n")
-    env = {**os.environ, "POPDIST_LITE_RUN_DIR": str(tmp_path), "PMI_RANK": "2",
-           "POPDIST_REPLICA_INDEX_OFFSET": "2", "POPDIST_LITE_ROLE": "replica"}
-    proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
-                           sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=60, env=env)
+def run_agent(collector, code, env, **kw):
+    """The agent supervising ``python -c code``, sending to ``collector``."""
+    env = {**os.environ, records.COLLECTOR_ENV: collector.address, **env}
+    return subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
+                             sys.executable, "-c", code], env=env, text=True, **kw)
+
+
+def test_agent_sends_exit_record(tmp_path):
+    code = ("import sys\nprint('out')\nprint('err line', file=sys.stderr)\n"
+            "from popdist_lite import records\n"
+            "print(records.send({'kind': 'progress', 'step': 1}, timeout=5))\nsys.exit(3)\n")
+    with Collector() as collector:
+        proc = run_agent(collector, code, {"PMI_RANK": "2", "POPDIST_REPLICA_INDEX_OFFSET": "2",
+                                           "POPDIST_LITE_ROLE": "replica"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=60)
+        assert collector.wait_closed(5)
+        recs = collector.records()
     assert proc.returncode == 3
-    assert proc.stdout.splitlines() == ["out", str(tmp_path / "rank-2.error.json")]
-    assert "err line" in proc.stderr  # teed
-    record = json.loads((tmp_path / "rank-2.exit.json").read_text())
-    assert set(record) == {"rank", "replica", "role", "host", "pid", "time", "exitcode",
-                           "signal", "stderr_tail", "terminated"}
+    assert out.splitlines() == ["out", "True"]
+    assert "err line" in err  # teed
+    assert [r["kind"] for r in recs] == ["hello", "progress", "exit"]
+    record = recs[-1]
+    assert set(record) == {"kind", *records.FIELDS["exit"]}
     assert record["rank"] == 2 and record["replica"] == 2 and record["exitcode"] == 3
     assert record["signal"] is None and record["terminated"] is False
     assert record["stderr_tail"] == "err line"
+    assert recs[0]["pid"] == record["pid"] != proc.pid  # the program's pid
 
 
-def test_agent_success_leaves_no_record_and_hidden_output(tmp_path):
-    env = {**os.environ, "POPDIST_LITE_RUN_DIR": str(tmp_path), "PMI_RANK": "0",
-           "POPDIST_REPLICA_INDEX_OFFSET": "1", "POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE": "0"}
+def test_agent_success_and_hidden_output(tmp_path):
+    env = {"PMI_RANK": "0", "POPDIST_REPLICA_INDEX_OFFSET": "1",
+           "POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE": "0"}
     code = "import sys; print('o'); print('e', file=sys.stderr)"
-    proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
-                           sys.executable, "-c", code],
-                          capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
-    assert not list(tmp_path.iterdir())
+    with Collector() as collector:
+        proc = run_agent(collector, code, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=60)
+        assert collector.wait_closed(5)
+        recs = collector.failure_records()
+    assert proc.returncode == 0 and out == "" and err == ""
+    assert [(r["kind"], r["exitcode"]) for r in recs] == [("exit", 0)]
+    assert report.merge_records(recs) == []
+
+
+def test_agent_signals_program_on_request(tmp_path):
+    ready = tmp_path / "ready"
+    code = ("import signal, time, pathlib, os\n"
+            "signal.signal(signal.SIGUSR1, lambda *a: os._exit(7))\n"
+            f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
+    with Collector() as collector:
+        proc = run_agent(collector, code, {"PMI_RANK": "1"}, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 20
+            while not (ready.exists() and collector.records("hello")):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+            assert collector.send(1, {"kind": "signal", "signal": "SIGUSR1"})
+            proc.wait(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+        assert collector.wait_closed(5)
+        assert proc.returncode == 7
+        assert collector.records("exit")[0]["exitcode"] == 7
 
 
 def test_agent_forwards_sigterm_escalates_and_marks_terminated(tmp_path):
@@ -235,25 +368,25 @@ def test_agent_forwards_sigterm_escalates_and_marks_terminated(tmp_path):
     ready = tmp_path / "ready"
     code = ("import signal, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
-    env = {**os.environ, "POPDIST_LITE_RUN_DIR": str(tmp_path), "PMI_RANK": "1",
-           "POPDIST_REPLICA_INDEX_OFFSET": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
-                             sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-        start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
-        elapsed = time.monotonic() - start
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
+    with Collector() as collector:
+        proc = run_agent(collector, code, {"PMI_RANK": "1", "POPDIST_REPLICA_INDEX_OFFSET": "1"},
+                         stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 20
+            while not ready.exists():
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+            elapsed = time.monotonic() - start
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+        assert collector.wait_closed(5)
+        record = collector.records("exit")[0]
     assert proc.returncode == 128 + signal.SIGKILL
-    assert agent.KILL_GRACE_SECONDS <= elapsed < agent.KILL_GRACE_SECONDS + 3
-    record = json.loads((tmp_path / "rank-1.exit.json").read_text())
+    assert agent.PROGRAM_KILL_DELAY_SECONDS <= elapsed < agent.PROGRAM_KILL_DELAY_SECONDS + 3
     assert record["terminated"] is True and record["signal"] == "SIGKILL"
     assert record["exitcode"] is None
