@@ -21,12 +21,11 @@ from .counters import reset_stats, stats
 from .data_parallel import CrossReplicaOptimizer, all_reduce_gradients, broadcast_parameters
 from .embedding import (COMBINERS, EmbeddingOptimizerSpec, HostEmbedding, HostEmbeddingAdagradOptimizerSpec,
                         HostEmbeddingAdamOptimizerSpec, HostEmbeddingMomentumOptimizerSpec, HostEmbeddingOptimizerSpec,
-                        HostEmbeddingSGDGAOptimizerSpec, IdLimitError, IdLimits, bucket_of, create_host_embedding,
-                        minibatch_ranges, split_mask)
-from .id_stats import IdLimitRecorder, last_id_stats
+                        HostEmbeddingSGDGAOptimizerSpec, IdLimitError, IdLimitRecorder, IdLimits, TableState,
+                        bucket_of, create_host_embedding, last_id_stats, minibatch_ranges, split_mask)
 from .infeed import Infeed, feed_shard, infeed
 from .loss_scaling import DynamicLossScale, DynamicLossScaler, FixedLossScale, LossScaler, StaticLossScaler
-from .optimizers import SGD, Adam, DenseOptimizer, MomentumSGD
+from .dense_optimizers import SGD, Adam, DenseOptimizer, MomentumSGD
 from .stochastic_rounding import (StochasticRounding, StochasticRoundingBehaviour, round_to_nearest,
                                   stochastic_round)
 from .topology import (execute_on_instances, getInstanceIndex, getLocalInstanceIndex, getNumInstances,
@@ -46,7 +45,7 @@ __all__ = [
     "getNumLocalReplicas", "getNumIpusPerReplica", "getLocalInstanceIndex",
     "all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
     "set_collective_checks",
-    "HostEmbedding", "HostEmbeddingOptimizerSpec", "create_host_embedding",
+    "HostEmbedding", "HostEmbeddingOptimizerSpec", "create_host_embedding", "TableState",
     "EmbeddingOptimizerSpec", "HostEmbeddingSGDGAOptimizerSpec", "HostEmbeddingMomentumOptimizerSpec",
     "HostEmbeddingAdagradOptimizerSpec", "HostEmbeddingAdamOptimizerSpec",
     "MomentumSGD", "CrossReplicaOptimizer", "broadcast_parameters", "all_reduce_gradients",

@@ -12,9 +12,9 @@ import numpy as np
 
 from . import topology
 from .collectives import all_gather, all_reduce, broadcast
-from .collectives._common import agree, default_comm
+from .collectives.fingerprint import agree
 from .collectives.reduce_scatter import reduce_scatter
-from .optimizers import DenseOptimizer
+from .dense_optimizers import DenseOptimizer
 from .stochastic_rounding import as_stochastic_rounding
 
 
@@ -82,10 +82,10 @@ class CrossReplicaOptimizer:
     the updated slices are all-gathered back into every replica's parameters. Bytes on
     the wire equal the unsharded all-reduce's (a reduce-scatter plus an all-gather);
     the result equals the unsharded optimizer within float rounding. Requires an
-    element-wise optimizer (all of :mod:`popdist_lite.optimizers` are).
+    element-wise optimizer (all of :mod:`popdist_lite.dense_optimizers` are).
 
     Args:
-        optimizer: a :class:`popdist_lite.optimizers.DenseOptimizer` (``SGD``,
+        optimizer: a :class:`popdist_lite.dense_optimizers.DenseOptimizer` (``SGD``,
             ``MomentumSGD``, ``Adam``) or any object with ``update(params, grads)``.
         op: ``"mean"`` (default) or ``"sum"`` of the replicas' gradients.
         shard_optimizer_state: replicated tensor sharding, as above.
@@ -137,7 +137,7 @@ class CrossReplicaOptimizer:
             # Raised on every replica: the others are entering the first collective of
             # the step, so this replica joins its argument check with the error.
             agree("reduce_scatter_sum" if self.shard_optimizer_state else "all_reduce", None,
-                  default_comm(self._comm),
+                  self._comm if self._comm is not None else topology.replica_comm(),
                   problem=(KeyError, f"CrossReplicaOptimizer.step: argument grads: missing gradients for {missing}"))
         if self.shard_optimizer_state:
             self._sharded_step(params, grads, loss_scale)

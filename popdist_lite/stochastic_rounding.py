@@ -156,6 +156,37 @@ class StochasticRounding:
             return self.round(x, replicated=replicated)
         return np.asarray(x).astype(dtype, copy=False)
 
+    def _streams(self) -> dict[str, np.random.Generator]:
+        return {"per_replica": self._own_stream(), "replica_identical": self._identical}
+
+    def generator_states(self) -> dict[str, dict]:
+        """The bit-generator states of both streams (``Generator.bit_generator.state``,
+        JSON-able): ``{"per_replica": ..., "replica_identical": ...}``."""
+        return {name: rng.bit_generator.state for name, rng in self._streams().items()}
+
+    def check_generator_states(self, states: dict[str, dict]) -> None:
+        """Raise ``ValueError`` unless ``states`` could be given to :meth:`set_generator_states`
+        (known stream names, states of the streams' bit generator)."""
+        streams = self._streams()
+        for name, state in states.items():
+            if name not in streams:
+                raise ValueError(f"generator {name!r}: expected one of {sorted(streams)}")
+            kind = type(streams[name].bit_generator).__name__
+            if not isinstance(state, dict) or state.get("bit_generator") != kind:
+                raise ValueError(f"generator {name!r}: expected a {kind} state dict, got {state!r:.80}")
+
+    def set_generator_states(self, states: dict[str, dict]) -> None:
+        """Restore streams from :meth:`generator_states` (any subset of the names).
+
+        Raises:
+            ValueError: an unknown stream name or a state of another bit generator
+                (checked before any stream changes).
+        """
+        self.check_generator_states(states)
+        streams = self._streams()
+        for name, state in states.items():
+            streams[name].bit_generator.state = state
+
     def __repr__(self) -> str:
         return f"StochasticRounding({self.mode.name}, seed={self.seed})"
 

@@ -94,9 +94,9 @@ def measure(op: str, n_bytes: int, comm, blocks: int) -> dict:
     from mpi4py import MPI
 
     ours, raw = calls(op, n_bytes, comm)
-    from popdist_lite.collectives._common import _WIDTH
+    from popdist_lite.collectives.fingerprint import WIDTH
 
-    sig, table = np.zeros(_WIDTH, np.int64), np.empty((comm.size, _WIDTH), np.int64)  # agree's row
+    sig, table = np.zeros(WIDTH, np.int64), np.empty((comm.size, WIDTH), np.int64)  # agree's row
 
     def floor():
         comm.Allgather(sig, table)

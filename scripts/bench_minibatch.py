@@ -76,7 +76,7 @@ def worker(args) -> None:
     import numpy as np
 
     import popdist_lite as pl
-    from popdist_lite.embedding.minibatching import NUM_BUCKETS, bucket_of, split_mask
+    from popdist_lite.embedding.id_limits.minibatch_split import NUM_BUCKETS, bucket_of, split_mask
 
     pl.init()
     comm = pl.replica_comm()

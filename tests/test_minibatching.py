@@ -9,9 +9,10 @@ import pytest
 
 from popdist_lite import IdLimitRecorder, bucket_of, minibatch_ranges, split_mask
 from popdist_lite.embedding import combiners
-from popdist_lite.embedding.limits import IdLimits, keep_mask
-from popdist_lite.embedding.minibatching import boundaries, minibatch_of_bucket, splitmix64
-from popdist_lite import id_stats
+from popdist_lite.embedding.id_limits import stats as id_stats
+from popdist_lite.embedding.id_limits.minibatch_split import boundaries, minibatch_of_bucket, splitmix64
+from popdist_lite.embedding.id_limits.partitions import keep_mask
+from popdist_lite.embedding.id_limits.settings import IdLimits
 
 M64 = (1 << 64) - 1
 

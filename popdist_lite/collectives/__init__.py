@@ -3,7 +3,7 @@ mpi4py calls (no pickling), arguments checked across replicas so that bad input 
 the same error on every replica instead of hanging. Every call is counted in
 :mod:`popdist_lite.counters` (``popdist_lite.stats()``)."""
 
-from ._common import set_collective_checks
+from .fingerprint import set_collective_checks
 from .all_gather import all_gather, all_gather_v
 from .all_reduce import all_reduce
 from .all_to_all import all_to_all, all_to_all_v

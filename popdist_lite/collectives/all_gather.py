@@ -7,7 +7,8 @@ from time import perf_counter
 import numpy as np
 
 from .. import counters
-from ._common import SHAPE, agree, as_array, buf, check_out, default_comm
+from ._common import as_array, buf, check_out, default_comm
+from .fingerprint import SHAPE, agree
 
 
 def all_gather(x, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:

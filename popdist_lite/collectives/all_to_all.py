@@ -9,7 +9,8 @@ from time import perf_counter
 import numpy as np
 
 from .. import counters
-from ._common import agree, as_array, buf, check_out, default_comm
+from ._common import as_array, buf, check_out, default_comm
+from .fingerprint import agree
 
 
 def _axis(axis, ndim: int) -> int | None:

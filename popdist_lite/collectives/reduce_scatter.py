@@ -8,7 +8,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import counters
-from ._common import agree, as_array, buf, check_out, default_comm
+from ._common import as_array, buf, check_out, default_comm
+from .fingerprint import agree
 from ._reduce import F16, REDUCIBLE, f16_reduce_scatter, f16_reduce_scatter_v, finish_mean
 
 

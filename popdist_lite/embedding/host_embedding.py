@@ -21,10 +21,11 @@ from ..collectives.all_gather import all_gather, gather_rows
 from ..stochastic_rounding import as_stochastic_rounding
 from . import combiners
 from .encoding import EncodingPartition
-from .limiter import Limiter
-from .limits import IdLimits
-from .optimizer import EmbeddingOptimizerSpec, UpdateContext
+from .id_limits.enforcer import Limiter
+from .id_limits.settings import IdLimits
+from .optimizer_specs import EmbeddingOptimizerSpec, UpdateContext
 from .sparse import SparseTokenExchange
+from .state import TableState, check_arrays
 from .token import TokenPartition
 
 PARTITION_STRATEGIES = {"TOKEN": TokenPartition, "ENCODING": EncodingPartition}
@@ -60,7 +61,7 @@ class HostEmbedding:
             per-replica stream, ``OFF``/``REPLICA_IDENTICAL_ONLY`` round to nearest).
         local_shard: this replica's partition in ``master_dtype``, TOKEN
             ``(ceil(t/r), e)``, ENCODING ``(t, ceil(e/r))``.
-        id_limits: the table's :class:`~popdist_lite.embedding.limits.IdLimits` (TOKEN
+        id_limits: the table's :class:`~popdist_lite.embedding.id_limits.settings.IdLimits` (TOKEN
             only), or ``None``.
     """
 
@@ -242,7 +243,7 @@ class HostEmbedding:
         with the sparse exchange each replica first sums its own duplicates in float32
         and sends those float32 sums to the row's owner), divided by ``loss_scale`` in
         float32, and applied once per row by the replica that owns it (see
-        :mod:`popdist_lite.embedding.optimizer`), whichever the exchange. With the SGD
+        :mod:`popdist_lite.embedding.optimizer_specs`), whichever the exchange. With the SGD
         spec, row ``i`` becomes ``row_i - lr * sum_g``.
 
         Args:
@@ -380,6 +381,50 @@ class HostEmbedding:
         """Bytes of optimizer state held by this replica (its own rows only)."""
         return int(sum(a.nbytes for a in self.optimizer_state.values()))
 
+    def state(self) -> TableState:
+        """This replica's state of the table: live references to its master partition and
+        optimizer state, their layouts and the stochastic-rounding generator states. Local
+        (no communication). See :class:`popdist_lite.TableState`."""
+        arrays = {"weights": self.local_shard}
+        layouts = {"weights": "table"}
+        declared = self.optimizer_spec.state_layouts() if self.optimizer_state else {}
+        for slot, array in self.optimizer_state.items():
+            arrays[f"optimizer/{slot}"] = array
+            layouts[f"optimizer/{slot}"] = declared.get(slot) or self._layout_of(array)
+        return TableState(name=self.name, shape=self.shape, dtype=self.dtype, master_dtype=self.master_dtype,
+                          partition_strategy=self.partition_strategy, num_replicas=self._comm.size,
+                          replica=self._comm.rank, arrays=arrays, layouts=layouts,
+                          generators=self.stochastic_rounding.generator_states())
+
+    def _layout_of(self, array: np.ndarray) -> str:
+        """The layout of an optimizer slot its spec does not declare, from its shape."""
+        shard = self._partition.shard_shape
+        return "table" if array.shape == shard else "row" if array.shape == shard[:1] else "replicated"
+
+    def load_state(self, arrays: dict[str, np.ndarray], generators: dict[str, dict] | None = None) -> None:
+        """Copy ``arrays`` (keys and shapes as in :meth:`state`'s ``arrays``, any subset)
+        into this replica's state, restore the ``generators`` states when given, and
+        refresh the float16 serving copy. Local (no communication).
+
+        Raises:
+            ValueError: an unknown array name, an array whose shape or dtype differs
+                from the current one (naming the slot, expected and got), or an unknown
+                generator state; checked before anything is written, so nothing is.
+        """
+        current = self.state()
+        check_arrays(self.name, current.arrays, arrays)
+        if generators:
+            try:
+                self.stochastic_rounding.check_generator_states(generators)
+            except ValueError as exc:
+                raise ValueError(f"host embedding {self.name!r}: load_state: {exc}") from None
+        for key, value in arrays.items():
+            np.copyto(current.arrays[key], value)
+        if generators:
+            self.stochastic_rounding.set_generator_states(generators)
+        if self._serving is not self.local_shard:
+            np.copyto(self._serving, self.local_shard, casting="unsafe")
+
     def get_embedding_tensor(self, master: bool = False) -> np.ndarray:
         """The full ``(t, e)`` table, on every replica. Collective (an all-gather).
 
@@ -443,13 +488,13 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
             IDs (with duplicates / distinct) one replica may send to one owner replica in
             one call (SparseCore's ``TableSpec`` limits; ``None``: no limit). The sparse
             exchange's buffers are sized from them once. Exceeding one raises
-            :class:`~popdist_lite.embedding.limits.IdLimitError` on every replica unless
+            :class:`~popdist_lite.embedding.id_limits.settings.IdLimitError` on every replica unless
             one of the next two options is set. Docs: ``docs/minibatching.md``.
         allow_id_dropping: drop the IDs beyond a limit instead (rows read as zeros,
-            gradients ignored; the choice is in :mod:`popdist_lite.embedding.limits`).
+            gradients ignored; the choice is in :mod:`popdist_lite.embedding.id_limits.partitions`).
         enable_minibatching: split an exceeding call into minibatches by ID hash bucket
-            instead (:mod:`popdist_lite.embedding.limiter`); results equal one pass.
-        track_id_stats: publish per-call ID statistics (:mod:`popdist_lite.id_stats`)
+            instead (:mod:`popdist_lite.embedding.id_limits.enforcer`); results equal one pass.
+        track_id_stats: publish per-call ID statistics (:mod:`popdist_lite.embedding.id_limits.stats`)
             even without limits (costs one small all-gather per call).
 
     Returns:

@@ -21,7 +21,7 @@ Lookup, on replica ``k`` with ``n`` indices of which ``u`` are distinct:
    where the sort took 320 us (docs/performance.md).
 2. ``lookup.header``: one ``Allgather`` of a small header per replica (the call
    signature that every checked collective exchanges, see
-   :func:`popdist_lite.collectives._common.agree`, plus a bad-index flag, the first bad
+   :func:`popdist_lite.collectives.fingerprint.agree`, plus a bad-index flag, the first bad
    value and the ``r`` send counts): ``(14 + 2 + r) x 8`` bytes per replica. Every
    replica learns every replica's counts, and an out-of-range index anywhere raises
    :class:`IndexError` on every replica before any data moves.
@@ -55,7 +55,7 @@ from time import perf_counter
 import numpy as np
 
 from .. import counters
-from ..collectives._common import EXTRA, PAYLOAD, agree
+from ..collectives.fingerprint import EXTRA, PAYLOAD, agree
 from ..collectives.all_to_all import exchange_rows
 from ._buffers import Buffers
 from ._segment import group, inverse_of, runs_of, sum_groups

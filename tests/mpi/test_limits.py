@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import popdist_lite as pl
-from popdist_lite.embedding.minibatching import NUM_BUCKETS, bucket_of, split_mask
+from popdist_lite.embedding.id_limits.minibatch_split import NUM_BUCKETS, bucket_of, split_mask
 
 EXCHANGES = ["sparse", "dense"]
 

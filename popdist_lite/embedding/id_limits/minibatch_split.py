@@ -4,7 +4,7 @@ the buckets, and the minibatches a split mask describes. Pure numpy, no MPI.
 Source: the seed ``sparsecore-minibatching.txt`` ("Bucketization", "Minibatch
 creation") and jax-tpu-embedding's ``ComputeMinibatchingSplit`` (REFERENCE.md,
 SparseCore). The collective part (the OR all-reduce of the mask) is in
-:mod:`.limiter`.
+:mod:`.enforcer`.
 
 Bucket of an ID
     ``splitmix64(id) & 63``: the SplitMix64 finaliser (Steele, Lea and Flood, 2014)
@@ -26,7 +26,7 @@ Split mask (bit numbering)
 
     With loads per *partition* (a 2-D ``(P, N)`` array), the test is made for every
     partition and a node splits when any partition exceeds the limit; each partition
-    carries its own value. That is what :mod:`.limiter` uses: the limits hold per
+    carries its own value. That is what :mod:`.enforcer` uses: the limits hold per
     ``(sender, owner)`` partition, not for the sum over partitions.
 
 Minibatches of a mask
@@ -35,7 +35,7 @@ Minibatches of a mask
     adjacent buckets is exactly one node's boundary. The minibatches are the runs of
     buckets between set boundaries, so ``popcount(mask) + 1`` of them. A minibatch's
     load is at most the limit for every partition unless one bucket alone exceeds it
-    (then no split can help; :mod:`.limiter` raises or drops). OR-ing masks (across
+    (then no split can help; :mod:`.enforcer` raises or drops). OR-ing masks (across
     replicas) only adds boundaries, so it keeps every replica's minibatches within
     the limit.
 """

@@ -8,25 +8,25 @@ everything below holds for both.
 One call (lookup or update), on every replica:
 
 1. **Check** (``limits.check`` phase). Count this replica's IDs and unique IDs per owner
-   (:func:`.limits.partition_counts`) and exchange them in one ``Allgather`` of
+   (:func:`.partitions.partition_counts`) and exchange them in one ``Allgather`` of
    ``(14 + 2r) x 8`` bytes per replica (the call-signature check every collective
-   makes, :func:`popdist_lite.collectives._common.agree`, with the counts as payload).
+   makes, :func:`popdist_lite.collectives.fingerprint.agree`, with the counts as payload).
    Every replica then holds the whole ``(sender, owner)`` count matrix: the logical OR
    of "this replica needs minibatching" is ``(counts > limit).any()``, and the error
    message and the statistics come from the same matrix. When no partition exceeds a
    limit, this small collective is the whole cost; the exchange then runs once.
    A bad input anywhere (out-of-range index, wrong dtype) skips the limits and lets the
    exchange raise its usual error on every replica.
-2. **Exceeded, minibatching off**: :class:`.limits.IdLimitError` on every replica
+2. **Exceeded, minibatching off**: :class:`.settings.IdLimitError` on every replica
    (naming the table, the worst partition, the observed count and the limit), or with
-   ``allow_id_dropping`` the positions chosen by :func:`.limits.keep_mask` are dropped
+   ``allow_id_dropping`` the positions chosen by :func:`.partitions.keep_mask` are dropped
    (rows of zeros, gradients ignored) and the exchange runs once on the rest.
 3. **Exceeded, minibatching on** (``limits.split`` phase):
 
-   a. every ID goes to bucket ``splitmix64(id) & 63`` (:mod:`.minibatching`);
+   a. every ID goes to bucket ``splitmix64(id) & 63`` (:mod:`.minibatch_split`);
    b. this replica's loads per ``(owner, bucket)`` are counted, with and without
       duplicates, so per partition of its own;
-   c. the tree split (:func:`.minibatching.split_mask`) over the 64 buckets runs on
+   c. the tree split (:func:`.minibatch_split.split_mask`) over the 64 buckets runs on
       those ``r x 64`` loads, splitting a node when *any* of this replica's
       partitions would exceed the limit there;
    d. the masks are OR-reduced across replicas (one ``Allgather`` of 5 int64 per
@@ -47,7 +47,7 @@ One call (lookup or update), on every replica:
       per minibatch. Each ID is in exactly one bucket, hence one minibatch, so the
       result equals one pass (SGD rows are updated once, with the same sum).
 
-   One bucket over a limit raises :class:`.limits.IdLimitError` before anything moves
+   One bucket over a limit raises :class:`.settings.IdLimitError` before anything moves
    unless ``allow_id_dropping``, in which case each minibatch is checked and dropped
    as in step 2.
 
@@ -62,10 +62,12 @@ from typing import Callable
 
 import numpy as np
 
-from .. import counters, id_stats
-from ..collectives._common import EXTRA, PAYLOAD, agree
-from .limits import IdLimitError, IdLimits, exceeded_message, keep_mask, partition_counts
-from .minibatching import NUM_BUCKETS, bucket_of, minibatch_of_bucket, split_mask
+from ... import counters
+from ...collectives.fingerprint import EXTRA, PAYLOAD, agree
+from . import stats as id_stats
+from .partitions import exceeded_message, keep_mask, partition_counts
+from .settings import IdLimitError, IdLimits
+from .minibatch_split import NUM_BUCKETS, bucket_of, minibatch_of_bucket, split_mask
 
 #: Deduplicate with a bitmap (O(t + n)) rather than a sort when t <= this x n.
 BITMAP_FACTOR = 64
@@ -74,7 +76,7 @@ _BUCKET_ADVICE = ("one hash bucket alone exceeds the limit, which minibatching c
 
 
 class Limiter:
-    """Applies a table's :class:`.limits.IdLimits` around its single-pass exchange.
+    """Applies a table's :class:`.settings.IdLimits` around its single-pass exchange.
 
     Args:
         name: table name (messages, statistics).

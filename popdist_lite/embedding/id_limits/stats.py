@@ -2,7 +2,7 @@
 (the seed's feedback-directed optimisation, FDO, done by hand).
 
 Every lookup and update of a table created with ID limits (or
-``track_id_stats=True``; see :mod:`popdist_lite.embedding.limits`) publishes one record::
+``track_id_stats=True``; see :mod:`popdist_lite.embedding.id_limits.settings`) publishes one record::
 
     {"table": "user_table", "op": "lookup" | "update",
      "max_ids_per_partition": 320,          # observed, over every (sender, owner) partition

@@ -6,6 +6,7 @@ The contract between a table and its spec (strategy-agnostic: any partition that
 produces ``(rows, sums)`` pairs can use every spec)::
 
     state = spec.init_state(shard_shape)                      # once, on the owning replica
+    layouts = spec.state_layouts()                            # each slot's layout (TableState)
     result = spec.apply(shard, rows, sums, state, ctx)        # every apply_gradients call
     if result is not None:
         written_rows, values = result                         # the table stores (and rounds) them
@@ -81,6 +82,12 @@ class EmbeddingOptimizerSpec:
         """The optimizer state for one partition (empty for plain SGD)."""
         return {}
 
+    def state_layouts(self) -> dict[str, str]:
+        """The layout of each slot of :meth:`init_state`'s state (see
+        :class:`popdist_lite.TableState`): ``"table"`` (shard-shaped), ``"row"`` (one
+        value per local row) or ``"replicated"`` (the same on every replica)."""
+        return {}
+
     def apply(self, shard: np.ndarray, rows: np.ndarray, sums: np.ndarray, state: dict[str, np.ndarray],
               ctx: UpdateContext | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """New values for the rows to write: ``(rows, values)`` with ``values`` in float32
@@ -147,6 +154,9 @@ class HostEmbeddingSGDGAOptimizerSpec(EmbeddingOptimizerSpec):
         return {"accumulator": np.zeros(shard_shape, np.float32), "touched": np.zeros(shard_shape[0], bool),
                 "calls": np.zeros(1, np.int64)}
 
+    def state_layouts(self):
+        return {"accumulator": "table", "touched": "row", "calls": "replicated"}
+
     def apply(self, shard, rows, sums, state, ctx=None):
         state["accumulator"][rows] += sums
         state["touched"][rows] = True
@@ -181,6 +191,9 @@ class HostEmbeddingMomentumOptimizerSpec(EmbeddingOptimizerSpec):
 
     def init_state(self, shard_shape):
         return {"velocity": np.zeros(shard_shape, np.float32)}
+
+    def state_layouts(self):
+        return {"velocity": "table"}
 
     def apply(self, shard, rows, sums, state, ctx=None):
         v = self.momentum * state["velocity"][rows] + sums
@@ -221,6 +234,9 @@ class HostEmbeddingAdagradOptimizerSpec(EmbeddingOptimizerSpec):
     def init_state(self, shard_shape):
         shape = shard_shape[:1] if self.rowwise else shard_shape
         return {"accumulator": np.full(shape, self.initial_accumulator_value, np.float32)}
+
+    def state_layouts(self):
+        return {"accumulator": "row" if self.rowwise else "table"}
 
     def apply(self, shard, rows, sums, state, ctx=None):
         acc = state["accumulator"]
@@ -273,6 +289,9 @@ class HostEmbeddingAdamOptimizerSpec(EmbeddingOptimizerSpec):
     def init_state(self, shard_shape):
         return {"m": np.zeros(shard_shape, np.float32), "v": np.zeros(shard_shape, np.float32),
                 "steps": np.zeros(shard_shape[0], np.int64)}
+
+    def state_layouts(self):
+        return {"m": "table", "v": "table", "steps": "row"}
 
     def apply(self, shard, rows, sums, state, ctx=None):
         t = state["steps"][rows] + 1
