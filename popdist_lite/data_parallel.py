@@ -12,7 +12,7 @@ import numpy as np
 
 from . import topology
 from .collectives import all_gather, all_reduce, broadcast
-from .collectives.fingerprint import agree
+from .collectives.fingerprint import Problem, agree
 from .collectives.reduce_scatter import reduce_scatter
 from .dense_optimizers import DenseOptimizer
 from .stochastic_rounding import as_stochastic_rounding
@@ -138,7 +138,8 @@ class CrossReplicaOptimizer:
             # the step, so this replica joins its argument check with the error.
             agree("reduce_scatter_sum" if self.shard_optimizer_state else "all_reduce", None,
                   self._comm if self._comm is not None else topology.replica_comm(),
-                  problem=(KeyError, f"CrossReplicaOptimizer.step: argument grads: missing gradients for {missing}"))
+                  problem=Problem(KeyError, f"CrossReplicaOptimizer.step: argument grads: missing gradients "
+                                            f"for {missing}"))
         if self.shard_optimizer_state:
             self._sharded_step(params, grads, loss_scale)
             return

@@ -12,21 +12,12 @@ parameter is rounded once per step, to nearest or stochastically (see
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .stochastic_rounding import StochasticRounding
+from .validation import check_number
 
 __all__ = ["DenseOptimizer", "SGD", "MomentumSGD", "Adam"]
-
-
-def _finite_at_least(owner: str, name: str, value, low: float = 0.0, below_one: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(value) or value < low or (below_one and value >= 1):
-        want = f"a finite number in [{low}, 1)" if below_one else f"a finite number >= {low}"
-        raise ValueError(f"{owner}: argument {name}: expected {want}, got {value!r}")
-    return float(value)
 
 
 class DenseOptimizer:
@@ -90,8 +81,8 @@ class MomentumSGD(DenseOptimizer):
 
     def __init__(self, learning_rate: float, momentum: float = 0.0):
         super().__init__()
-        self.learning_rate = _finite_at_least("MomentumSGD", "learning_rate", learning_rate)
-        self.momentum = _finite_at_least("MomentumSGD", "momentum", momentum)
+        self.learning_rate = check_number("MomentumSGD", "learning_rate", learning_rate)
+        self.momentum = check_number("MomentumSGD", "momentum", momentum)
 
     @property
     def velocity(self) -> dict[str, np.ndarray]:
@@ -130,12 +121,10 @@ class Adam(DenseOptimizer):
     def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
                  epsilon: float = 1e-8):
         super().__init__()
-        self.learning_rate = _finite_at_least("Adam", "learning_rate", learning_rate)
-        self.beta1 = _finite_at_least("Adam", "beta1", beta1, below_one=True)
-        self.beta2 = _finite_at_least("Adam", "beta2", beta2, below_one=True)
-        self.epsilon = _finite_at_least("Adam", "epsilon", epsilon)
-        if self.epsilon == 0:
-            raise ValueError("Adam: argument epsilon: expected a finite number > 0, got 0")
+        self.learning_rate = check_number("Adam", "learning_rate", learning_rate)
+        self.beta1 = check_number("Adam", "beta1", beta1, 0.0, 1.0, high_open=True)
+        self.beta2 = check_number("Adam", "beta2", beta2, 0.0, 1.0, high_open=True)
+        self.epsilon = check_number("Adam", "epsilon", epsilon, low_open=True)
         self.steps = 0
 
     def begin_step(self):

@@ -28,12 +28,12 @@ wire); then it updates the scale. The pieces (:meth:`found_overflow`,
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import numpy as np
 
 from .collectives import all_reduce
+from .validation import check_integer, check_number
 
 __all__ = ["LossScaler", "StaticLossScaler", "DynamicLossScaler", "FixedLossScale", "DynamicLossScale"]
 
@@ -49,14 +49,6 @@ def _arrays(items) -> Iterable[np.ndarray]:
             yield from _arrays(item)
         else:
             yield np.asarray(item)
-
-
-def _positive(owner: str, name: str, value, low: float = 0.0, strict: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(value) or (value <= low if strict else value < low):
-        raise ValueError(f"{owner}: argument {name}: expected a finite number {'>' if strict else '>='} {low}, "
-                         f"got {value!r}")
-    return float(value)
 
 
 class LossScaler:
@@ -148,7 +140,7 @@ class StaticLossScaler(LossScaler):
     """
 
     def __init__(self, scale: float = 2.0 ** 8, *, comm=None):
-        super().__init__(_positive("StaticLossScaler", "scale", scale), comm=comm)
+        super().__init__(check_number("StaticLossScaler", "scale", scale, low_open=True), comm=comm)
 
     def __repr__(self) -> str:
         return f"StaticLossScaler(scale={self.scale:g})"
@@ -170,16 +162,13 @@ class DynamicLossScaler(LossScaler):
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0,
                  max_scale: float = 2.0 ** 24, comm=None):
         owner = "DynamicLossScaler"
-        super().__init__(_positive(owner, "initial_scale", initial_scale), comm=comm)
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, (int, np.integer)) or growth_interval < 1:
-            raise ValueError(f"{owner}: argument growth_interval: expected an integer >= 1, got {growth_interval!r}")
-        self.growth_interval = int(growth_interval)
-        self.growth_factor = _positive(owner, "growth_factor", growth_factor, low=1.0)
-        self.backoff_factor = _positive(owner, "backoff_factor", backoff_factor)
-        if self.backoff_factor >= 1:
-            raise ValueError(f"{owner}: argument backoff_factor: expected a number in (0, 1), got {backoff_factor!r}")
-        self.min_scale = _positive(owner, "min_scale", min_scale)
-        self.max_scale = _positive(owner, "max_scale", max_scale)
+        super().__init__(check_number(owner, "initial_scale", initial_scale, low_open=True), comm=comm)
+        self.growth_interval = check_integer(owner, "growth_interval", growth_interval)
+        self.growth_factor = check_number(owner, "growth_factor", growth_factor, low=1.0, low_open=True)
+        self.backoff_factor = check_number(owner, "backoff_factor", backoff_factor, 0.0, 1.0, low_open=True,
+                                           high_open=True)
+        self.min_scale = check_number(owner, "min_scale", min_scale, low_open=True)
+        self.max_scale = check_number(owner, "max_scale", max_scale, low_open=True)
         if self.min_scale > self.max_scale:
             raise ValueError(f"{owner}: arguments min_scale/max_scale: expected min_scale <= max_scale, "
                              f"got {min_scale!r} > {max_scale!r}")
@@ -217,5 +206,6 @@ class DynamicLossScale(DynamicLossScaler):
     def __init__(self, initial_loss_scale: float = 2.0 ** 15, increment_period: int = 2000,
                  multiplier: float = 2.0, *, comm=None):
         super().__init__(initial_loss_scale, increment_period, growth_factor=multiplier,
-                         backoff_factor=1.0 / _positive("DynamicLossScale", "multiplier", multiplier, low=1.0),
+                         backoff_factor=1.0 / check_number("DynamicLossScale", "multiplier", multiplier, low=1.0,
+                                                           low_open=True),
                          comm=comm)

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 __all__ = [
+    "Topology",
+    "current",
     "init",
     "is_initialized",
     "is_popdist_env_set",
@@ -63,7 +65,23 @@ _ROLE_COLOURS = {"replica": 0, "feeder": 1}
 
 
 @dataclass(frozen=True)
-class _Topology:
+class Topology:
+    """This rank's place in the job (see :func:`current`).
+
+    Attributes:
+        replica_id: the replica this rank drives (on a feeder: the replica it feeds).
+        num_replicas, num_local_replicas, num_ipus_per_replica, local_instance_index:
+            as the functions of the same names.
+        role: ``"replica"`` or ``"feeder"``.
+        from_popdist_env: whether the ``POPDIST_*`` variables gave the topology.
+        world: ``MPI.COMM_WORLD``.
+        replicas: the communicator of the replica ranks (None on other roles).
+        feeders_per_replica: ``F``, host feed processes per replica.
+        feeder_index: this rank's index among its replica's feeders (None on a replica).
+        feed: the communicator of this rank's replica (rank 0) and its feeders (rank
+            ``1 + k``); None when ``F == 0``.
+    """
+
     replica_id: int
     num_replicas: int
     num_local_replicas: int
@@ -74,11 +92,27 @@ class _Topology:
     world: Any  # MPI.Comm
     replicas: Any  # MPI.Comm holding the replica ranks only (None on other roles)
     feeders_per_replica: int = 0
-    feeder_index: int | None = None  # this rank's index among its replica's feeders
-    feed: Any = None  # MPI.Comm: the replica (rank 0) and its feeders (rank 1 + k); None if F == 0
+    feeder_index: int | None = None
+    feed: Any = None
 
 
-_topology: _Topology | None = None
+@dataclass(frozen=True)
+class _Environment:
+    """What this rank's environment variables say (before looking at the MPI job)."""
+
+    role: str
+    from_popdist_env: bool
+    total: int | None  # POPDIST_NUM_TOTAL_REPLICAS (None under plain mpirun)
+    offset: int | None  # POPDIST_REPLICA_INDEX_OFFSET (None under plain mpirun)
+    local: int
+    ipus: int
+    local_instance: int
+    served: int | None  # feeders: the replica fed
+    wanted_index: int | None  # feeders: POPDIST_LITE_FEEDER_INDEX
+    wanted_feeders: int | None  # POPDIST_LITE_FEEDERS_PER_REPLICA
+
+
+_topology: Topology | None = None
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
@@ -116,6 +150,50 @@ def init() -> None:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
+    env = _read_environment()
+    sub, total, offset, ranks = _assign_roles(world, env)
+    layout = _feed_layout(ranks)
+    if isinstance(layout, str):
+        sub.Free()
+        raise ValueError(f"rank {world.rank}: inconsistent topology: {layout}")
+    num_feeders, feeder_indices = layout
+    if env.role == "feeder":
+        offset, total = env.served, sum(1 for r in ranks if r[0] == "replica")
+    feeder_index = feeder_indices.get(world.rank)
+    feed = None
+    if num_feeders:  # one communicator per replica: the replica is rank 0, feeder k rank 1 + k
+        feed = world.Split(offset, 0 if feeder_index is None else 1 + feeder_index)
+
+    from . import _excepthook
+
+    _excepthook.install(replica_index=offset, role=env.role, feeder_index=feeder_index)
+    _topology = Topology(
+        replica_id=offset,
+        num_replicas=total,
+        num_local_replicas=env.local,
+        num_ipus_per_replica=env.ipus,
+        local_instance_index=env.local_instance,
+        role=env.role,
+        from_popdist_env=env.from_popdist_env,
+        world=world,
+        replicas=sub if env.role == "replica" else None,
+        feeders_per_replica=num_feeders,
+        feeder_index=feeder_index,
+        feed=feed,
+    )
+    timeline_path = os.environ.get("POPDIST_LITE_TIMELINE")
+    if timeline_path and env.role == "replica":
+        from . import timeline
+
+        timeline.enable(timeline_path, offset, sub)
+
+
+def _read_environment() -> _Environment:
+    """This rank's role and numbers from its environment variables (local).
+
+    Raises:
+        ValueError: an unknown role or a variable that is not an integer.
+    """
     role = os.environ.get("POPDIST_LITE_ROLE", "replica") or "replica"
     if role not in _ROLE_COLOURS:
         raise ValueError(f"POPDIST_LITE_ROLE: expected one of {sorted(_ROLE_COLOURS)}, got {role!r}")
@@ -128,71 +206,48 @@ def init() -> None:
         local_instance = _env_int("POPDIST_LOCAL_INSTANCE_INDEX", 0)
     else:  # plain mpirun: replicas are numbered in COMM_WORLD order, after the split
         total, offset, local, ipus, local_instance = None, None, 1, 1, 0
-    served = _env_int("POPDIST_LITE_FEEDER_OF", offset) if role == "feeder" else None
-    wanted_index = _env_int("POPDIST_LITE_FEEDER_INDEX") if role == "feeder" else None
-    wanted_f = _env_int("POPDIST_LITE_FEEDERS_PER_REPLICA")
+    feeder = role == "feeder"
+    return _Environment(role, from_env, total, offset, local, ipus, local_instance,
+                        served=_env_int("POPDIST_LITE_FEEDER_OF", offset) if feeder else None,
+                        wanted_index=_env_int("POPDIST_LITE_FEEDER_INDEX") if feeder else None,
+                        wanted_feeders=_env_int("POPDIST_LITE_FEEDERS_PER_REPLICA"))
 
-    # Split replicas from other roles; key orders replicas by replica index.
-    key = offset if role == "replica" and from_env else world.rank
+
+def _assign_roles(world, env: _Environment):
+    """Split the replicas from the other roles (collective) and check the ``POPDIST_*``
+    numbers against the job.
+
+    Returns:
+        ``(sub, total, offset, ranks)``: this role's communicator (replicas ordered by
+        replica index), the replica count and this replica's index (replicas), and every
+        rank's ``(role, replica, feeder index, F, problem)``.
+
+    Raises:
+        ValueError: on every rank, naming the first rank whose numbers are inconsistent.
+    """
+    role, total, offset = env.role, env.total, env.offset
+    key = offset if role == "replica" and env.from_popdist_env else world.rank
     sub = world.Split(_ROLE_COLOURS[role], key)
-    replicas = sub if role == "replica" else None
-    if not from_env and role == "replica":
+    if not env.from_popdist_env and role == "replica":
         total, offset = sub.size, sub.rank
     problem = None
     if role == "replica":
-        if local != 1:
-            problem = f"POPDIST_NUM_LOCAL_REPLICAS: expected 1 (one replica per instance), got {local}"
-        elif replicas.size != total:
-            problem = (f"POPDIST_NUM_TOTAL_REPLICAS: expected {replicas.size} (the number of replica "
+        if env.local != 1:
+            problem = f"POPDIST_NUM_LOCAL_REPLICAS: expected 1 (one replica per instance), got {env.local}"
+        elif sub.size != total:
+            problem = (f"POPDIST_NUM_TOTAL_REPLICAS: expected {sub.size} (the number of replica "
                        f"ranks in this MPI job), got {total}")
-        elif replicas.rank != offset:
-            problem = f"POPDIST_REPLICA_INDEX_OFFSET: expected {replicas.rank}, got {offset}"
-    elif served is None:
+        elif sub.rank != offset:
+            problem = f"POPDIST_REPLICA_INDEX_OFFSET: expected {sub.rank}, got {offset}"
+    elif env.served is None:
         problem = f"role {role!r} needs POPDIST_LITE_FEEDER_OF (the replica it feeds)"
-    ranks = world.allgather((role, offset if role == "replica" else served, wanted_index, wanted_f, problem))
+    ranks = world.allgather((role, offset if role == "replica" else env.served, env.wanted_index,
+                             env.wanted_feeders, problem))
     problems = [r[4] for r in ranks if r[4]]
-    if not problems:
-        layout = _feed_layout(ranks)
-        problems = [layout] if isinstance(layout, str) else []
     if problems:
         sub.Free()
         raise ValueError(f"rank {world.rank}: inconsistent topology: {problems[0]}")
-    num_feeders, feeder_indices = layout
-    if role == "feeder":
-        offset, total = served, sum(1 for r in ranks if r[0] == "replica")
-    feeder_index = feeder_indices.get(world.rank)
-    feed = None
-    if num_feeders:  # one communicator per replica: the replica is rank 0, feeder k rank 1 + k
-        feed = world.Split(offset, 0 if feeder_index is None else 1 + feeder_index)
-
-    from . import _excepthook
-
-    _excepthook.install(replica_index=offset, role=role, feeder_index=feeder_index)
-    _topology = _Topology(
-        replica_id=offset,
-        num_replicas=total,
-        num_local_replicas=local,
-        num_ipus_per_replica=ipus,
-        local_instance_index=local_instance,
-        role=role,
-        from_popdist_env=from_env,
-        world=world,
-        replicas=replicas,
-        feeders_per_replica=num_feeders,
-        feeder_index=feeder_index,
-        feed=feed,
-    )
-    timeline_path = os.environ.get("POPDIST_LITE_TIMELINE")
-    if timeline_path and role == "replica":
-        from . import timeline
-
-        timeline.enable(timeline_path, offset, replicas)
-    if feed is not None and role == "replica":
-        import atexit
-
-        from .infeed import stream
-
-        atexit.register(stream.shutdown_feeders)  # runs before mpi4py's MPI_Finalize
+    return sub, total, offset, ranks
 
 
 def _feed_layout(ranks: list[tuple]) -> tuple[int, dict[int, int]] | str:
@@ -234,7 +289,8 @@ def is_initialized() -> bool:
     return _topology is not None
 
 
-def _topo() -> _Topology:
+def current() -> Topology:
+    """This rank's :class:`Topology` (calls :func:`init` first if needed)."""
     if _topology is None:
         init()
     assert _topology is not None
@@ -244,59 +300,52 @@ def _topo() -> _Topology:
 def replica_id() -> int:
     """Index of the replica this process drives (on a feeder: the replica it feeds),
     ``0 <= replica_id() < num_replicas()``."""
-    return _topo().replica_id
+    return current().replica_id
 
 
 def num_replicas() -> int:
     """Total number of replicas in the job (PopDist: ``getNumTotalReplicas``)."""
-    return _topo().num_replicas
-
-
-def num_local_replicas() -> int:
-    """Replicas driven by this instance; always 1 in popdist-lite."""
-    return _topo().num_local_replicas
+    return current().num_replicas
 
 
 def num_instances() -> int:
     """Number of instances (host processes driving replicas): total / local replicas."""
-    t = _topo()
+    t = current()
     return t.num_replicas // t.num_local_replicas
-
-
-def replica_index_offset() -> int:
-    """Index of this instance's first replica (PopDist: ``getReplicaIndexOffset``)."""
-    return _topo().replica_id
 
 
 def instance_index() -> int:
     """Index of this instance: replica index offset / local replicas."""
-    t = _topo()
+    t = current()
     return t.replica_id // t.num_local_replicas
+
+
+def replica_index_offset() -> int:
+    """Index of this instance's first replica (PopDist: ``getReplicaIndexOffset``);
+    the replica index itself, as every instance drives one replica."""
+    return instance_index() * num_local_replicas()
+
+
+def num_local_replicas() -> int:
+    """Replicas driven by this instance; always 1 in popdist-lite."""
+    return current().num_local_replicas
+
+
+def local_instance_index() -> int:
+    """Index of this instance among those on the same host (``POPDIST_LOCAL_INSTANCE_INDEX``,
+    0 when unset)."""
+    return current().local_instance_index
 
 
 def num_ipus_per_replica() -> int:
     """``POPDIST_NUM_IPUS_PER_REPLICA``, 1 when unset. Exported for compatibility only."""
-    return _topo().num_ipus_per_replica
-
-
-def local_instance_index() -> int:
-    """Index of this instance among those on the same host (0 when unset)."""
-    return _topo().local_instance_index
+    return current().num_ipus_per_replica
 
 
 def role() -> str:
-    """This rank's role: ``"replica"`` (takes part in collectives) or ``"feeder"``."""
-    return _topo().role
-
-
-def feeders_per_replica() -> int:
-    """Host feed processes per replica (``poprun-lite --feeders-per-replica``); 0 when none."""
-    return _topo().feeders_per_replica
-
-
-def feeder_index() -> int | None:
-    """On a feeder, its index among its replica's feeders (``0..F-1``); None on a replica."""
-    return _topo().feeder_index
+    """This rank's role: ``"replica"`` (takes part in collectives) or ``"feeder"`` (a host
+    feed process, see :func:`popdist_lite.infeed`)."""
+    return current().role
 
 
 def replica_comm():
@@ -305,7 +354,7 @@ def replica_comm():
     Raises:
         RuntimeError: called on a rank that is not a replica (a feeder).
     """
-    t = _topo()
+    t = current()
     if t.replicas is None:
         raise RuntimeError(f"rank {t.world.rank} has role {t.role!r}: it is not a replica and has no replica "
                            f"communicator; a feeder serves its replica from popdist_lite.infeed(...), so "
@@ -315,7 +364,17 @@ def replica_comm():
 
 def world_comm():
     """``MPI.COMM_WORLD``: every rank of the job, replicas and feeders."""
-    return _topo().world
+    return current().world
+
+
+def feeders_per_replica() -> int:
+    """Host feed processes per replica (``poprun-lite --feeders-per-replica``); 0 when none."""
+    return current().feeders_per_replica
+
+
+def feeder_index() -> int | None:
+    """On a feeder, its index among its replica's feeders (``0..F-1``); None on a replica."""
+    return current().feeder_index
 
 
 def execute_on_instances(instances: Iterable[int], func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

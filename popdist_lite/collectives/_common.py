@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import topology
+from .fingerprint import Problem
 
 
 def default_comm(comm):
@@ -25,7 +26,7 @@ def buf(a: np.ndarray, counts=None):
     return a if counts is None else [a, counts]
 
 
-def check_out(out, shape: tuple, dtype) -> tuple[type, str] | None:
+def check_out(out, shape: tuple, dtype) -> Problem | None:
     """The problem with a caller's ``out=`` array (None when it fits): it must be a
     C-contiguous numpy array of exactly ``shape`` and ``dtype``."""
     if out is None:
@@ -34,6 +35,6 @@ def check_out(out, shape: tuple, dtype) -> tuple[type, str] | None:
             or not out.flags.c_contiguous or not out.flags.writeable:
         got = (f"{out.dtype}{list(out.shape)}" + ("" if out.flags.c_contiguous else " non-contiguous")
                if isinstance(out, np.ndarray) else type(out).__name__)
-        return (ValueError, f"argument out: expected a writeable C-contiguous {np.dtype(dtype)}"
-                            f"{list(shape)} array, got {got}")
+        return Problem(ValueError, f"argument out: expected a writeable C-contiguous {np.dtype(dtype)}"
+                                   f"{list(shape)} array, got {got}")
     return None

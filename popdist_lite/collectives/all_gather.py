@@ -8,7 +8,10 @@ import numpy as np
 
 from .. import counters
 from ._common import as_array, buf, check_out, default_comm
-from .fingerprint import SHAPE, agree
+from .fingerprint import Problem, agree, register_op
+
+register_op("all_gather")
+register_op("all_gather_v")
 
 
 def all_gather(x, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
@@ -58,15 +61,15 @@ def all_gather_v(x, *, comm=None) -> tuple[np.ndarray, np.ndarray]:
             trailing shapes/dtypes that differ between replicas.
     """
     x = as_array(x)
-    problem = (ValueError, "argument x: expected at least 1 dimension, got a scalar") if x.ndim == 0 else None
+    problem = Problem(ValueError, "argument x: expected at least 1 dimension, got a scalar") if x.ndim == 0 else None
     return gather_rows(x, default_comm(comm), problem=problem)
 
 
 def gather_rows(x: np.ndarray, comm, *, problem=None, name: str = "x") -> tuple[np.ndarray, np.ndarray]:
     """:func:`all_gather_v` for callers that checked ``x`` themselves and pass what
     they found wrong as ``problem`` (raised on every replica, see ``agree``)."""
-    table = agree("all_gather_v", x, comm, problem=problem, name=name, same_from=1)
-    counts = table[:, SHAPE].copy()
+    signatures = agree("all_gather_v", x, comm, problem=problem, name=name, same_from=1)
+    counts = signatures["shape"][:, 0].copy()  # every replica's first dimension
     row = int(np.prod(x.shape[1:], dtype=np.int64))
     out = np.empty((int(counts.sum()), *x.shape[1:]), dtype=x.dtype)
     sizes = counts * row

@@ -9,8 +9,10 @@ from mpi4py import MPI
 
 from .. import counters
 from ._common import as_array, buf, check_out, default_comm
-from .fingerprint import agree
 from ._reduce import F16, REDUCIBLE, f16_all_reduce, finish_mean
+from .fingerprint import Problem, agree, register_op
+
+register_op("all_reduce")
 
 OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _NAMES = tuple(OPS)
@@ -50,11 +52,11 @@ def all_reduce(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) 
     x = as_array(x)
     problem = None
     if op not in OPS:
-        problem = (ValueError, f"argument op: expected one of {list(OPS)}, got {op!r}")
+        problem = Problem(ValueError, f"argument op: expected one of {list(OPS)}, got {op!r}")
     elif x.dtype not in REDUCIBLE:
-        problem = (TypeError, f"argument x: expected a numeric dtype, got {x.dtype}")
+        problem = Problem(TypeError, f"argument x: expected a numeric dtype, got {x.dtype}")
     elif out is not None and op == "mean" and x.dtype.kind in "iu":
-        problem = (ValueError, "argument out: not supported for the mean of integers (the result is float64)")
+        problem = Problem(ValueError, "argument out: not supported for the mean of integers (the result is float64)")
     else:
         problem = check_out(out, x.shape, x.dtype)
     agree("all_reduce", x, comm, problem=problem, extra=_NAMES.index(op) if op in OPS else -1, same_from=0,

@@ -10,7 +10,10 @@ import numpy as np
 
 from .. import counters
 from ._common import as_array, buf, check_out, default_comm
-from .fingerprint import agree
+from .fingerprint import Problem, agree, register_op
+
+register_op("all_to_all")
+register_op("all_to_all_v")
 
 
 def _axis(axis, ndim: int) -> int | None:
@@ -49,13 +52,13 @@ def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, comm=None,
     split, concat = _axis(split_axis, x.ndim), _axis(concat_axis, x.ndim)
     problem = None
     if x.ndim == 0:
-        problem = (ValueError, "argument x: expected at least 1 dimension, got a scalar")
+        problem = Problem(ValueError, "argument x: expected at least 1 dimension, got a scalar")
     elif split is None or concat is None:
-        problem = (ValueError, f"argument split_axis/concat_axis: expected axes in [{-x.ndim}, {x.ndim}), "
-                               f"got {split_axis} and {concat_axis}")
+        problem = Problem(ValueError, f"argument split_axis/concat_axis: expected axes in [{-x.ndim}, {x.ndim}), "
+                                      f"got {split_axis} and {concat_axis}")
     elif x.shape[split] % r:
-        problem = (ValueError, f"argument x: expected x.shape[{split_axis}] divisible by {r} "
-                               f"(the number of replicas), got shape {x.shape}")
+        problem = Problem(ValueError, f"argument x: expected x.shape[{split_axis}] divisible by {r} "
+                                      f"(the number of replicas), got shape {x.shape}")
     else:
         shape = list(x.shape)
         shape[split] //= r
@@ -105,11 +108,11 @@ def all_to_all_v(x, splits, *, comm=None) -> tuple[np.ndarray, np.ndarray]:
     splits = np.asarray(splits)
     problem = None
     if x.ndim == 0:
-        problem = (ValueError, "argument x: expected at least 1 dimension, got a scalar")
+        problem = Problem(ValueError, "argument x: expected at least 1 dimension, got a scalar")
     elif splits.shape != (comm.size,) or splits.dtype.kind not in "iu" or (splits < 0).any() \
             or splits.sum() != x.shape[0]:
-        problem = (ValueError, f"argument splits: expected {comm.size} non-negative integers summing to "
-                               f"x.shape[0] = {x.shape[0]}, got {splits.tolist()}")
+        problem = Problem(ValueError, f"argument splits: expected {comm.size} non-negative integers summing to "
+                                      f"x.shape[0] = {x.shape[0]}, got {splits.tolist()}")
     agree("all_to_all_v", x, comm, problem=problem, same_from=1)
     send_counts = splits.astype(np.int64)
     recv_counts = np.empty_like(send_counts)

@@ -8,7 +8,9 @@ import numpy as np
 
 from .. import counters
 from ._common import as_array, buf, check_out, default_comm
-from .fingerprint import agree
+from .fingerprint import Problem, agree, register_op
+
+register_op("broadcast")
 
 
 def broadcast(x, root: int = 0, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
@@ -33,7 +35,7 @@ def broadcast(x, root: int = 0, *, comm=None, out: np.ndarray | None = None) -> 
     x = as_array(x)
     problem = None
     if not isinstance(root, (int, np.integer)) or not 0 <= root < comm.size:
-        problem = (ValueError, f"argument root: expected an integer in [0, {comm.size}), got {root!r}")
+        problem = Problem(ValueError, f"argument root: expected an integer in [0, {comm.size}), got {root!r}")
     else:
         problem = check_out(out, x.shape, x.dtype)
     agree("broadcast", x, comm, problem=problem, extra=int(root) if problem is None else -1, same_from=0,

@@ -1,22 +1,37 @@
-"""The collective fingerprint: call signatures agreed across replicas before data moves.
+"""The collective fingerprint: every replica's call signature, agreed before data moves.
 
-Every collective starts with :func:`agree`, one ``Allgather`` of a small fixed-size
-signature per replica (operation, call number, dtype, shape, local problem; 112 bytes). Each
-replica then checks the same table, so a bad argument on one replica becomes the
-same exception on every replica instead of a hang or silent corruption, and a replica
-that calls a different collective (or skips one) is named instead of deadlocking.
-PyTorch calls the same idea a collective fingerprint (``c10d``'s ``ProcessGroupWrapper``
-checks each collective's op, shapes and dtypes across ranks before running it).
+Every checked collective starts with :func:`agree`: one ``Allgather`` of a fixed-size
+*signature* per replica (the named layout :data:`SIGNATURE`: operation, call number,
+status, dtype, shape and one integer the caller defines; 112 bytes), optionally
+followed by a payload of int64 values every replica should see (for example the send
+counts of a sparse exchange, so the check and that metadata share one ``Allgather``).
+Each replica then checks the same gathered table, so a bad argument on one replica
+becomes the same exception on every replica instead of a hang or silent corruption,
+and a replica that calls a different collective (or skips one) is named instead of
+deadlocking. PyTorch calls the same idea a collective fingerprint (``c10d``'s
+``ProcessGroupWrapper`` compares each collective's op, shapes and dtypes across ranks
+before running it).
 
-Call numbers: every checked call on a communicator takes the next number from
-:func:`next_call_number`, the one place that counts calls per communicator (a
-progress monitor can hook it to see how far each replica got).
+- Operations: each caller registers its operation names with :func:`register_op`; an
+  operation's code is a CRC of its name, so it is the same on every process whatever
+  the order in which modules were imported.
+- Errors: a replica that finds its own arguments bad does not raise alone (the others
+  would wait for it in the collective): it passes a :class:`Problem` (an exception
+  class and a message) to :func:`agree`, and every replica raises that exception,
+  naming the replica.
+- Call numbers: every :func:`agree` takes its number from :func:`next_call_number`,
+  the one place where checked calls are counted per communicator (a progress monitor
+  can hook that function to see how far each replica got).
+- Fast paths: a call whose signature agreed before reuses its signature row (only the
+  call number is rewritten) and, for the fixed-shape collectives, its gathered table;
+  identical signatures are recognised with one byte comparison of the table.
 """
 
 from __future__ import annotations
 
 import os
-
+import zlib
+from dataclasses import dataclass
 from time import perf_counter
 
 import numpy as np
@@ -24,26 +39,82 @@ import numpy as np
 from .. import counters
 
 MAX_NDIM = 8
-_OPS = ("all_gather", "all_gather_v", "reduce_scatter_sum", "all_to_all", "all_to_all_v", "all_reduce", "broadcast",
-        "embedding_lookup", "embedding_update", "embedding_limits")
-_ERRORS = (None, ValueError, TypeError, IndexError, KeyError)
-#: dtypes every collective accepts (reductions also need :data:`REDUCIBLE`).
+#: The layout of a signature row, one per replica (int64 fields; 112 bytes).
+SIGNATURE = np.dtype([
+    ("op", np.int64),                    # the operation's code (register_op)
+    ("call", np.int64),                  # this replica's call number on the communicator
+    ("status", np.int64),                # 0, or the exception of this replica's Problem (1 + _ERRORS index)
+    ("dtype", np.int64),                 # 1 + index in DTYPES of the array's dtype; 0 without an array
+    ("ndim", np.int64),                  # the array's number of dimensions
+    ("extra", np.int64),                 # one integer the caller compares or uses (a root, a table's code)
+    ("shape", np.int64, (MAX_NDIM,)),    # the array's shape, zero-padded
+])
+#: int64 values in a signature row; a payload follows from this column on.
+WIDTH = SIGNATURE.itemsize // 8
+# Each field's int64 column (the hot paths index int64 rows; the layout above names them).
+_OP, _CALL, _STATUS, _DTYPE, _NDIM, _EXTRA, _SHAPE = (SIGNATURE.fields[f][1] // 8 for f in SIGNATURE.names)
+_ERRORS = (ValueError, TypeError, IndexError, KeyError)
+#: dtypes every collective accepts (reductions also need ``_reduce.REDUCIBLE``).
 DTYPES = tuple(np.dtype(t) for t in (
     np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
     np.uint8, np.uint16, np.uint32, np.uint64, np.bool_, np.complex64, np.complex128))
-_CODE = {d: i + 1 for i, d in enumerate(DTYPES)}
-# Field offsets in a signature row.
-OP, SEQ, STATUS, DTYPE, NDIM, EXTRA, SHAPE = range(7)
-WIDTH = SHAPE + MAX_NDIM
-PAYLOAD = WIDTH  # first column of an optional payload
+_DTYPE_CODE = {d: i + 1 for i, d in enumerate(DTYPES)}
+
+_op_codes: dict[str, int] = {}
+_op_names: dict[int, str] = {}
 _calls: dict[int, int] = {}  # per communicator (by id): the next call number
 # Signature rows of recent good calls, by (op, dtype, shape, extra): a repeated call
 # only writes its call number (the Allgather copies the row, so reuse is safe).
 _signatures: dict[tuple, np.ndarray] = {}
 # The fixed-shape collectives' common case, by (op, dtype, shape, extra, replicas):
-# ``[signature row, gathered table, bytes counted]``, row and table reused (the callers
-# of that form ignore the table).
+# ``[signature row, gathered table, bytes counted, named view of the table]``, row and
+# table reused (the callers of that form ignore the table).
 _fixed: dict[tuple, list] = {}
+_layouts: dict[int, np.dtype] = {0: SIGNATURE}  # by payload length
+_checks = [os.environ.get("POPDIST_LITE_COLLECTIVE_CHECKS", "1") != "0"]
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """What is wrong with this replica's arguments, found before a collective.
+
+    Passed to :func:`agree` (and to the collectives built on it) instead of raising, so
+    that every replica raises ``error(f"{op}: replica {k}: {message}")`` together.
+
+    Attributes:
+        error: ``ValueError``, ``TypeError``, ``IndexError`` or ``KeyError``.
+        message: what was expected and what came (the operation and the replica are
+            prefixed when it is raised).
+
+    Raises:
+        TypeError: another exception class.
+    """
+
+    error: type
+    message: str
+
+    def __post_init__(self):
+        if self.error not in _ERRORS:
+            raise TypeError(f"Problem: expected one of {', '.join(e.__name__ for e in _ERRORS)}, "
+                            f"got {self.error!r}")
+
+    def raise_as(self, op: str, replica: int):
+        """Raise the error, naming the operation and the replica that found it."""
+        raise self.error(f"{op}: replica {replica}: {self.message}")
+
+
+def register_op(name: str) -> str:
+    """Register an operation name for :func:`agree` (idempotent); returns ``name``.
+
+    Raises:
+        ValueError: another registered name has the same code (a CRC collision).
+    """
+    code = zlib.crc32(name.encode()) & 0x7FFFFFFF
+    other = _op_names.setdefault(code, name)
+    if other != name:
+        raise ValueError(f"register_op: {name!r} has the same code as {other!r}; choose another name")
+    _op_codes[name] = code
+    return name
 
 
 def next_call_number(comm) -> int:
@@ -57,19 +128,6 @@ def next_call_number(comm) -> int:
     seq = _calls.get(key, 0)
     _calls[key] = seq + 1
     return seq
-
-
-def describe(table_row) -> str:
-    dtype = DTYPES[int(table_row[DTYPE]) - 1] if table_row[DTYPE] else "?"
-    shape = tuple(int(s) for s in table_row[SHAPE:SHAPE + int(table_row[NDIM])])
-    return f"{dtype}{list(shape)}"
-
-
-def shape_of(row) -> tuple[int, ...]:
-    return tuple(int(s) for s in row[SHAPE:SHAPE + int(row[NDIM])])
-
-
-_checks = [os.environ.get("POPDIST_LITE_COLLECTIVE_CHECKS", "1") != "0"]
 
 
 def set_collective_checks(enabled: bool) -> bool:
@@ -93,17 +151,17 @@ def set_collective_checks(enabled: bool) -> bool:
     return previous
 
 
-def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | None = None,
+def agree(op: str, x: np.ndarray | None, comm, *, problem: Problem | None = None,
           extra: int = 0, name: str = "x", payload: np.ndarray | None = None,
-          same_from: int | None = None, extra_name: str = "extra", extra_format=str) -> np.ndarray:
+          same_from: int | None = None, extra_name: str = "extra", extra_format=str) -> np.ndarray | None:
     """Exchange call signatures and raise the same error on every replica if any is bad.
 
     Args:
-        op: the collective's name (one of ``_OPS``).
-        x: this replica's array (its dtype and shape go into the signature).
+        op: the operation's name, registered with :func:`register_op`.
+        x: this replica's array (its dtype and shape go into the signature), or None.
         comm: the communicator.
-        problem: ``(exception type, message)`` when this replica already found its
-            arguments bad; every replica raises that type, naming this replica.
+        problem: a :class:`Problem` when this replica already found its arguments bad;
+            every replica raises it, naming this replica.
         extra: one more integer to compare or use (e.g. the root of a broadcast).
         payload: optional ``int64[k]`` appended to the signature (the same ``k`` on
             every replica), e.g. the send counts of a sparse exchange, so the check and
@@ -116,30 +174,30 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | No
             differs between replicas (e.g. ``"root"``).
 
     Returns:
-        ``int64[comm.size, width]``: every replica's signature, indexed by rank
-        (columns ``PAYLOAD:`` hold the payloads). With ``same_from=0`` and no payload
-        the array is reused by the next such call (callers of that form ignore it);
-        ``None`` when checks are off.
+        every replica's signature, indexed by rank: a structured array ``(comm.size,)``
+        of :data:`SIGNATURE`, plus a field ``"payload"`` (``int64[k]``) with a payload.
+        With ``same_from=0`` and no payload it is reused by the next such call (callers
+        of that form ignore it); ``None`` when checks are off.
 
     Raises:
-        ValueError, TypeError, IndexError: a replica's ``problem``, raised on all.
+        ValueError, TypeError, IndexError, KeyError: a replica's ``problem``, raised on all.
         RuntimeError: replicas called different collectives at the same point.
     """
     if same_from == 0 and payload is None:
         if not _checks[0]:
             if problem is not None:  # unchecked: this replica's own error, raised here only
-                raise problem[0](f"{op}: replica {comm.rank}: {problem[1]}")
+                problem.raise_as(op, comm.rank)
             return None
         if problem is None:  # fast path: a repeat of a call that agreed before
             entry = _fixed.get((op, x.dtype, x.shape, extra, comm.size))
             if entry is not None:
                 start = perf_counter()
-                sig, table, n = entry
-                sig[SEQ] = next_call_number(comm)
+                sig, table, n, named = entry
+                sig[_CALL] = next_call_number(comm)
                 comm.Allgather(sig, table)
                 counters.record("agree", start, n, n)
                 if table.tobytes() == sig.tobytes() * table.shape[0]:
-                    return table
+                    return named
                 return _disagree(op, table, problem, comm, same_from, name, extra_name, extra_format)
     start = perf_counter()
     seq = next_call_number(comm)
@@ -156,8 +214,8 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | No
                 _signatures.clear()
             _signatures[key] = sig
     elif payload is not None:
-        sig[PAYLOAD:] = payload
-    sig[SEQ] = seq
+        sig[WIDTH:] = payload
+    sig[_CALL] = seq
     size = comm.size
     table = np.empty((size, sig.size), dtype=np.int64)
     comm.Allgather(sig, table)
@@ -166,86 +224,104 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: tuple[type, str] | No
     if problem is None:  # fast paths: nothing wrong anywhere
         if same_from == 0:
             if table.tobytes() == sig.tobytes() * size:
+                named = _named(table)
                 if payload is None:  # remembered for the fast path above
                     if len(_fixed) >= 1024:
                         _fixed.clear()
-                    _fixed[(op, x.dtype, x.shape, extra, size)] = [sig.copy(), table, n]
-                return table  # identical signatures
+                    _fixed[(op, x.dtype, x.shape, extra, size)] = [sig.copy(), table, n, named]
+                return named  # identical signatures
         elif same_from is None and table[:, :WIDTH].tobytes() == sig[:WIDTH].tobytes() * size:
-            return table  # identical rows but for the payloads
-        elif (table[:, OP:DTYPE] == sig[OP:DTYPE]).all() and (
-                same_from is None or ((table[:, DTYPE:SHAPE] == sig[DTYPE:SHAPE]).all()
-                                      and (table[:, SHAPE + 1:WIDTH] == sig[SHAPE + 1:WIDTH]).all())):
-            return table  # same collective and call number (and trailing shape for same_from=1)
+            return _named(table)  # identical rows but for the payloads
+        elif (table[:, _OP:_DTYPE] == sig[_OP:_DTYPE]).all() and (
+                same_from is None or ((table[:, _DTYPE:_SHAPE] == sig[_DTYPE:_SHAPE]).all()
+                                      and (table[:, _SHAPE + 1:WIDTH] == sig[_SHAPE + 1:WIDTH]).all())):
+            return _named(table)  # same collective and call number (and trailing shape for same_from=1)
     return _disagree(op, table, problem, comm, same_from, name, extra_name, extra_format)
 
 
-def _disagree(op: str, table: np.ndarray, problem, comm, same_from, name: str, extra_name: str,
+def _named(table: np.ndarray) -> np.ndarray:
+    """The gathered ``int64[r, WIDTH + k]`` table as ``r`` :data:`SIGNATURE` records
+    (plus ``"payload"``), a view: no copy."""
+    k = table.shape[1] - WIDTH
+    layout = _layouts.get(k)
+    if layout is None:
+        layout = _layouts[k] = np.dtype(SIGNATURE.descr + [("payload", np.int64, (k,))])
+    return np.ndarray((table.shape[0],), layout, table)
+
+
+def _op_name(code) -> str:
+    return _op_names.get(int(code), f"operation #{int(code)}")
+
+
+def _disagree(op: str, table: np.ndarray, problem: Problem | None, comm, same_from, name: str, extra_name: str,
               extra_format) -> np.ndarray:
     """Raise the error the gathered ``table`` shows, the same on every replica (or return
-    ``table`` when the differences are allowed: a first dimension for ``same_from=1``)."""
-    bad = np.flatnonzero((table[:, OP] != table[0, OP]) | (table[:, SEQ] != table[0, SEQ]))
+    it, named, when the differences are allowed: a first dimension for ``same_from=1``)."""
+    bad = np.flatnonzero((table[:, _OP] != table[0, _OP]) | (table[:, _CALL] != table[0, _CALL]))
     if bad.size:
         r = int(bad[0])
         raise RuntimeError(
-            f"collective mismatch: replica 0 called {_OPS[table[0, OP]]} (collective call #{table[0, SEQ]}) "
-            f"but replica {r} called {_OPS[table[r, OP]]} (call #{table[r, SEQ]}); every replica must "
-            f"issue the same collectives in the same order")
-    failed = np.flatnonzero(table[:, STATUS])
+            f"collective mismatch: replica 0 called {_op_name(table[0, _OP])} (collective call "
+            f"#{table[0, _CALL]}) but replica {r} called {_op_name(table[r, _OP])} (call #{table[r, _CALL]}); "
+            f"every replica must issue the same collectives in the same order")
+    failed = np.flatnonzero(table[:, _STATUS])
     if failed.size:
-        messages = comm.allgather(problem[1] if problem else None)  # error path only: pickling is fine
+        messages = comm.allgather(problem.message if problem else None)  # error path only: pickling is fine
         r = int(failed[0])
-        raise _ERRORS[table[r, STATUS]](f"{op}: replica {r}: {messages[r]}")
+        raise _ERRORS[table[r, _STATUS] - 1](f"{op}: replica {r}: {messages[r]}")
     if same_from is not None:
-        bad = np.flatnonzero(table[:, EXTRA] != table[0, EXTRA])
+        bad = np.flatnonzero(table[:, _EXTRA] != table[0, _EXTRA])
         if bad.size:
             r = int(bad[0])
-            raise ValueError(f"{op}: argument {extra_name}: replica {r} passed {extra_format(table[r, EXTRA])}, "
-                             f"expected {extra_format(table[0, EXTRA])} as on replica 0")
-        require_same_shape(op, table, name, from_axis=same_from)
-    return table
+            raise ValueError(f"{op}: argument {extra_name}: replica {r} passed {extra_format(table[r, _EXTRA])}, "
+                             f"expected {extra_format(table[0, _EXTRA])} as on replica 0")
+        _require_same_shape(op, table, name, from_axis=same_from)
+    return _named(table)
 
 
-def _signature(op: str, x, problem, extra: int, name: str, payload):
+def _signature(op: str, x, problem: Problem | None, extra: int, name: str, payload):
     """This replica's signature row (without the call number) and its problem, if any."""
+    code = _op_codes.get(op)
+    if code is None:
+        raise ValueError(f"agree: operation {op!r} is not registered (fingerprint.register_op)")
     width = WIDTH if payload is None else WIDTH + len(payload)
     sig = np.zeros(width, dtype=np.int64)
-    sig[OP], sig[EXTRA] = _OPS.index(op), extra
+    sig[_OP], sig[_EXTRA] = code, extra
     if payload is not None:
-        sig[PAYLOAD:] = payload
+        sig[WIDTH:] = payload
     if problem is None and x is not None:
-        code = _CODE.get(x.dtype)
-        if code is None:
-            problem = (TypeError, f"argument {name}: expected one of the dtypes "
-                                  f"{', '.join(map(str, DTYPES))}, got {x.dtype}")
+        dtype_code = _DTYPE_CODE.get(x.dtype)
+        if dtype_code is None:
+            problem = Problem(TypeError, f"argument {name}: expected one of the dtypes "
+                                         f"{', '.join(map(str, DTYPES))}, got {x.dtype}")
         elif x.ndim > MAX_NDIM:
-            problem = (ValueError, f"argument {name}: expected at most {MAX_NDIM} dimensions, got {x.ndim}")
+            problem = Problem(ValueError, f"argument {name}: expected at most {MAX_NDIM} dimensions, got {x.ndim}")
         else:
-            sig[DTYPE], sig[NDIM] = code, x.ndim
-            sig[SHAPE:SHAPE + x.ndim] = x.shape
+            sig[_DTYPE], sig[_NDIM] = dtype_code, x.ndim
+            sig[_SHAPE:_SHAPE + x.ndim] = x.shape
     if problem is not None:
-        sig[STATUS] = _ERRORS.index(problem[0])
+        sig[_STATUS] = 1 + _ERRORS.index(problem.error)
     return sig, problem
 
 
-def require_same_dtype(op: str, table: np.ndarray, name: str = "x") -> None:
-    """Raise ``TypeError`` on every replica unless all replicas passed the same dtype."""
-    bad = np.flatnonzero(table[:, DTYPE] != table[0, DTYPE])
+def _shape_of(row) -> tuple[int, ...]:
+    return tuple(int(s) for s in row[_SHAPE:_SHAPE + int(row[_NDIM])])
+
+
+def _require_same_shape(op: str, table: np.ndarray, name: str = "x", from_axis: int = 0) -> None:
+    """Raise on every replica unless all dtypes (``TypeError``) and shapes from
+    ``from_axis`` on (``ValueError``) agree."""
+    if (table[:, _DTYPE:_SHAPE + from_axis] == table[0, _DTYPE:_SHAPE + from_axis]).all() \
+            and (table[:, _SHAPE + from_axis:WIDTH] == table[0, _SHAPE + from_axis:WIDTH]).all():
+        return  # fast path: the same dtype, ndim, extra and shape (from from_axis) everywhere
+    bad = np.flatnonzero(table[:, _DTYPE] != table[0, _DTYPE])
     if bad.size:
         r = int(bad[0])
-        raise TypeError(f"{op}: argument {name}: replica {r} passed dtype {DTYPES[table[r, DTYPE] - 1]}, "
-                        f"expected {DTYPES[table[0, DTYPE] - 1]} as on replica 0")
-
-
-def require_same_shape(op: str, table: np.ndarray, name: str = "x", from_axis: int = 0) -> None:
-    """Raise ``ValueError`` on every replica unless all shapes agree (from ``from_axis`` on)."""
-    if (table[:, DTYPE:SHAPE + from_axis] == table[0, DTYPE:SHAPE + from_axis]).all() \
-            and (table[:, SHAPE + from_axis:WIDTH] == table[0, SHAPE + from_axis:WIDTH]).all():
-        return  # fast path: the same dtype, ndim, extra and shape (from from_axis) everywhere
-    require_same_dtype(op, table, name)
-    ref = shape_of(table[0])
+        raise TypeError(f"{op}: argument {name}: replica {r} passed dtype {DTYPES[table[r, _DTYPE] - 1]}, "
+                        f"expected {DTYPES[table[0, _DTYPE] - 1]} as on replica 0")
+    ref = _shape_of(table[0])
     for r in range(1, table.shape[0]):
-        got = shape_of(table[r])
+        got = _shape_of(table[r])
         if len(got) != len(ref) or got[from_axis:] != ref[from_axis:]:
             what = "shape" if from_axis == 0 else f"shape after axis {from_axis - 1}"
             raise ValueError(f"{op}: argument {name}: replica {r} passed shape {got}, expected the same "

@@ -9,8 +9,10 @@ from mpi4py import MPI
 
 from .. import counters
 from ._common import as_array, buf, check_out, default_comm
-from .fingerprint import agree
 from ._reduce import F16, REDUCIBLE, f16_reduce_scatter, f16_reduce_scatter_v, finish_mean
+from .fingerprint import Problem, agree, register_op
+
+register_op("reduce_scatter_sum")
 
 
 def reduce_scatter_sum(x, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
@@ -50,12 +52,12 @@ def reduce_scatter(x, op: str = "sum", *, comm=None, out: np.ndarray | None = No
     x = as_array(x)
     problem = None
     if x.ndim == 0 or x.shape[0] != comm.size:
-        problem = (ValueError, f"argument x: expected x.shape[0] == {comm.size} (the number of replicas), "
-                               f"got shape {x.shape}")
+        problem = Problem(ValueError, f"argument x: expected x.shape[0] == {comm.size} (the number of replicas), "
+                                      f"got shape {x.shape}")
     elif x.dtype not in REDUCIBLE:
-        problem = (TypeError, f"argument x: expected a numeric dtype for a sum, got {x.dtype}")
+        problem = Problem(TypeError, f"argument x: expected a numeric dtype for a sum, got {x.dtype}")
     elif out is not None and op == "mean" and x.dtype.kind in "iu":
-        problem = (ValueError, "argument out: not supported for the mean of integers (the result is float64)")
+        problem = Problem(ValueError, "argument out: not supported for the mean of integers (the result is float64)")
     else:
         problem = check_out(out, x.shape[1:], x.dtype)
     agree("reduce_scatter_sum", x, comm, problem=problem, same_from=0)

@@ -17,22 +17,19 @@ from typing import Callable
 import numpy as np
 
 from .. import counters, topology
-from ..collectives.all_gather import all_gather, gather_rows
-from ..stochastic_rounding import as_stochastic_rounding
+from ..collectives.all_gather import all_gather
+from ..collectives.fingerprint import Problem
 from . import combiners
 from .encoding import EncodingPartition
-from .id_limits.enforcer import Limiter
-from .id_limits.settings import IdLimits
+from .exchange import DenseExchange, Exchange
+from .id_limits.enforcer import IdLimitEnforcer
 from .optimizer_specs import EmbeddingOptimizerSpec, UpdateContext
 from .sparse import SparseTokenExchange
 from .state import TableState, check_arrays
+from .table_spec import TableSpec
 from .token import TokenPartition
 
-PARTITION_STRATEGIES = {"TOKEN": TokenPartition, "ENCODING": EncodingPartition}
-#: Exchanges per strategy; the first is the default (see docs/performance.md for why).
-EXCHANGES = {"TOKEN": ("sparse", "dense"), "ENCODING": ("dense",)}
-TABLE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-MASTER_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+PARTITIONS = {"TOKEN": TokenPartition, "ENCODING": EncodingPartition}
 _INIT_BLOCK_ROWS = 1 << 15
 
 
@@ -65,75 +62,27 @@ class HostEmbedding:
             only), or ``None``.
     """
 
-    def __init__(self, name: str, shape, dtype, partition_strategy: str,
-                 optimizer_spec: EmbeddingOptimizerSpec | None, initializer, seed: int, comm,
-                 master_weights=None, stochastic_rounding=None, exchange: str = "dense",
-                 id_limits: IdLimits | None = None):
-        self.name = name
-        self.shape = tuple(int(s) for s in shape)
-        self.dtype = np.dtype(dtype)
-        self.master_dtype = np.dtype(master_weights) if master_weights is not None else self.dtype
-        self.partition_strategy = partition_strategy
-        self.optimizer_spec = optimizer_spec
-        self.stochastic_rounding = as_stochastic_rounding(stochastic_rounding, seed=seed)
+    def __init__(self, spec: TableSpec, initializer, comm):
+        self.spec = spec
+        self.name, self.shape, self.dtype, self.master_dtype = spec.name, spec.shape, spec.dtype, spec.master_dtype
+        self.partition_strategy, self.exchange = spec.partition_strategy, spec.exchange
+        self.optimizer_spec, self.stochastic_rounding = spec.optimizer_spec, spec.stochastic_rounding
+        self.id_limits = spec.id_limits if spec.id_limits.active else None
         self._comm = comm
         t, e = self.shape
-        self._partition = PARTITION_STRATEGIES[partition_strategy](t, e, comm.size, comm.rank)
+        self._partition = PARTITIONS[spec.partition_strategy](t, e, comm.size, comm.rank)
         self.local_shard = np.zeros(self._partition.shard_shape, dtype=self.master_dtype)
-        self.exchange = exchange
-        self._sparse = SparseTokenExchange(name, t, e, comm) if exchange == "sparse" else None
-        self.id_limits = id_limits
-        self._limiter = None
-        if id_limits is not None and id_limits.active:
-            self._limiter = Limiter(name, t, comm, id_limits, zlib.crc32(name.encode()) & 0x7FFFFFFF)
-            if self._sparse is not None and id_limits.capacity is not None:
-                self._size_buffers(id_limits.capacity)
-        self._initialize(initializer, seed)
+        self._exchange: Exchange = (SparseTokenExchange(spec, comm) if spec.exchange == "sparse"
+                                    else DenseExchange(spec.name, self._partition, comm))
+        self._limiter = IdLimitEnforcer(spec, comm) if self.id_limits is not None else None
+        if spec.exchange == "sparse" and self.id_limits is not None and self.id_limits.capacity is not None:
+            self._exchange.reserve(self.id_limits.capacity, self.dtype)
+        _initialize(self.local_shard, self._partition, spec, initializer, comm)
         # Lookups read the serving copy: the master shard itself, or its float16 (lookup
         # dtype) rounding kept in step with every update (only written rows are re-cast).
         self._serving = self.local_shard if self.master_dtype == self.dtype else self.local_shard.astype(self.dtype)
-        trainable = optimizer_spec is not None and optimizer_spec.trainable
-        self.optimizer_state = optimizer_spec.init_state(self._partition.shard_shape) if trainable else {}
+        self.optimizer_state = spec.optimizer_spec.init_state(self._partition.shard_shape) if spec.trainable else {}
         self._registered = 0
-
-    def _size_buffers(self, capacity: int) -> None:
-        """Allocate the sparse exchange's buffers for ``capacity`` unique IDs per partition
-        (``r * capacity`` per direction), once: a call within the limits never grows them."""
-        b, sp, e = self._sparse.buffers, self._sparse, self.shape[1]
-        n = self._comm.size * capacity
-        acc = np.float32 if self.dtype == np.float16 else self.dtype
-        for name, shape, dtype in (("ids", n, sp.id_dtype), ("wanted", n, sp.id_dtype),
-                                   ("found", (n, e), self.dtype), ("rows", (n, e), self.dtype),
-                                   ("their_ids", n, sp.id_dtype), ("their_sums", (n, e), acc)):
-            b.get(name, shape, dtype)
-
-    # -- initial values -------------------------------------------------------------
-    def _initialize(self, initializer, seed: int) -> None:
-        t, e = self.shape
-        if initializer is None:
-            # Counter-based blocks: the same table for any replica count and strategy.
-            for first in range(0, t, _INIT_BLOCK_ROWS):
-                rng = np.random.default_rng([seed, first // _INIT_BLOCK_ROWS])
-                n = min(_INIT_BLOCK_ROWS, t - first)
-                block = (rng.random((n, e), dtype=np.float32) * 0.1 - 0.05).astype(self.master_dtype)
-                self._partition.shard_from_block(block, first, self.local_shard)
-            return
-        table = initializer(self.shape, self.master_dtype) if callable(initializer) else initializer
-        table = np.asarray(table)
-        problem = None
-        if table.shape != self.shape:
-            problem = f"initializer: expected a table of shape {self.shape}, got {table.shape}"
-        crc = zlib.crc32(np.ascontiguousarray(table, dtype=self.master_dtype).tobytes()) if problem is None else -1
-        problems = self._comm.allgather((problem, crc))
-        for r, (p, _) in enumerate(problems):
-            if p:
-                raise ValueError(f"host embedding {self.name!r}: replica {r}: {p}")
-        crcs = [c for _, c in problems]
-        if len(set(crcs)) > 1:
-            r = next(i for i, c in enumerate(crcs) if c != crcs[0])
-            raise ValueError(f"host embedding {self.name!r}: initializer: replica {r} has a different initial "
-                             f"table from replica 0; pass the same array (or a deterministic callable) everywhere")
-        self._partition.shard_from_block(table.astype(self.master_dtype, copy=False), 0, self.local_shard)
 
     # -- the seed API ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -155,15 +104,15 @@ class HostEmbedding:
     def _prepare(self, indices, clip_indices: bool, grads=None):
         """Check this replica's arguments locally (no communication).
 
-        Returns ``(flat int64[n], grads (n, e) or None, problem or None)``; the problem
-        (an exception type and message) is raised on every replica by the exchange.
+        Returns ``(flat int64[n], grads (n, e) or None, Problem or None)``; the problem
+        is raised on every replica by the exchange.
         """
         t, e = self.shape
         problem = None
         flat = np.zeros(0, dtype=np.int64)
         if indices.dtype.kind not in "iu":
-            problem = (TypeError, f"host embedding {self.name!r}: argument indices: expected an integer "
-                                  f"dtype, got {indices.dtype}")
+            problem = Problem(TypeError, f"host embedding {self.name!r}: argument indices: expected an integer "
+                                         f"dtype, got {indices.dtype}")
         else:
             # no copy of int64 indices unless clipping writes to them (the exchanges only read)
             flat = indices.reshape(-1).astype(np.int64, copy=bool(clip_indices))
@@ -173,31 +122,14 @@ class HostEmbedding:
             grads = np.asarray(grads)
             want = indices.shape + (e,)
             if grads.shape != want:
-                problem = (ValueError, f"host embedding {self.name!r}: argument grads: expected shape "
-                                       f"indices.shape + (e,) = {want}, got {grads.shape}")
+                problem = Problem(ValueError, f"host embedding {self.name!r}: argument grads: expected shape "
+                                              f"indices.shape + (e,) = {want}, got {grads.shape}")
             elif grads.dtype.kind != "f":
-                problem = (TypeError, f"host embedding {self.name!r}: argument grads: expected a floating "
-                                      f"dtype, got {grads.dtype}")
+                problem = Problem(TypeError, f"host embedding {self.name!r}: argument grads: expected a floating "
+                                             f"dtype, got {grads.dtype}")
             else:
                 grads = np.ascontiguousarray(grads.reshape(-1, e), dtype=self.dtype)
         return flat, grads, problem
-
-    def _gather_indices(self, flat: np.ndarray, problem):
-        """Dense exchange: all-gather the flattened indices and check them on every replica.
-
-        Returns ``(gathered, counts)``.
-        Raises TypeError/ValueError/IndexError on every replica for any replica's bad input.
-        """
-        t = self.shape[0]
-        gathered, counts = gather_rows(flat, self._comm, problem=problem, name="indices")
-        bad = np.flatnonzero((gathered < 0) | (gathered >= t))
-        if bad.size:
-            p = int(bad[0])
-            r = int(np.searchsorted(np.cumsum(counts), p, side="right"))
-            raise IndexError(f"host embedding {self.name!r}: replica {r} passed index {int(gathered[p])}, "
-                             f"expected indices in [0, {t}) (pass clip_indices=True to clip instead); "
-                             f"nothing was looked up or updated")
-        return gathered, counts
 
     def lookup(self, indices, clip_indices: bool = False) -> np.ndarray:
         """Look up rows of the whole table. Collective.
@@ -229,11 +161,8 @@ class HostEmbedding:
             return self._lookup_once(flat, problem)
         return self._limiter.lookup(flat, problem, self._lookup_once)
 
-    def _lookup_once(self, flat: np.ndarray, problem) -> np.ndarray:
-        if self._sparse is not None:
-            return self._sparse.lookup(self._serving, flat, problem)
-        gathered, counts = self._gather_indices(flat, problem)
-        return self._partition.lookup(self._serving, gathered, counts, self._comm)
+    def _lookup_once(self, flat: np.ndarray, problem: Problem | None) -> np.ndarray:
+        return self._exchange.lookup(self._serving, flat, problem)
 
     def apply_gradients(self, indices, grads, clip_indices: bool = False, *, loss_scale: float = 1.0) -> None:
         """Update the rows looked up with ``indices`` with the optimizer spec. Collective.
@@ -272,14 +201,8 @@ class HostEmbedding:
         else:
             self._limiter.update(flat, grads, problem, update)
 
-    def _update_once(self, flat: np.ndarray, grads, problem, loss_scale: float = 1.0) -> None:
-        spec = self.optimizer_spec
-        trainable = spec is not None and spec.trainable
-        if self._sparse is not None:
-            pairs = self._sparse.gradient_sums(flat, grads, problem, trainable=trainable)
-        else:
-            gathered, counts = self._gather_indices(flat, problem)
-            pairs = self._partition.gradient_sums(gathered, counts, grads, self._comm) if trainable else None
+    def _update_once(self, flat: np.ndarray, grads, problem: Problem | None, loss_scale: float = 1.0) -> None:
+        pairs = self._exchange.gradient_sums(flat, grads, problem, trainable=self.spec.trainable)
         if pairs is not None:
             step = perf_counter()
             self._apply(*pairs, loss_scale)
@@ -338,8 +261,8 @@ class HostEmbedding:
         if problem is None:
             grads = np.asarray(grads)
             if grads.shape != bags.shape + (e,) or grads.dtype.kind != "f":
-                problem = (ValueError, f"host embedding {self.name!r}: argument grads: expected a floating "
-                                       f"array of shape {bags.shape + (e,)}, got {grads.dtype}{list(grads.shape)}")
+                problem = Problem(ValueError, f"host embedding {self.name!r}: argument grads: expected a floating "
+                                              f"array of shape {bags.shape + (e,)}, got {grads.dtype}{list(grads.shape)}")
                 flat = np.zeros(0, dtype=np.int64)
             else:
                 per_id = combiners.unpool(grads, bags, e, self.dtype)
@@ -353,7 +276,7 @@ class HostEmbedding:
         except (ValueError, TypeError) as exc:
             empty = np.zeros(0, dtype=np.int64)
             bags = combiners.Bags(empty, np.zeros(0), empty, empty, (0,))
-            return bags, empty, (type(exc), f"host embedding {self.name!r}: {exc}")
+            return bags, empty, Problem(type(exc), f"host embedding {self.name!r}: {exc}")
         flat, _, problem = self._prepare(bags.ids, clip_indices)
         return bags, flat, problem
 
@@ -506,44 +429,18 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
         TypeError: an unsupported dtype, master dtype or optimizer spec.
     """
     topology.init()
-    id_limits = None
     comm = topology.replica_comm() if comm is None else comm
-    problem = None
+    problem = spec = None
     try:
-        if partition_strategy not in PARTITION_STRATEGIES:
-            raise ValueError(f"argument partition_strategy: expected 'TOKEN' or 'ENCODING', got {partition_strategy!r}")
-        allowed = EXCHANGES[partition_strategy]
-        if exchange is None:
-            exchange = allowed[0]
-        elif exchange not in allowed:
-            raise ValueError(f"argument exchange: expected one of {', '.join(map(repr, allowed))} for "
-                             f"{partition_strategy} tables, got {exchange!r}")
-        shape = tuple(int(s) for s in shape)
-        if len(shape) != 2 or min(shape) < 1:
-            raise ValueError(f"argument shape: expected [t, e] with t, e >= 1, got {list(shape)}")
-        if np.dtype(dtype) not in TABLE_DTYPES:
-            raise TypeError(f"argument dtype: expected float16, float32 or float64, got {np.dtype(dtype)}")
-        if optimizer_spec is not None and not isinstance(optimizer_spec, EmbeddingOptimizerSpec):
-            raise TypeError(f"argument optimizer_spec: expected a HostEmbedding*OptimizerSpec or None, "
-                            f"got {type(optimizer_spec).__name__}")
-        if master_weights is not None and (np.dtype(master_weights) not in MASTER_DTYPES
-                                           or np.dtype(master_weights).itemsize < np.dtype(dtype).itemsize):
-            raise TypeError(f"argument master_weights: expected None, float32 or float64 (at least as wide as "
-                            f"dtype {np.dtype(dtype)}), got {np.dtype(master_weights)}")
-        id_limits = IdLimits(max_ids_per_partition, max_unique_ids_per_partition, bool(allow_id_dropping),
-                             bool(enable_minibatching), bool(track_id_stats))
-        if id_limits.active and partition_strategy != "TOKEN":
-            raise ValueError("ID limits and track_id_stats apply to TOKEN tables only (an ENCODING table "
-                             "sends every ID to every replica)")
-        rounding = as_stochastic_rounding(stochastic_rounding, seed=seed)
-        signature = (name, shape, str(np.dtype(dtype)), partition_strategy,
-                     optimizer_spec.signature() if optimizer_spec else None, seed,
-                     str(np.dtype(master_weights)) if master_weights is not None else None, rounding.mode.name,
-                     exchange, id_limits.signature())
+        spec = TableSpec.from_arguments(
+            name, shape, dtype, partition_strategy, optimizer_spec, seed, master_weights=master_weights,
+            stochastic_rounding=stochastic_rounding, exchange=exchange, max_ids_per_partition=max_ids_per_partition,
+            max_unique_ids_per_partition=max_unique_ids_per_partition, allow_id_dropping=allow_id_dropping,
+            enable_minibatching=enable_minibatching, track_id_stats=track_id_stats)
     except (ValueError, TypeError) as exc:
-        problem, signature = exc, None
+        problem = exc
     # Creation is rare: a pickled all-gather keeps the check simple.
-    gathered = comm.allgather((type(problem), str(problem)) if problem else (None, signature))
+    gathered = comm.allgather((type(problem), str(problem)) if problem else (None, spec.signature()))
     for r, (error, message) in enumerate(gathered):
         if error is not None:
             raise error(f"create_host_embedding({name!r}): replica {r}: {message}")
@@ -552,6 +449,39 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
             raise ValueError(f"create_host_embedding({name!r}): replica {r} passed (name, shape, dtype, "
                              f"strategy, optimizer, seed, master weights, stochastic rounding, exchange, id limits) = "
                              f"{item}, expected {gathered[0][1]} as on replica 0")
-    return HostEmbedding(name, shape, dtype, partition_strategy, optimizer_spec, initializer, seed, comm,
-                         master_weights=master_weights, stochastic_rounding=rounding, exchange=exchange,
-                         id_limits=id_limits if id_limits.active else None)
+    return HostEmbedding(spec, initializer, comm)
+
+
+def _initialize(shard: np.ndarray, partition, spec: TableSpec, initializer, comm) -> None:
+    """Write the initial values of this replica's ``shard`` (collective when
+    ``initializer`` is given: every replica must pass the same table).
+
+    Raises:
+        ValueError: on every replica, for a table of the wrong shape on any replica or
+            tables that differ between replicas.
+    """
+    (t, e), dtype = spec.shape, spec.master_dtype
+    if initializer is None:
+        # Counter-based blocks: the same table for any replica count and strategy.
+        for first in range(0, t, _INIT_BLOCK_ROWS):
+            rng = np.random.default_rng([spec.seed, first // _INIT_BLOCK_ROWS])
+            n = min(_INIT_BLOCK_ROWS, t - first)
+            block = (rng.random((n, e), dtype=np.float32) * 0.1 - 0.05).astype(dtype)
+            partition.shard_from_block(block, first, shard)
+        return
+    table = initializer(spec.shape, dtype) if callable(initializer) else initializer
+    table = np.asarray(table)
+    problem = None
+    if table.shape != spec.shape:
+        problem = f"initializer: expected a table of shape {spec.shape}, got {table.shape}"
+    crc = zlib.crc32(np.ascontiguousarray(table, dtype=dtype).tobytes()) if problem is None else -1
+    problems = comm.allgather((problem, crc))  # creation is rare: pickling is fine
+    for r, (p, _) in enumerate(problems):
+        if p:
+            raise ValueError(f"host embedding {spec.name!r}: replica {r}: {p}")
+    crcs = [c for _, c in problems]
+    if len(set(crcs)) > 1:
+        r = next(i for i, c in enumerate(crcs) if c != crcs[0])
+        raise ValueError(f"host embedding {spec.name!r}: initializer: replica {r} has a different initial "
+                         f"table from replica 0; pass the same array (or a deterministic callable) everywhere")
+    partition.shard_from_block(table.astype(dtype, copy=False), 0, shard)

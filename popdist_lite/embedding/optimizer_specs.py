@@ -29,11 +29,12 @@ sum of all its gradients (TorchRec's ``EXACT_*`` optimizers).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+
+from ..validation import check_integer, check_number
 
 __all__ = ["EmbeddingOptimizerSpec", "HostEmbeddingOptimizerSpec", "HostEmbeddingSGDGAOptimizerSpec",
            "HostEmbeddingMomentumOptimizerSpec", "HostEmbeddingAdagradOptimizerSpec",
@@ -48,16 +49,6 @@ class UpdateContext:
 
     width: int
     row_sum: Callable[[np.ndarray], np.ndarray] = field(default=lambda x: x.sum(axis=1))
-
-
-def _check(owner: str, name: str, value, low: float = 0.0, high: float = math.inf,
-           low_open: bool = False, high_open: bool = False) -> None:
-    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool) \
-        and math.isfinite(value) and (value > low if low_open else value >= low) \
-        and (value < high if high_open else value <= high)
-    if not ok:
-        lo, hi = ("(" if low_open else "[") + f"{low}", f"{high}" + (")" if high_open else "]")
-        raise ValueError(f"{owner}: argument {name}: expected a finite number in {lo}, {hi}, got {value!r}")
 
 
 def _compute_dtype(shard: np.ndarray) -> np.dtype:
@@ -115,7 +106,7 @@ class HostEmbeddingOptimizerSpec(EmbeddingOptimizerSpec):
     learning_rate: float
 
     def __post_init__(self):
-        _check("HostEmbeddingOptimizerSpec", "learning_rate", self.learning_rate)
+        check_number("HostEmbeddingOptimizerSpec", "learning_rate", self.learning_rate)
 
     def apply(self, shard, rows, sums, state, ctx=None):
         return rows, shard[rows].astype(_compute_dtype(shard)) - self.learning_rate * sums
@@ -144,11 +135,8 @@ class HostEmbeddingSGDGAOptimizerSpec(EmbeddingOptimizerSpec):
     accumulation_factor: int
 
     def __post_init__(self):
-        _check("HostEmbeddingSGDGAOptimizerSpec", "learning_rate", self.learning_rate)
-        k = self.accumulation_factor
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"HostEmbeddingSGDGAOptimizerSpec: argument accumulation_factor: expected an "
-                             f"integer >= 1, got {k!r}")
+        check_number("HostEmbeddingSGDGAOptimizerSpec", "learning_rate", self.learning_rate)
+        check_integer("HostEmbeddingSGDGAOptimizerSpec", "accumulation_factor", self.accumulation_factor)
 
     def init_state(self, shard_shape):
         return {"accumulator": np.zeros(shard_shape, np.float32), "touched": np.zeros(shard_shape[0], bool),
@@ -186,8 +174,8 @@ class HostEmbeddingMomentumOptimizerSpec(EmbeddingOptimizerSpec):
     momentum: float = 0.9
 
     def __post_init__(self):
-        _check("HostEmbeddingMomentumOptimizerSpec", "learning_rate", self.learning_rate)
-        _check("HostEmbeddingMomentumOptimizerSpec", "momentum", self.momentum, 0.0, 1.0, high_open=True)
+        check_number("HostEmbeddingMomentumOptimizerSpec", "learning_rate", self.learning_rate)
+        check_number("HostEmbeddingMomentumOptimizerSpec", "momentum", self.momentum, 0.0, 1.0, high_open=True)
 
     def init_state(self, shard_shape):
         return {"velocity": np.zeros(shard_shape, np.float32)}
@@ -227,9 +215,9 @@ class HostEmbeddingAdagradOptimizerSpec(EmbeddingOptimizerSpec):
     rowwise: bool = False
 
     def __post_init__(self):
-        _check("HostEmbeddingAdagradOptimizerSpec", "learning_rate", self.learning_rate)
-        _check("HostEmbeddingAdagradOptimizerSpec", "initial_accumulator_value", self.initial_accumulator_value)
-        _check("HostEmbeddingAdagradOptimizerSpec", "epsilon", self.epsilon, low_open=True)
+        check_number("HostEmbeddingAdagradOptimizerSpec", "learning_rate", self.learning_rate)
+        check_number("HostEmbeddingAdagradOptimizerSpec", "initial_accumulator_value", self.initial_accumulator_value)
+        check_number("HostEmbeddingAdagradOptimizerSpec", "epsilon", self.epsilon, low_open=True)
 
     def init_state(self, shard_shape):
         shape = shard_shape[:1] if self.rowwise else shard_shape
@@ -281,10 +269,10 @@ class HostEmbeddingAdamOptimizerSpec(EmbeddingOptimizerSpec):
 
     def __post_init__(self):
         owner = "HostEmbeddingAdamOptimizerSpec"
-        _check(owner, "learning_rate", self.learning_rate)
-        _check(owner, "beta1", self.beta1, 0.0, 1.0, high_open=True)
-        _check(owner, "beta2", self.beta2, 0.0, 1.0, high_open=True)
-        _check(owner, "epsilon", self.epsilon, low_open=True)
+        check_number(owner, "learning_rate", self.learning_rate)
+        check_number(owner, "beta1", self.beta1, 0.0, 1.0, high_open=True)
+        check_number(owner, "beta2", self.beta2, 0.0, 1.0, high_open=True)
+        check_number(owner, "epsilon", self.epsilon, low_open=True)
 
     def init_state(self, shard_shape):
         return {"m": np.zeros(shard_shape, np.float32), "v": np.zeros(shard_shape, np.float32),

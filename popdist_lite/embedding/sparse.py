@@ -49,20 +49,23 @@ exchange (``N_total`` = all replicas' indices). Scratch arrays are reused betwee
 
 from __future__ import annotations
 
-import zlib
 from time import perf_counter
 
 import numpy as np
 
 from .. import counters
-from ..collectives.fingerprint import EXTRA, PAYLOAD, agree
 from ..collectives.all_to_all import exchange_rows
+from ..collectives.fingerprint import Problem, agree, register_op
 from ._buffers import Buffers
 from ._segment import group, inverse_of, runs_of, sum_groups
+from .bitmap import Bitmap
+from .table_spec import TableSpec
 
-#: Use a bitmap (O(t + n)) to deduplicate lookup indices when the key space is at most
-#: this many times the number of indices.
-BITMAP_FACTOR = 16
+register_op("embedding_lookup")
+register_op("embedding_update")
+#: A lookup deduplicates its indices with a bitmap (O(t + n)) while the key space is at
+#: most this many keys per index.
+BITMAP_MAX_KEYS_PER_INDEX = 16
 #: Else use a position array (``4 t`` bytes per replica, kept between calls) when it
 #: takes at most this many bytes, or no more than the local shard; else sort.
 POSITION_BYTES_MAX = 64 << 20
@@ -70,34 +73,44 @@ _BAD, _BAD_VALUE, _COUNTS = 0, 1, 2  # payload fields
 
 
 class SparseTokenExchange:
-    """The sparse exchange of one TOKEN table (used by :class:`HostEmbedding`).
+    """The sparse exchange of one TOKEN table (implements :class:`.exchange.Exchange`).
 
     Args:
-        name: the table's name (for error messages; its CRC is compared across replicas
-            so that replicas exchanging different tables at the same point fail loudly).
-        num_tokens: ``t``.
-        encoding: ``e``.
+        spec: the table's spec (its name for error messages; its code is compared across
+            replicas so that replicas exchanging different tables at the same point fail
+            loudly).
         comm: the replica communicator.
     """
 
-    def __init__(self, name: str, num_tokens: int, encoding: int, comm):
-        self.name, self.t, self.e, self.comm = name, num_tokens, encoding, comm
+    def __init__(self, spec: TableSpec, comm):
+        num_tokens, encoding = spec.shape
+        self.spec, self.name, self.t, self.e, self.comm = spec, spec.name, num_tokens, encoding, comm
         self.r, self.k = comm.size, comm.rank
         self.rows = -(-num_tokens // self.r)  # local rows per replica, ceil(t/r)
         self.space = self.rows * self.r        # key space
         self.id_dtype = np.dtype(np.int32 if self.rows < 2 ** 31 else np.int64)
         self.edges = np.arange(self.r + 1, dtype=np.int64) * self.rows
-        self.table_code = zlib.crc32(name.encode()) & 0x7FFFFFFF
+        self.table_code = spec.code
         self._codes = np.full(self.r, self.table_code, dtype=np.int64).tobytes()
         self.buffers = Buffers()
-        self._seen: np.ndarray | None = None   # bitmap scratch (all False between calls)
-        self._position: np.ndarray | None = None
+        self._bitmap: Bitmap | None = None
         self.use_slots = 4 * num_tokens <= max(POSITION_BYTES_MAX, self.rows * encoding * 4)
         self._slot: np.ndarray | None = None   # position array (stale values never read)
         self._iota = np.arange(0, dtype=np.int32)
         self.shift = self.r.bit_length() - 1 if self.r & (self.r - 1) == 0 else None
         # numpy's stable argsort is a radix sort for 8- and 16-bit integers
         self.owner_dtype = np.int8 if self.r < 2 ** 7 else np.int16 if self.r < 2 ** 15 else np.int32
+
+    def reserve(self, capacity: int, dtype) -> None:
+        """Allocate the buffers for ``capacity`` unique IDs per partition (``r * capacity``
+        per direction) of a table of lookup ``dtype``, once: a call within the limits
+        never grows them."""
+        n, e = self.r * capacity, self.e
+        acc = np.float32 if dtype == np.float16 else dtype
+        for name, shape, kind in (("ids", n, self.id_dtype), ("wanted", n, self.id_dtype),
+                                  ("found", (n, e), dtype), ("rows", (n, e), dtype),
+                                  ("their_ids", n, self.id_dtype), ("their_sums", (n, e), acc)):
+            self.buffers.get(name, shape, kind)
 
     # -- routing ------------------------------------------------------------------------
     def _keys(self, flat: np.ndarray) -> np.ndarray:
@@ -107,17 +120,6 @@ class SparseTokenExchange:
         owner *= self.rows
         owner += local
         return owner
-
-    def _unique_bitmap(self, keys: np.ndarray):
-        if self._seen is None:
-            self._seen = np.zeros(self.space, dtype=bool)
-            self._position = np.empty(self.space, dtype=np.intp)
-        seen, position = self._seen, self._position
-        seen[keys] = True
-        unique = np.flatnonzero(seen)
-        seen[unique] = False
-        position[unique] = np.arange(unique.size)
-        return unique, position[keys]
 
     def _unique_slots(self, flat: np.ndarray):
         """Deduplicate with the position array: ``(ids, inverse, counts)`` where ``ids``
@@ -153,7 +155,7 @@ class SparseTokenExchange:
         inverse = compact.take(first, out=self.buffers.get("inverse", n, np.intp), mode="clip")
         return local.astype(self.id_dtype, copy=False), inverse, counts
 
-    def _route(self, op: str, flat: np.ndarray, problem, need_groups: bool):
+    def _route(self, op: str, flat: np.ndarray, problem: Problem | None, need_groups: bool):
         """Deduplicate, agree on the header, raise on every replica for any problem.
 
         Returns ``(ids, inverse_or_None, perm, starts, send_counts, recv_counts)``, counts as lists:
@@ -171,7 +173,7 @@ class SparseTokenExchange:
                 payload[_BAD] = 1
                 payload[_BAD_VALUE] = flat[np.argmax((flat < 0) | (flat >= self.t))]
         if problem is None and not payload[_BAD]:
-            small = self.space <= BITMAP_FACTOR * max(n, 1)
+            small = self.space <= BITMAP_MAX_KEYS_PER_INDEX * max(n, 1)
             if self.use_slots and (need_groups or not small):
                 ids, inverse, payload[_COUNTS:] = self._unique_slots(flat)
                 if need_groups:  # updates: the runs of equal indices, by their number
@@ -184,29 +186,27 @@ class SparseTokenExchange:
                     if not need_groups:
                         inverse = inverse_of(perm, starts)
                 else:
-                    unique, inverse = self._unique_bitmap(keys)
+                    if self._bitmap is None:
+                        self._bitmap = Bitmap(self.space)
+                    unique, inverse = self._bitmap.unique_inverse(keys)
                 payload[_COUNTS:] = np.diff(np.searchsorted(unique, self.edges))
                 ids = self._local_rows(unique, "ids")
         counters.record(f"{op}.route", start, kind=counters.PHASE, detail=self.name)
         start = perf_counter()
-        table = agree("embedding_" + op, None, self.comm, problem=problem, extra=self.table_code,
-                      payload=payload)
-        header = table[:, PAYLOAD:]
-        n_bytes = table.shape[1] * 8 * (self.r - 1)
+        signatures = agree("embedding_" + op, None, self.comm, problem=problem, extra=self.table_code,
+                           payload=payload)
+        header = signatures["payload"]
+        n_bytes = signatures.itemsize * (self.r - 1)
         counters.record(f"{op}.header", start, n_bytes, n_bytes, kind=counters.PHASE, detail=self.name)
-        self._check(op, table, header)
+        self._check(op, signatures["extra"], header)
         send_counts = header[self.k, _COUNTS:].tolist()
         recv_counts = header[:, _COUNTS + self.k].tolist()
         return ids, inverse, perm, starts, send_counts, recv_counts
 
-    def _check(self, op: str, table: np.ndarray, header: np.ndarray) -> None:
-        if not np.count_nonzero(header[:, _BAD]) and table[:, EXTRA].tobytes() == self._codes:
+    def _check(self, op: str, codes: np.ndarray, header: np.ndarray) -> None:
+        if not np.count_nonzero(header[:, _BAD]) and codes.tobytes() == self._codes:
             return  # the common case: no bad index and the same table everywhere
-        other = np.flatnonzero(table[:, EXTRA] != self.table_code)
-        if other.size:
-            raise RuntimeError(f"host embedding {self.name!r}: replica {int(other[0])} called "
-                               f"embedding_{op} on a different table at the same point; every replica "
-                               f"must look up and update the same tables in the same order")
+        self.spec.require_same_table(codes, op)
         bad = np.flatnonzero(header[:, _BAD])
         if bad.size:
             r = int(bad[0])
@@ -220,21 +220,9 @@ class SparseTokenExchange:
         return out
 
     # -- lookup -------------------------------------------------------------------------
-    def lookup(self, shard: np.ndarray, flat: np.ndarray, problem=None) -> np.ndarray:
-        """Rows of the whole table for this replica's indices. Collective.
-
-        Args:
-            shard: this replica's ``(ceil(t/r), e)`` TOKEN shard.
-            flat: ``int64[n]`` indices (``n`` may differ per replica, may be 0).
-            problem: ``(exception type, message)`` when this replica's arguments are bad.
-
-        Returns:
-            ``(n, e)`` array of ``shard.dtype`` (a new array).
-
-        Raises:
-            IndexError: on every replica, for an index outside ``[0, t)`` on any replica.
-            TypeError, ValueError: on every replica, for any replica's ``problem``.
-        """
+    def lookup(self, shard: np.ndarray, flat: np.ndarray, problem: Problem | None = None) -> np.ndarray:
+        """:meth:`.exchange.Exchange.lookup` (``shard``: the ``(ceil(t/r), e)`` TOKEN
+        shard; returns a new array)."""
         ids, inverse, _, _, send_counts, recv_counts = self._route("lookup", flat, problem, False)
         e, b, k, comm = self.e, self.buffers, self.k, self.comm
         # This replica's own IDs stay here: gathered straight into their place in `rows`.
@@ -265,22 +253,10 @@ class SparseTokenExchange:
         return out
 
     # -- update -------------------------------------------------------------------------
-    def gradient_sums(self, flat: np.ndarray, grads: np.ndarray | None, problem=None, trainable: bool = True):
-        """Owned local rows and the sum of every replica's gradients for each. Collective.
-
-        Args:
-            flat: ``int64[n]`` indices.
-            grads: ``(n, e)`` gradients in the table dtype.
-            problem: as for :meth:`lookup`.
-            trainable: when False only the checks run (no data moves) and ``None`` is returned.
-
-        Returns:
-            ``(rows, sums)``: sorted unique local rows ``int[m]`` of this replica's shard
-            and ``(m, e)`` gradient sums (float32 for float16 tables, else the table dtype).
-
-        Raises:
-            as :meth:`lookup`; nothing is returned (so nothing is updated) on error.
-        """
+    def gradient_sums(self, flat: np.ndarray, grads: np.ndarray | None, problem: Problem | None = None,
+                      trainable: bool = True):
+        """:meth:`.exchange.Exchange.gradient_sums` (``rows`` sorted; ``sums`` float32 for
+        float16 tables, else the table dtype)."""
         ids, _, perm, starts, send_counts, recv_counts = self._route("update", flat, problem, True)
         if not trainable:
             return None

@@ -75,7 +75,7 @@ def infeed(make_dataset: Callable[[int, int], Iterable[Any]],
         raise ValueError(f"infeed: prefetch_depth must be an integer >= 1, got {prefetch_depth!r}")
     prefetch_depth = int(prefetch_depth)
     topology.init()
-    topo = topology._topo()
+    topo = topology.current()
     r, n, f = topo.replica_id, topo.num_replicas, topo.feeders_per_replica
     if topo.role == "feeder":
         from . import feeder

@@ -10,6 +10,7 @@ to stop.
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 import numpy as np
@@ -95,12 +96,18 @@ class Infeed:
 
 
 def shutdown_feeders() -> None:
-    """At the replica's exit (atexit, before MPI finalizes): close the open session and
-    tell this replica's feeders to exit."""
-    if not MPI.Is_initialized() or MPI.Is_finalized():
+    """At a replica's exit: close the open session and tell this replica's feeders to
+    exit (nothing to do on a rank without feeders or before :func:`popdist_lite.init`)."""
+    if not MPI.Is_initialized() or MPI.Is_finalized() or not topology.is_initialized():
+        return
+    topo = topology.current()
+    if topo.role != "replica" or topo.feed is None:
         return
     if _active is not None:
         _active.close()
-    comm = topology._topo().feed
+    comm = topo.feed
     for k in range(1, comm.Get_size()):
         comm.Send(protocol.control(protocol.SHUTDOWN), dest=k, tag=protocol.CONTROL)
+
+
+atexit.register(shutdown_feeders)  # at import, after mpi4py.MPI: runs before mpi4py's MPI_Finalize

@@ -64,7 +64,7 @@ def test_every_deduplication_matches_numpy(comm, rng, strategy, kind):
     full = rng.standard_normal((t, e)).astype(np.float32)
     emb = make("dedup", t, e, "sparse", full, lr=lr)
     if strategy == "sort":
-        emb._sparse.use_slots = False  # as for a table whose position array would be too large
+        emb._exchange.use_slots = False  # as for a table whose position array would be too large
     n = 200 if strategy == "bitmap" else 30  # bitmap when t <= BITMAP_FACTOR * n
     reference = full.astype(np.float64)
     for step in range(3):

@@ -1,5 +1,5 @@
 """Enforcing a table's ID limits around one exchange: the check, the error, ID
-dropping and minibatching (the seed ``sparsecore-minibatching.txt``, "How it works").
+dropping and minibatching (the SparseCore minibatching guide, "How it works").
 
 Used by :class:`~popdist_lite.embedding.HostEmbedding` for tables created with limits;
 it wraps a single-pass lookup or update of either exchange (sparse or dense), so
@@ -9,8 +9,8 @@ One call (lookup or update), on every replica:
 
 1. **Check** (``limits.check`` phase). Count this replica's IDs and unique IDs per owner
    (:func:`.partitions.partition_counts`) and exchange them in one ``Allgather`` of
-   ``(14 + 2r) x 8`` bytes per replica (the call-signature check every collective
-   makes, :func:`popdist_lite.collectives.fingerprint.agree`, with the counts as payload).
+   ``(14 + 1 + 2r) x 8`` bytes per replica (the collective fingerprint,
+   :func:`popdist_lite.collectives.fingerprint.agree`, with the counts as payload).
    Every replica then holds the whole ``(sender, owner)`` count matrix: the logical OR
    of "this replica needs minibatching" is ``(counts > limit).any()``, and the error
    message and the statistics come from the same matrix. When no partition exceeds a
@@ -29,16 +29,16 @@ One call (lookup or update), on every replica:
    c. the tree split (:func:`.minibatch_split.split_mask`) over the 64 buckets runs on
       those ``r x 64`` loads, splitting a node when *any* of this replica's
       partitions would exceed the limit there;
-   d. the masks are OR-reduced across replicas (one ``Allgather`` of 5 int64 per
-      replica, OR-ed locally; it also carries any partition where one bucket alone
-      exceeds a limit, which no split can fix).
+   d. the masks are OR-reduced across replicas (the collective fingerprint with 5
+      int64 of payload per replica, OR-ed locally; it also carries any partition where
+      one bucket alone exceeds a limit, which no split can fix).
 
    How the load per bucket is measured: the limits hold per ``(sender, owner)``
    partition, so the load a node is compared with is the *largest partition load*
    over every sender and owner, ``max_{s,o} sum_{b in node} load[s, o, b]``. The
    sender knows its partitions exactly, and ``max over senders`` then ``> limit`` is
    the OR over senders of ``> limit``, so combining the loads across replicas (the
-   seed's step 3) and OR-ing the masks (its step 5) are the same single reduction of
+   guide's step 3) and OR-ing the masks (its step 5) are the same single reduction of
    the per-node decisions. (Summing loads over senders, as SparseCore sums them over
    hosts feeding one device, would over-split here: different senders fill
    different partitions.)
@@ -52,91 +52,128 @@ One call (lookup or update), on every replica:
    as in step 2.
 
 Collective safety: every branch depends only on the agreed count matrix and the
-OR-ed mask, identical on every replica, so every replica issues the same collectives.
+OR-ed mask, identical on every replica (the :class:`Plan`), so every replica issues the
+same collectives.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from time import perf_counter
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from ... import counters
-from ...collectives.fingerprint import EXTRA, PAYLOAD, agree
+from ...collectives.fingerprint import Problem, agree, register_op
+from ..bitmap import Bitmap
 from . import stats as id_stats
-from .partitions import exceeded_message, keep_mask, partition_counts
-from .settings import IdLimitError, IdLimits
 from .minibatch_split import NUM_BUCKETS, bucket_of, minibatch_of_bucket, split_mask
+from .partitions import exceeded_message, keep_mask, partition_counts
+from .settings import IdLimitError
 
-#: Deduplicate with a bitmap (O(t + n)) rather than a sort when t <= this x n.
-BITMAP_FACTOR = 64
+if TYPE_CHECKING:
+    from ..table_spec import TableSpec
+
+register_op("embedding_limits")        # the check: every replica's counts per partition
+register_op("embedding_limits_split")  # the minibatch split: every replica's split mask
+#: The check counts unique IDs with a bitmap (O(t + n)) rather than a sort while the
+#: table has at most this many rows per ID of the call.
+COUNTS_BITMAP_MAX_ROWS_PER_ID = 64
 _BUCKET_ADVICE = ("one hash bucket alone exceeds the limit, which minibatching cannot split. Set "
                   "allow_id_dropping=True or raise the limit; nothing was looked up or updated")
 
 
-class Limiter:
-    """Applies a table's :class:`.settings.IdLimits` around its single-pass exchange.
+@dataclass
+class Plan:
+    """How one call runs under the limits. Decided from agreed data only, so it is the
+    same on every replica and every replica issues the same collectives.
 
-    Args:
-        name: table name (messages, statistics).
-        num_tokens: ``t``.
-        comm: the replica communicator.
-        limits: the table's limits.
-        table_code: the table's CRC, compared across replicas in the check.
+    Attributes:
+        stats: the call's statistics record (:mod:`.stats`), published when the call ends.
+        parts: the positions of each minibatch in the call's indices, in order, or
+            ``[None]``: the whole call in one part.
+        drop: whether each part first drops the positions beyond the limits
+            (:func:`.partitions.keep_mask`).
     """
 
-    def __init__(self, name: str, num_tokens: int, comm, limits: IdLimits, table_code: int):
-        self.name, self.t, self.comm, self.limits = name, num_tokens, comm, limits
-        self.r, self.k = comm.size, comm.rank
-        self.table_code = table_code
-        self._seen: np.ndarray | None = None  # bitmap scratch for deduplication (all False between calls)
+    stats: dict
+    parts: list
+    drop: bool = False
 
-    # -- public: wrap one lookup / update ------------------------------------------------
-    def lookup(self, flat: np.ndarray, problem, once: Callable) -> np.ndarray:
+
+class IdLimitEnforcer:
+    """Keeps the lookups and updates of one table within its :class:`.settings.IdLimits`,
+    around its single-pass exchange.
+
+    Args:
+        spec: the table's spec (name, ``t``, limits, code).
+        comm: the replica communicator.
+    """
+
+    def __init__(self, spec: "TableSpec", comm):
+        self.spec, self.name, self.t, self.limits = spec, spec.name, spec.shape[0], spec.id_limits
+        self.comm, self.r = comm, comm.size
+        self._bitmap: Bitmap | None = None
+
+    # -- one lookup / update ----------------------------------------------------------------
+    def lookup(self, flat: np.ndarray, problem: Problem | None, once: Callable) -> np.ndarray:
         """``once(flat, problem) -> (n, e)`` rows, under the limits. Returns ``(n, e)``."""
-        plan = self._plan("lookup", flat, problem)
+        plan = self.plan("lookup", flat, problem)
         if plan is None:
             return once(flat, problem)
-        stats, parts = plan
         out = None
-        for sel in parts:  # minibatches (or the one kept set), in order
-            sub = flat if sel is None else flat[sel]
-            keep = self._keep(sub, stats)
-            rows = once(sub if keep is None else sub[keep], None)
+        for where in self._positions(plan, flat):
+            rows = once(flat if where is None else flat[where], None)
+            if where is None:
+                out = rows
+                continue
             if out is None:
                 out = np.zeros((flat.size, rows.shape[1]), dtype=rows.dtype)
-            if sel is None and keep is None:
-                out = rows
-            elif sel is None:
-                out[keep] = rows
-            elif keep is None:
-                out[sel] = rows
-            else:
-                out[sel[keep]] = rows
-        id_stats.publish(stats)
+            out[where] = rows
+        id_stats.publish(plan.stats)
         return out
 
-    def update(self, flat: np.ndarray, grads, problem, once: Callable) -> None:
+    def update(self, flat: np.ndarray, grads, problem: Problem | None, once: Callable) -> None:
         """``once(flat, grads, problem)`` (checks, exchanges and applies), under the limits."""
-        plan = self._plan("update", flat, problem)
+        plan = self.plan("update", flat, problem)
         if plan is None:
             once(flat, grads, problem)
             return
-        stats, parts = plan
-        for sel in parts:
-            sub_flat, sub_grads = (flat, grads) if sel is None else (flat[sel], grads[sel])
-            keep = self._keep(sub_flat, stats)
-            if keep is not None:
-                sub_flat, sub_grads = sub_flat[keep], sub_grads[keep]
-            once(sub_flat, sub_grads, None)
-        id_stats.publish(stats)
+        for where in self._positions(plan, flat):
+            if where is None:
+                once(flat, grads, None)
+            else:
+                once(flat[where], grads[where], None)
+        id_stats.publish(plan.stats)
 
-    # -- planning ------------------------------------------------------------------------
-    def _plan(self, op: str, flat: np.ndarray, problem):
-        """``None`` (run once, unchanged, after publishing stats), or ``(stats, parts)``:
-        ``parts`` lists index arrays (a minibatch each) or ``[None]`` (the whole call), and
-        ``stats["_check"]`` says whether each part must be checked for dropping."""
+    def _positions(self, plan: Plan, flat: np.ndarray):
+        """Each part's positions in ``flat`` after dropping (``None``: all of ``flat``).
+        Local: the plan already knows (from agreed data) whether every replica drops."""
+        for part in plan.parts:
+            keep = None
+            if plan.drop:
+                sub = flat if part is None else flat[part]
+                mask = keep_mask(sub, self.r, self.limits)
+                dropped = int(sub.size - np.count_nonzero(mask))
+                plan.stats["dropped_ids"] += dropped
+                keep = mask if dropped else None
+            if keep is None:
+                yield part
+            else:
+                yield np.flatnonzero(keep) if part is None else part[keep]
+
+    # -- planning ---------------------------------------------------------------------------
+    def plan(self, op: str, flat: np.ndarray, problem: Problem | None) -> Plan | None:
+        """The check (collective): ``None`` when the call runs once, unchanged (its stats
+        already published, or a bad input that the exchange reports on every replica),
+        else the :class:`Plan`.
+
+        Raises:
+            IdLimitError: on every replica, when a limit is exceeded and neither
+                minibatching nor dropping may handle it.
+            RuntimeError: replicas called this at the same point for different tables.
+        """
         start = perf_counter()
         r, lim = self.r, self.limits
         payload = np.zeros(1 + 2 * r, dtype=np.int64)
@@ -144,35 +181,29 @@ class Limiter:
         if problem is not None or (flat.size and (flat.min() < 0 or flat.max() >= self.t)):
             payload[0] = 1  # let the exchange report it on every replica
         else:
-            seen = None
-            if self.t <= BITMAP_FACTOR * flat.size:
-                if self._seen is None:
-                    self._seen = np.zeros(self.t, dtype=bool)
-                seen = self._seen
-            ids, uniq, unique = partition_counts(flat, r, seen)
+            bitmap = None
+            if self.t <= COUNTS_BITMAP_MAX_ROWS_PER_ID * flat.size:
+                if self._bitmap is None:
+                    self._bitmap = Bitmap(self.t)
+                bitmap = self._bitmap
+            ids, uniq, unique = partition_counts(flat, r, bitmap)
             payload[1:1 + r], payload[1 + r:] = ids, uniq
-        table = agree("embedding_limits", None, self.comm, extra=self.table_code, payload=payload)
-        n_bytes = table.shape[1] * 8 * (r - 1)
+        signatures = agree("embedding_limits", None, self.comm, extra=self.spec.code, payload=payload)
+        n_bytes = signatures.itemsize * (r - 1)
         counters.record("limits.check", start, n_bytes, n_bytes, kind=counters.PHASE, detail=self.name)
-        other = np.flatnonzero(table[:, EXTRA] != self.table_code)
-        if other.size:
-            raise RuntimeError(f"host embedding {self.name!r}: replica {int(other[0])} called "
-                               f"embedding_{op} on a different table at the same point; every replica "
-                               f"must look up and update the same tables in the same order")
-        if table[:, PAYLOAD].any():
+        self.spec.require_same_table(signatures["extra"], op)
+        counts = signatures["payload"]
+        if counts[:, 0].any():
             return None
-        ids = table[:, PAYLOAD + 1:PAYLOAD + 1 + r]
-        uniq = table[:, PAYLOAD + 1 + r:]
+        ids, uniq = counts[:, 1:1 + r], counts[:, 1 + r:]
         stats = self._stats(op, ids, uniq)
-        over = self._over(ids, uniq)
-        if not over:
+        if not self._over(ids, uniq):
             id_stats.publish(stats)
             return None
         if lim.enable_minibatching:
-            return stats, self._minibatches(flat, unique, stats)
+            return self._minibatches(flat, unique, stats)
         if lim.allow_id_dropping:
-            stats["_check"] = True
-            return stats, [None]
+            return Plan(stats, [None], drop=True)
         raise IdLimitError(f"host embedding {self.name!r}: " + exceeded_message(self.name, ids, uniq, lim))
 
     def _over(self, ids: np.ndarray, uniq: np.ndarray) -> bool:
@@ -187,17 +218,8 @@ class Limiter:
                 "max_unique_ids_per_partition": int(uniq[u]), "max_ids_partition": [int(i[0]), int(i[1])],
                 "max_unique_ids_partition": [int(u[0]), int(u[1])], "num_minibatches": 1, "dropped_ids": 0}
 
-    def _keep(self, sub: np.ndarray, stats: dict):
-        """Positions of ``sub`` kept by the limits when this part must be checked, else None.
-        Local: the plan already knows (from agreed data) that every replica drops here."""
-        if not stats.get("_check"):
-            return None
-        keep = keep_mask(sub, self.r, self.limits)
-        dropped = int(sub.size - np.count_nonzero(keep))
-        stats["dropped_ids"] += dropped
-        return keep if dropped else None
-
-    def _minibatches(self, flat: np.ndarray, unique: np.ndarray, stats: dict) -> list[np.ndarray]:
+    def _minibatches(self, flat: np.ndarray, unique: np.ndarray, stats: dict) -> Plan:
+        """The minibatch split (collective: the masks are OR-ed across replicas)."""
         start = perf_counter()
         r, lim = self.r, self.limits
         owner = flat % r
@@ -205,7 +227,7 @@ class Limiter:
         ids_load = np.bincount(owner * NUM_BUCKETS + bucket, minlength=r * NUM_BUCKETS).reshape(r, NUM_BUCKETS)
         uniq_load = np.bincount((unique % r) * NUM_BUCKETS + bucket_of(unique),
                                 minlength=r * NUM_BUCKETS).reshape(r, NUM_BUCKETS)
-        mine = np.zeros(5, dtype=np.int64)
+        mine = np.zeros(5, dtype=np.int64)  # mask, then (load, owner) of a bucket alone over each limit
         for col, load, limit in ((1, ids_load, lim.max_ids_per_partition),
                                  (3, uniq_load, lim.max_unique_ids_per_partition)):
             if limit is None:
@@ -214,11 +236,10 @@ class Limiter:
             worst = np.unravel_index(int(np.argmax(load)), load.shape)
             if load[worst] > limit:  # one bucket alone is over the limit
                 mine[col], mine[col + 1] = load[worst], worst[0]
-        gathered = np.empty((r, 5), dtype=np.int64)
-        t0 = perf_counter()
-        self.comm.Allgather(mine, gathered)
-        counters.record("all_gather", t0, mine.nbytes * (r - 1), mine.nbytes * (r - 1))
+        signatures = agree("embedding_limits_split", None, self.comm, extra=self.spec.code, payload=mine)
+        gathered = signatures["payload"]
         mask = int(np.bitwise_or.reduce(gathered[:, 0]))
+        drop = False
         if gathered[:, (1, 3)].any():
             if not lim.allow_id_dropping:
                 ids_over = np.zeros((r, r), dtype=np.int64)
@@ -227,7 +248,7 @@ class Limiter:
                 uniq_over[np.arange(r), gathered[:, 4]] = gathered[:, 3]
                 raise IdLimitError(f"host embedding {self.name!r}: " + exceeded_message(
                     self.name, ids_over, uniq_over, lim, where=" in one hash bucket", advice=_BUCKET_ADVICE))
-            stats["_check"] = True
+            drop = True
         of = minibatch_of_bucket(mask)[bucket]
         count = int(bin(mask).count("1")) + 1
         order = np.argsort(of, kind="stable")
@@ -235,4 +256,4 @@ class Limiter:
         stats["num_minibatches"] = count
         stats["split_mask"] = mask
         counters.record("limits.split", start, kind=counters.PHASE, detail=self.name)
-        return [order[bounds[m]:bounds[m + 1]] for m in range(count)]
+        return Plan(stats, [order[bounds[m]:bounds[m + 1]] for m in range(count)], drop=drop)

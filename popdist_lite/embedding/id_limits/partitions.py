@@ -23,29 +23,25 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..bitmap import Bitmap
 from .settings import IdLimits
 
 
-def partition_counts(flat: np.ndarray, r: int, seen: np.ndarray | None = None
+def partition_counts(flat: np.ndarray, r: int, bitmap: Bitmap | None = None
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """This replica's IDs and unique IDs per owner.
 
     Args:
         flat: ``int64[n]`` valid indices.
         r: number of replicas.
-        seen: optional all-False ``bool[t]`` scratch (left all-False): deduplicate with
-            a bitmap, ``O(t + n)``, instead of ``np.unique``; worth it when ``t`` is at
-            most a few dozen times ``n``.
+        bitmap: optional :class:`~popdist_lite.embedding.bitmap.Bitmap` over the table's
+            rows: deduplicate with it, ``O(t + n)``, instead of ``np.unique``; worth it
+            when ``t`` is at most a few dozen times ``n``.
 
     Returns:
         ``(ids int64[r], unique int64[r], unique_values int64[u])`` (unique values sorted).
     """
-    if seen is None:
-        unique = np.unique(flat)
-    else:
-        seen[flat] = True
-        unique = np.flatnonzero(seen)
-        seen[unique] = False
+    unique = np.unique(flat) if bitmap is None else bitmap.unique(flat)
     return (np.bincount(flat % r, minlength=r).astype(np.int64),
             np.bincount(unique % r, minlength=r).astype(np.int64), unique)
 
