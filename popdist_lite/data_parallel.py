@@ -1,7 +1,8 @@
 """Data-parallel training helpers for dense numpy parameters.
 
-The seed's recipe (IPU performance guide, "data parallelism"; PopDist practice in
-REFERENCE.md): broadcast the initial weights from replica 0, then on every step
+The usual recipe (Graphcore's IPU performance optimisation guide, section 4.3 "Data
+parallelism", and PopDist's documented practice): broadcast the initial weights from
+replica 0, then on every step
 all-reduce the gradients across replicas before the optimizer applies them
 (``CrossReplicaOptimizer``).
 """
@@ -63,7 +64,7 @@ def all_reduce_gradients(grads: dict[str, np.ndarray], op: str = "mean", *, comm
 
 
 class CrossReplicaOptimizer:
-    """Averages gradients over replicas, then applies a local optimizer (the seed's
+    """Averages gradients over replicas, then applies a local optimizer (TensorFlow-IPU's
     ``cross_replica_optimizer.CrossReplicaOptimizer``), optionally with the optimizer
     state sharded over the replicas (replicated tensor sharding).
 

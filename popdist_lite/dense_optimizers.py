@@ -71,7 +71,8 @@ class DenseOptimizer:
 
 
 class MomentumSGD(DenseOptimizer):
-    """SGD with momentum, as TensorFlow's ``MomentumOptimizer`` (the seed's choice):
+    """SGD with momentum, as TensorFlow's ``MomentumOptimizer`` (the half-precision
+    tutorial's choice):
     ``v <- momentum * v + g``; ``w <- w - learning_rate * v``. ``momentum=0`` is plain
     SGD (no state).
 
@@ -111,8 +112,9 @@ class Adam(DenseOptimizer):
         t <- t + 1;  m <- beta1 m + (1 - beta1) g;  v <- beta2 v + (1 - beta2) g**2
         w <- w - learning_rate * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + epsilon)
 
-    ``t`` counts :meth:`update` calls. State (``m``, ``v``) is float32, so the seed's
-    warning about epsilon = 1e-8 underflowing in float16 does not apply.
+    ``t`` counts :meth:`update` calls. State (``m``, ``v``) is float32, so the warning of
+    Graphcore's half- and mixed-precision tutorial about epsilon = 1e-8 underflowing in
+    float16 does not apply.
 
     Raises:
         ValueError: a negative learning rate, betas outside ``[0, 1)``, epsilon <= 0.

@@ -1,6 +1,6 @@
 """Static and dynamic loss scaling with overflow agreement across replicas.
 
-Source: fp16-mixed-precision-tutorial (seed), "Underflowing gradients and loss
+Source: Graphcore's half- and mixed-precision tutorial, "Underflowing gradients and loss
 scaling": multiply the loss by a factor before computing gradients so small
 gradients do not underflow in float16, and divide the gradients by the same factor
 (in float32, "Method 2") before the update. Dynamic scaling, as TensorFlow's
@@ -132,7 +132,8 @@ class LossScaler:
 
 
 class StaticLossScaler(LossScaler):
-    """A constant loss scale (the seed's ``LOSS_SCALING_FACTOR``, default ``2**8``).
+    """A constant loss scale (the half- and mixed-precision tutorial's ``LOSS_SCALING_FACTOR``,
+    default ``2**8``).
     Overflowing steps are still skipped on every replica; the scale does not change.
 
     Raises:

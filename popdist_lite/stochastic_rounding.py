@@ -1,9 +1,10 @@
-"""Stochastic rounding to float16 with numpy, and the seed's three modes.
+"""Stochastic rounding to float16 with numpy, and TensorFlow-IPU's three modes.
 
-Source: fp16-mixed-precision-tutorial (seed), "Method 1: Using stochastic rounding":
+Source: Graphcore's tutorial "TensorFlow 1 on the IPU: training a model using half- and
+mixed-precision", "Method 1: Using stochastic rounding":
 instead of always rounding to the nearest representable number, round up or down
 with a probability such that the expected value after rounding equals the value
-before rounding. The seed's ``StochasticRoundingBehaviour`` enum has the modes
+before rounding. TensorFlow-IPU's ``StochasticRoundingBehaviour`` enum has the modes
 ``OFF``, ``ON`` and ``REPLICA_IDENTICAL_ONLY``; here they mean:
 
 - ``OFF``: round to nearest (ties to even) everywhere, as ``astype(np.float16)``.
@@ -35,7 +36,7 @@ _INF16 = np.float16(np.inf)
 
 
 class StochasticRoundingBehaviour(enum.Enum):
-    """The seed's modes (``ipu.config.StochasticRoundingBehaviour``); see the module doc."""
+    """TensorFlow-IPU's modes (``ipu.config.StochasticRoundingBehaviour``); see the module doc."""
 
     OFF = "OFF"
     ON = "ON"

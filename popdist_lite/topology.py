@@ -5,7 +5,7 @@ comes from, in order of preference:
 
 1. the ``POPDIST_*`` variables that ``poprun-lite`` (or Graphcore's ``poprun``)
    sets per instance (``POPDIST_NUM_TOTAL_REPLICAS``, ``POPDIST_REPLICA_INDEX_OFFSET``,
-   ...; see REFERENCE.md, "PopRun");
+   ...; Graphcore's PopRun and PopDist documentation);
 2. ``MPI.COMM_WORLD`` under plain ``mpirun -n N`` or any MPI launcher
    (replica = rank, replicas = size);
 3. a single process: one replica.

@@ -28,7 +28,8 @@ def all_to_all(x, split_axis: int = 0, concat_axis: int = 0, *, comm=None,
     """Split ``x`` into ``r`` chunks along ``split_axis``, send chunk ``j`` to replica ``j``,
     and concatenate the chunks received (in replica order) along ``concat_axis``.
 
-    The seed's ``all-to-all(result, slice_dim, concat_dim)`` (ENCODING strategy) and
+    The TF-IPU host-embedding guide's ``all-to-all(result, slice_dim, concat_dim)``
+    (ENCODING strategy, section 15.3.1) and
     TensorFlow's ``all_to_all``.
 
     Args:

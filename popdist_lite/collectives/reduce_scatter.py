@@ -18,7 +18,8 @@ register_op("reduce_scatter_sum")
 def reduce_scatter_sum(x, *, comm=None, out: np.ndarray | None = None) -> np.ndarray:
     """Sum ``x`` over replicas and give replica ``k`` the slice ``k`` of the sum.
 
-    This is the seed's ``reduce-scatter-sum`` (host-embeddings guide, TOKEN strategy).
+    The ``reduce-scatter-sum`` of the TF-IPU host-embedding guide's TOKEN strategy
+    (section 15.3.1).
 
     Args:
         x: array with ``x.shape[0] == r`` (the number of replicas), the same shape and

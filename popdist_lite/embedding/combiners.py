@@ -1,7 +1,8 @@
 """Multivalent features: bags of IDs per sample, pooled with a combiner. Pure numpy.
 
 Source: SparseCore ``FeatureSpec``/``TableSpec`` combiners ``"sum"``, ``"mean"``,
-``"sqrtn"`` (REFERENCE.md) and TorchRec's pooled embedding bags (SUM/MEAN). Used by
+``"sqrtn"`` (jax-tpu-embedding; divisors 1, the sum of the weights, the square root of the
+sum of the squared weights) and TorchRec's pooled embedding bags (SUM/MEAN). Used by
 :meth:`HostEmbedding.lookup_bags` and :meth:`HostEmbedding.apply_bag_gradients`.
 
 Bags, on one replica:

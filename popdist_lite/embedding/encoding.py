@@ -1,10 +1,10 @@
 """ENCODING partitioning: the table is split on the encoding (column) axis.
 
 Replica ``k`` holds columns ``[k*c, (k+1)*c)`` of every row, ``c = ceil(e/r)``,
-zero-padded past ``e``. Source: host-embeddings guide, section 15.3.1, "Encoding
-strategy" pseudo-code.
+zero-padded past ``e``. Source: the TF-IPU host-embedding guide, section 15.3.1,
+"Encoding strategy" pseudo-code.
 
-Lookup (the seed's algorithm): all-gather the indices, gather every index's ``c``
+Lookup (the guide's algorithm): all-gather the indices, gather every index's ``c``
 columns from the local shard, all-to-all so replica ``j`` receives its own indices'
 column slices from every replica, transpose ``[r, n, c] -> [n, r, c]``, flatten to
 ``[n, r*c]``, slice off the padding.

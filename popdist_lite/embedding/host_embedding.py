@@ -2,7 +2,7 @@
 lookups and updates cross replicas with collectives.
 
 The API follows TensorFlow-IPU's ``create_host_embedding`` / ``HostEmbedding``
-(host-embeddings guide, section 15); the partition strategies are in
+(the TF-IPU host-embedding guide, section 15); the partition strategies are in
 :mod:`.token` and :mod:`.encoding`.
 """
 
@@ -49,7 +49,7 @@ class HostEmbedding:
             for (``master_weights=np.float32``).
         partition_strategy: ``"TOKEN"`` or ``"ENCODING"``.
         exchange: ``"sparse"`` (TOKEN only: deduplicated all-to-all, :mod:`.sparse`) or
-            ``"dense"`` (the seed's algorithm, :mod:`.token` / :mod:`.encoding`). Both
+            ``"dense"`` (the TF-IPU guide's algorithm, :class:`.exchange.DenseExchange`). Both
             feed the same optimizer step.
         optimizer_spec: an :class:`EmbeddingOptimizerSpec`, or ``None`` (not trainable).
         optimizer_state: this replica's optimizer state (arrays for its own rows only).
@@ -84,10 +84,10 @@ class HostEmbedding:
         self.optimizer_state = spec.optimizer_spec.init_state(self._partition.shard_shape) if spec.trainable else {}
         self._registered = 0
 
-    # -- the seed API ------------------------------------------------------------------
+    # -- the TensorFlow-IPU API ---------------------------------------------------------
     @contextlib.contextmanager
     def register(self, session=None):
-        """Context manager kept from the seed API (``with embedding.register(sess):``).
+        """Context manager kept from the TensorFlow-IPU API (``with embedding.register(sess):``).
 
         Lookups and updates also work outside it; inside it, :attr:`registered` is True.
         """
@@ -137,7 +137,7 @@ class HostEmbedding:
         Args:
             indices: integer array of any shape and any integer dtype; the shape may
                 differ between replicas.
-            clip_indices: clip out-of-range indices to ``[0, t)`` (the seed API's
+            clip_indices: clip out-of-range indices to ``[0, t)`` (the TensorFlow-IPU API's
                 behaviour) instead of raising.
 
         Returns:
@@ -382,13 +382,13 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
         dtype: the lookup dtype, float16, float32 (default) or float64: lookups return
             it, rows and gradients travel in it.
         master_weights: ``None`` (store in ``dtype``) or ``np.float32``/``np.float64``:
-            the seed's FP32 master weights ("Method 2: store and update the parameters in
+            the half- and mixed-precision tutorial's FP32 master weights ("Method 2: store and update the parameters in
             FP32"): the table is stored and updated in this dtype and served to lookups
             rounded to ``dtype``; optimizer state is float32 either way.
         stochastic_rounding: ``None``/``"OFF"`` (default), ``"ON"``,
             ``"REPLICA_IDENTICAL_ONLY"``, a :class:`StochasticRoundingBehaviour` or a
             :class:`StochasticRounding`: how updated rows are rounded when the storage
-            dtype is float16 (the seed's "Method 1"). Rows have one owner, so ``ON`` is
+            dtype is float16 (the tutorial's "Method 1"). Rows have one owner, so ``ON`` is
             safe (per-replica stream); ``REPLICA_IDENTICAL_ONLY`` rounds them to nearest.
         partition_strategy: ``"TOKEN"`` (row ``i`` on replica ``i % r``) or
             ``"ENCODING"`` (replica ``k`` holds columns ``[k*c, (k+1)*c)``, ``c = ceil(e/r)``).
@@ -404,7 +404,7 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
         exchange: how lookups and updates move data, the same on every replica:
             ``"sparse"`` (TOKEN only; the default for TOKEN): deduplicated indices go to
             their owner only with all-to-alls (TorchRec row-wise / SparseCore style,
-            :mod:`popdist_lite.embedding.sparse`); ``"dense"``: the seed's algorithm
+            :mod:`popdist_lite.embedding.sparse`); ``"dense"``: the TF-IPU guide's algorithm
             (all-gather, mask, reduce-scatter-sum for TOKEN; all-gather and all-to-all for
             ENCODING, its only exchange). ``None`` picks the default.
         max_ids_per_partition, max_unique_ids_per_partition: TOKEN tables only: the most

@@ -1,4 +1,4 @@
-"""Optimizer specs for host embeddings: SGD (the seed's ``HostEmbeddingOptimizerSpec``),
+"""Optimizer specs for host embeddings: SGD (TensorFlow-IPU's ``HostEmbeddingOptimizerSpec``),
 SGD with gradient accumulation (TensorFlow-IPU's ``HostEmbeddingSGDGAOptimizerSpec``),
 momentum, Adagrad (element-wise and row-wise) and Adam.
 
@@ -60,7 +60,7 @@ class EmbeddingOptimizerSpec:
     """Base of the host-embedding optimizer specs (see the module doc for the contract).
 
     Subclasses are frozen dataclasses with a ``learning_rate``; a learning rate of 0
-    means the table is not trainable (the seed's convention).
+    means the table is not trainable (TensorFlow-IPU's convention).
     """
 
     learning_rate: float
@@ -96,7 +96,7 @@ class HostEmbeddingOptimizerSpec(EmbeddingOptimizerSpec):
 
     ``row_i <- row_i - learning_rate * (sum of every replica's gradients for row i)``;
     duplicate indices accumulate. A learning rate of 0 makes the table not trainable
-    (the seed's convention). No state. Source: host-embeddings guide, section 15
+    (TensorFlow-IPU's convention). No state. Source: the TF-IPU host-embedding guide, section 15
     (``tensorflow.python.ipu.embedding_ops.HostEmbeddingOptimizerSpec``).
 
     Raises:

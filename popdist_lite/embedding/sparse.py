@@ -1,6 +1,7 @@
 """Sparse exchange for TOKEN tables: deduplicated IDs go to their owner only.
 
-The seed's TOKEN lookup all-gathers every replica's indices and reduce-scatters an
+The TF-IPU host-embedding guide's TOKEN lookup (section 15.3.1, :class:`.exchange.DenseExchange`)
+all-gathers every replica's indices and reduce-scatters an
 ``r x N x e`` tensor that is mostly zeros. This exchange is the one TorchRec (row-wise
 sharding: "input dist" all-to-all of lengths then IDs, optional ID deduplication,
 output all-to-all) and SparseCore (IDs partitioned by owner, deduplicated per
@@ -12,15 +13,14 @@ Lookup, on replica ``k`` with ``n`` indices of which ``u`` are distinct:
 1. ``lookup.route``: deduplicate the indices into ``u`` unique ones plus the inverse
    map, grouped by owner, and count how many go to each owner. Three ways, all
    ``O(n)`` but the last: a bitmap over the key space when the table is small (at most
-   ``BITMAP_FACTOR * n`` rows); else a *position array* (one int32 per table row, kept
+   ``BITMAP_MAX_KEYS_PER_INDEX * n`` rows, :mod:`.bitmap`); else a *position array* (one int32 per table row, kept
    between calls, never cleared: ``slot[i] = position`` for every index, then the
    positions that read their own number back are one per distinct index, as in
    hash-free deduplication on GPUs), while that array fits ``POSITION_BYTES_MAX`` or the
-   local shard's size; else a sort of the keys ``(i % r) * ceil(t/r) + i // r``.
-   For 8192 Zipf(1.1) indices of a 1M-row table the position array takes 60-80 us
-   where the sort took 320 us (docs/performance.md).
-2. ``lookup.header``: one ``Allgather`` of a small header per replica (the call
-   signature that every checked collective exchanges, see
+   local shard's size; else a sort of the keys ``(i % r) * ceil(t/r) + i // r``
+   (the costs of the three: docs/performance.md).
+2. ``lookup.header``: one ``Allgather`` of a small header per replica (the collective
+   fingerprint every checked collective exchanges,
    :func:`popdist_lite.collectives.fingerprint.agree`, plus a bad-index flag, the first bad
    value and the ``r`` send counts): ``(14 + 2 + r) x 8`` bytes per replica. Every
    replica learns every replica's counts, and an out-of-range index anywhere raises

@@ -1,10 +1,10 @@
 """TOKEN partitioning: the table is split on the token (row) axis.
 
 Row ``i`` lives on replica ``i % r`` at local row ``i // r``; every replica holds
-``ceil(t/r)`` rows (padding rows at the end are never read). Source: host-embeddings
-guide, section 15.3.1, "Token strategy" pseudo-code.
+``ceil(t/r)`` rows (padding rows at the end are never read). Source: the TF-IPU
+host-embedding guide, section 15.3.1, "Token strategy" pseudo-code.
 
-Lookup (the seed's algorithm, step for step): all-gather the indices, gather
+Lookup (the guide's algorithm, step for step): all-gather the indices, gather
 ``index // r`` from the local shard, zero the rows whose ``index % r`` is not this
 replica, reduce-scatter-sum so each replica gets its own positions back.
 

@@ -1,7 +1,7 @@
 """Host feed: run a dataset in feed processes (or a thread) and stream its batches to
 the replica, with prefetch. See docs/infeed.md.
 
-The seed's reason for PopDist (ipu-performance-optimisation-guide, section 4.3.2): one
+The reason for PopDist (Graphcore's IPU performance optimisation guide, section 4.3.2): one
 host process cannot preprocess fast enough for many replicas, so more host processes
 feed them; prefetch depth 3 "seems optimal" (section 4.4.1).
 
@@ -19,7 +19,7 @@ from .stream import Infeed
 
 __all__ = ["infeed", "Infeed", "feed_shard"]
 
-DEFAULT_PREFETCH_DEPTH = 3  # the seed's optimum (section 4.4.1)
+DEFAULT_PREFETCH_DEPTH = 3  # the optimum of the IPU performance optimisation guide, section 4.4.1
 
 
 def feed_shard(replica: int, num_replicas: int, feeders_per_replica: int,
@@ -55,7 +55,7 @@ def infeed(make_dataset: Callable[[int, int], Iterable[Any]],
             change). Called with the shard of :func:`feed_shard`, on each feeder (or in
             a thread of the replica when F = 0), at the start of each session.
         prefetch_depth: most batches in flight per replica, >= 1 (default 3, section
-            4.4.1 of the seed's performance guide): batches sent by feeders (or handed
+            4.4.1 of the IPU performance optimisation guide): batches sent by feeders (or handed
             over by the thread) that the training loop has not released yet.
 
     Returns:

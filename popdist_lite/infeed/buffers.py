@@ -1,14 +1,13 @@
 """Receive buffers: reuse the arrays of batches the training loop has dropped.
 
 Freshly allocated large arrays cost page faults on first touch (numpy's allocator
-returns big blocks to the system when they are freed), which halves the receive rate
-of 16 MiB batches on a test machine. So the replica keeps the arrays of its last few
+returns big blocks to the system when they are freed), which slows the receive of large
+batches (figures in docs/infeed.md). So the replica keeps the arrays of its last few
 batches and receives into one again only when nothing else refers to it any more (its
 reference count shows that only this pool holds it: no batch, view or slice of it is
 alive in the training loop). Otherwise it allocates a new one. The pool outlives a
 feed session (:func:`shared_pool`), so the next epoch's feed receives into the arrays the
-last one left (with 16 MiB batches a session receiving into new arrays ran 20-40 % below
-one reusing them, on a test machine).
+last one left.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ class _Shutdown(Exception):
 def _receive_control(comm, pending: list | None = None) -> tuple[int, int]:
     """The next control message, waited for politely (:func:`protocol.wait_until`: a
     short spin, then sleeps), testing the ``pending`` sends meanwhile so MPI can move
-    them along and their buffers are freed. Spinning until it came took a core from the
-    replica whenever feeders outnumber free cores (F = 2 on 2 cores: 20 % fewer steps)."""
+    them along and their buffers are freed. Not a busy wait: a spinning feeder takes a core
+    from its replica whenever feeders outnumber free cores."""
     message = np.empty(2, dtype=np.int64)
     request = comm.Irecv(message, source=0, tag=protocol.CONTROL)
 

@@ -28,10 +28,8 @@ from .structure import Structure, describe, empty_arrays, layout, num_shape_word
 #: launcher places feeders on their replica's host, where MPI moves a batch by a copy
 #: the receiving process makes inside its own MPI call once the receive matches (CMA or
 #: shared-memory fragments), so a receive posted early overlaps nothing; it only adds a
-#: buffer to the set rotating through the cache. Measured with one feeder, in one job
-#: (docs/infeed.md): 0 was as fast as 1 at 64 KiB and 1 MiB, 5-7 % faster at 4 MiB and
-#: 2-5 % faster at 16 MiB. Credits and headers still run ``depth`` ahead, so feeders
-#: still compute ahead of the training loop.
+#: buffer to the set rotating through the cache (figures in docs/infeed.md). Credits and
+#: headers still run ``depth`` ahead, so feeders still compute ahead of the training loop.
 DATA_LOOKAHEAD = 0
 
 

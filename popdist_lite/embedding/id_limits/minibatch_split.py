@@ -1,9 +1,8 @@
 """Minibatching split: IDs to 64 hash buckets, the bottom-up binary-tree split over
 the buckets, and the minibatches a split mask describes. Pure numpy, no MPI.
 
-Source: the seed ``sparsecore-minibatching.txt`` ("Bucketization", "Minibatch
-creation") and jax-tpu-embedding's ``ComputeMinibatchingSplit`` (REFERENCE.md,
-SparseCore). The collective part (the OR all-reduce of the mask) is in
+Source: the SparseCore minibatching guide of jax-tpu-embedding ("Bucketization",
+"Minibatch creation") and jax-tpu-embedding's ``ComputeMinibatchingSplit``. The collective part (the OR all-reduce of the mask) is in
 :mod:`.enforcer`.
 
 Bucket of an ID

@@ -1,5 +1,6 @@
 """Per-step ID statistics of limited tables, and a recorder that suggests limits
-(the seed's feedback-directed optimisation, FDO, done by hand).
+(the feedback-directed optimisation, FDO, of the SparseCore minibatching guide, done by
+hand).
 
 Every lookup and update of a table created with ID limits (or
 ``track_id_stats=True``; see :mod:`popdist_lite.embedding.id_limits.settings`) publishes one record::
