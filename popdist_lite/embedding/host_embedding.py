@@ -25,7 +25,7 @@ from .exchange import DenseExchange, Exchange
 from .id_limits.enforcer import IdLimitEnforcer
 from .optimizer_specs import EmbeddingOptimizerSpec, UpdateContext
 from .sparse import SparseTokenExchange
-from .state import TableState, check_arrays
+from .state import TableState, check_arrays, layout_of
 from .table_spec import TableSpec
 from .token import TokenPartition
 
@@ -41,6 +41,8 @@ class HostEmbedding:
     indices of a different shape (ragged batches).
 
     Attributes:
+        spec: the table's :class:`~popdist_lite.embedding.table_spec.TableSpec` (the
+            checked arguments of :func:`create_host_embedding`).
         name: table name (used in error messages).
         shape: ``(t, e)``.
         dtype: the lookup dtype (float16, float32 or float64): lookups return it and
@@ -101,36 +103,6 @@ class HostEmbedding:
     def registered(self) -> bool:
         return self._registered > 0
 
-    def _prepare(self, indices, clip_indices: bool, grads=None):
-        """Check this replica's arguments locally (no communication).
-
-        Returns ``(flat int64[n], grads (n, e) or None, Problem or None)``; the problem
-        is raised on every replica by the exchange.
-        """
-        t, e = self.shape
-        problem = None
-        flat = np.zeros(0, dtype=np.int64)
-        if indices.dtype.kind not in "iu":
-            problem = Problem(TypeError, f"host embedding {self.name!r}: argument indices: expected an integer "
-                                         f"dtype, got {indices.dtype}")
-        else:
-            # no copy of int64 indices unless clipping writes to them (the exchanges only read)
-            flat = indices.reshape(-1).astype(np.int64, copy=bool(clip_indices))
-            if clip_indices:
-                np.clip(flat, 0, t - 1, out=flat)
-        if grads is not None and problem is None:
-            grads = np.asarray(grads)
-            want = indices.shape + (e,)
-            if grads.shape != want:
-                problem = Problem(ValueError, f"host embedding {self.name!r}: argument grads: expected shape "
-                                              f"indices.shape + (e,) = {want}, got {grads.shape}")
-            elif grads.dtype.kind != "f":
-                problem = Problem(TypeError, f"host embedding {self.name!r}: argument grads: expected a floating "
-                                             f"dtype, got {grads.dtype}")
-            else:
-                grads = np.ascontiguousarray(grads.reshape(-1, e), dtype=self.dtype)
-        return flat, grads, problem
-
     def lookup(self, indices, clip_indices: bool = False) -> np.ndarray:
         """Look up rows of the whole table. Collective.
 
@@ -150,7 +122,7 @@ class HostEmbedding:
         """
         start = perf_counter()
         indices = np.asarray(indices)
-        flat, _, problem = self._prepare(indices, clip_indices)
+        flat, _, problem = _prepare(self.spec, indices, clip_indices)
         rows = self._lookup_flat(flat, problem)
         counters.record("lookup", start, kind=counters.PHASE, detail=self.name)
         return rows.reshape(indices.shape + (self.shape[1],))
@@ -188,7 +160,7 @@ class HostEmbedding:
         """
         start = perf_counter()
         indices = np.asarray(indices)
-        flat, grads, problem = self._prepare(indices, clip_indices, grads=grads)
+        flat, grads, problem = _prepare(self.spec, indices, clip_indices, grads=grads)
         self._update_flat(flat, grads, problem, loss_scale)
         counters.record("update", start, kind=counters.PHASE, detail=self.name)
 
@@ -233,7 +205,7 @@ class HostEmbedding:
             IndexError, IdLimitError: as :meth:`lookup`.
         """
         start = perf_counter()
-        bags, flat, problem = self._prepare_bags(values, lengths, weights, combiner, padding_id, clip_indices)
+        bags, flat, problem = _prepare_bags(self.spec, values, lengths, weights, combiner, padding_id, clip_indices)
         rows = self._lookup_flat(flat, problem)
         out = combiners.pool(rows, bags)
         counters.record("lookup_bags", start, kind=counters.PHASE, detail=self.name)
@@ -256,7 +228,7 @@ class HostEmbedding:
         """
         start = perf_counter()
         e = self.shape[1]
-        bags, flat, problem = self._prepare_bags(values, lengths, weights, combiner, padding_id, clip_indices)
+        bags, flat, problem = _prepare_bags(self.spec, values, lengths, weights, combiner, padding_id, clip_indices)
         per_id = None
         if problem is None:
             grads = np.asarray(grads)
@@ -268,17 +240,6 @@ class HostEmbedding:
                 per_id = combiners.unpool(grads, bags, e, self.dtype)
         self._update_flat(flat, per_id, problem, loss_scale)
         counters.record("update_bags", start, kind=counters.PHASE, detail=self.name)
-
-    def _prepare_bags(self, values, lengths, weights, combiner, padding_id, clip_indices):
-        """``(bags, flat, problem)``: a local problem is raised on every replica by the exchange."""
-        try:
-            bags = combiners.make_bags(values, lengths, weights, combiner, padding_id)
-        except (ValueError, TypeError) as exc:
-            empty = np.zeros(0, dtype=np.int64)
-            bags = combiners.Bags(empty, np.zeros(0), empty, empty, (0,))
-            return bags, empty, Problem(type(exc), f"host embedding {self.name!r}: {exc}")
-        flat, _, problem = self._prepare(bags.ids, clip_indices)
-        return bags, flat, problem
 
     def _apply(self, rows: np.ndarray, sums: np.ndarray, loss_scale: float) -> None:
         """One optimizer step on this replica's ``rows`` (local, sorted, unique) with the
@@ -313,16 +274,11 @@ class HostEmbedding:
         declared = self.optimizer_spec.state_layouts() if self.optimizer_state else {}
         for slot, array in self.optimizer_state.items():
             arrays[f"optimizer/{slot}"] = array
-            layouts[f"optimizer/{slot}"] = declared.get(slot) or self._layout_of(array)
+            layouts[f"optimizer/{slot}"] = declared.get(slot) or layout_of(array, self._partition.shard_shape)
         return TableState(name=self.name, shape=self.shape, dtype=self.dtype, master_dtype=self.master_dtype,
                           partition_strategy=self.partition_strategy, num_replicas=self._comm.size,
                           replica=self._comm.rank, arrays=arrays, layouts=layouts,
                           generators=self.stochastic_rounding.generator_states())
-
-    def _layout_of(self, array: np.ndarray) -> str:
-        """The layout of an optimizer slot its spec does not declare, from its shape."""
-        shard = self._partition.shard_shape
-        return "table" if array.shape == shard else "row" if array.shape == shard[:1] else "replicated"
 
     def load_state(self, arrays: dict[str, np.ndarray], generators: dict[str, dict] | None = None) -> None:
         """Copy ``arrays`` (keys and shapes as in :meth:`state`'s ``arrays``, any subset)
@@ -450,6 +406,49 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
                              f"strategy, optimizer, seed, master weights, stochastic rounding, exchange, id limits) = "
                              f"{item}, expected {gathered[0][1]} as on replica 0")
     return HostEmbedding(spec, initializer, comm)
+
+
+def _prepare(spec: TableSpec, indices: np.ndarray, clip_indices: bool, grads=None):
+    """Check this replica's arguments to a lookup or update locally (no communication).
+
+    Returns ``(flat int64[n], grads (n, e) or None, Problem or None)``; the problem
+    is raised on every replica by the exchange.
+    """
+    t, e = spec.shape
+    problem = None
+    flat = np.zeros(0, dtype=np.int64)
+    if indices.dtype.kind not in "iu":
+        problem = Problem(TypeError, f"host embedding {spec.name!r}: argument indices: expected an integer "
+                                     f"dtype, got {indices.dtype}")
+    else:
+        # no copy of int64 indices unless clipping writes to them (the exchanges only read)
+        flat = indices.reshape(-1).astype(np.int64, copy=bool(clip_indices))
+        if clip_indices:
+            np.clip(flat, 0, t - 1, out=flat)
+    if grads is not None and problem is None:
+        grads = np.asarray(grads)
+        want = indices.shape + (e,)
+        if grads.shape != want:
+            problem = Problem(ValueError, f"host embedding {spec.name!r}: argument grads: expected shape "
+                                          f"indices.shape + (e,) = {want}, got {grads.shape}")
+        elif grads.dtype.kind != "f":
+            problem = Problem(TypeError, f"host embedding {spec.name!r}: argument grads: expected a floating "
+                                         f"dtype, got {grads.dtype}")
+        else:
+            grads = np.ascontiguousarray(grads.reshape(-1, e), dtype=spec.dtype)
+    return flat, grads, problem
+
+
+def _prepare_bags(spec: TableSpec, values, lengths, weights, combiner, padding_id, clip_indices):
+    """``(bags, flat, problem)``: a local problem is raised on every replica by the exchange."""
+    try:
+        bags = combiners.make_bags(values, lengths, weights, combiner, padding_id)
+    except (ValueError, TypeError) as exc:
+        empty = np.zeros(0, dtype=np.int64)
+        bags = combiners.Bags(empty, np.zeros(0), empty, empty, (0,))
+        return bags, empty, Problem(type(exc), f"host embedding {spec.name!r}: {exc}")
+    flat, _, problem = _prepare(spec, bags.ids, clip_indices)
+    return bags, flat, problem
 
 
 def _initialize(shard: np.ndarray, partition, spec: TableSpec, initializer, comm) -> None:

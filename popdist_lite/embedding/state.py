@@ -76,3 +76,8 @@ def check_arrays(table: str, current: dict[str, np.ndarray], given: dict[str, np
             got = f"{value.dtype}{list(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__
             raise ValueError(f"host embedding {table!r}: load_state: array {key!r}: expected "
                              f"{want.dtype}{list(want.shape)}, got {got}")
+
+
+def layout_of(array: np.ndarray, shard_shape: tuple[int, int]) -> str:
+    """The layout of an optimizer slot its spec does not declare, from its shape."""
+    return "table" if array.shape == shard_shape else "row" if array.shape == shard_shape[:1] else "replicated"
