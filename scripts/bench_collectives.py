@@ -94,9 +94,9 @@ def measure(op: str, n_bytes: int, comm, blocks: int) -> dict:
     from mpi4py import MPI
 
     ours, raw = calls(op, n_bytes, comm)
-    from popdist_lite.collectives.fingerprint import WIDTH
+    from popdist_lite.collectives.fingerprint import SIGNATURE
 
-    sig, table = np.zeros(WIDTH, np.int64), np.empty((comm.size, WIDTH), np.int64)  # agree's row
+    sig, table = np.zeros(1, SIGNATURE).view(np.int64), np.zeros(comm.size, SIGNATURE).view(np.int64)  # one row each
 
     def floor():
         comm.Allgather(sig, table)
