@@ -5,16 +5,22 @@ The agent starts the program as its child, tees the child's stderr while keeping
 last lines, forwards SIGTERM/SIGINT, and keeps ONE TCP connection to the launcher's
 collector (``POPRUN_LITE_COLLECTOR``) over which it sends, as newline-delimited JSON
 (:mod:`popdist_lite.records`): ``hello``, a ``heartbeat`` every second, every record the
-program sends it (its uncaught exception from ``popdist_lite``'s excepthook, progress),
-and ``exit`` with the exit code or signal and the stderr tail. The same connection
+program sends it (its uncaught exception from ``popdist_lite``'s excepthook), and
+``exit`` with the exit code or signal and the stderr tail. The same connection
 carries the launcher's requests to this agent: :data:`REQUESTS` maps a record kind to
-its handler (``signal``: send a signal to the program).
+its handler (``signal``: send a signal to the program; ``stack_request``: answer with
+the program's Python stacks).
+
+With ``POPRUN_LITE_STALL_INSPECTOR=1`` the agent also gives its program a progress slot
+and a stack file on this host (:mod:`popdist_lite_launcher.rank_progress`) and sends a
+``progress`` record whenever the program enters another collective call.
 
 The program reaches its agent through a host-local socket pair whose descriptor is in
 ``POPDIST_LITE_RECORD_FD`` (see :func:`popdist_lite.records.send`).
 
 Environment read here (set by the launcher):
     POPRUN_LITE_COLLECTOR                   the collector's host:port (no records if unset)
+    POPRUN_LITE_STALL_INSPECTOR             "1": record and forward the program's progress
     POPDIST_LITE_ROLE                       "replica" (default) or "feeder"
     POPDIST_LITE_FEEDER_OF / _FEEDER_INDEX  on a feeder: the replica it feeds, its index
     POPDIST_REPLICA_INDEX_OFFSET            this rank's replica (= instance) index
@@ -35,6 +41,7 @@ import threading
 import time
 
 from . import records
+from .rank_progress import RankProgress
 from .tee import Tee
 
 TAIL_LINES = 200
@@ -163,8 +170,22 @@ def _signal_program(state: dict, request: dict) -> None:
         proc.send_signal(signal.Signals[request["signal"]])
 
 
+def _dump_stack(state: dict, request: dict) -> None:
+    """``{"kind": "stack_request", "request": N}``: answer with the program's Python
+    stacks (``stack`` record), from a thread (the dump takes up to two seconds)."""
+    proc, watched, link = state.get("child"), state.get("progress"), state.get("link")
+    if proc is None or watched is None or link is None:
+        return
+
+    def answer():
+        text = watched.dump_stack(proc.pid) if proc.poll() is None else ""
+        link.send(records.make("stack", {**state["ident"], "time": time.time()},
+                               request=request.get("request"), text=text))
+    threading.Thread(target=answer, daemon=True).start()
+
+
 #: The launcher's requests this agent understands: record kind -> handler(state, request).
-REQUESTS = {"signal": _signal_program}
+REQUESTS = {"signal": _signal_program, "stack_request": _dump_stack}
 
 
 def _signal_name(signum: int) -> str:
@@ -202,7 +223,13 @@ def run(program: list[str]) -> int:
     if pmi_fd and pmi_fd.isdigit():
         pass_fds.append(int(pmi_fd))
 
-    stop = {"signal": None, "time": None, "child": None}
+    stop = {"signal": None, "time": None, "child": None, "ident": ident, "progress": None}
+    if environ.get(records.INSPECTOR_ENV) == "1":  # the launcher's stall inspector is on
+        try:
+            stop["progress"] = RankProgress()
+            child_env.update(stop["progress"].env())
+        except OSError as exc:
+            print(f"poprun-lite agent: no stall inspection for this rank: {exc}", file=sys.stderr)
 
     def forward(signum, _frame):
         if stop["signal"] is None:
@@ -222,6 +249,7 @@ def run(program: list[str]) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     link = Link(environ.get(records.COLLECTOR_ENV))
+    stop["link"] = link
 
     read_fd, write_fd = os.pipe()
     stdout = None if shown else subprocess.DEVNULL
@@ -247,6 +275,9 @@ def run(program: list[str]) -> int:
         relay.start()
         stop["child"] = child
         link.start(ident, on_request)
+        if stop["progress"] is not None:
+            stop["progress"].watch(lambda call, op, since: link.send(records.make(
+                "progress", {**ident, "time": time.time()}, call=call, op=op, since=since)))
         if stop["signal"] is not None:  # told to stop while starting the child
             forward(stop["signal"], None)
 
@@ -272,6 +303,8 @@ def run(program: list[str]) -> int:
                            stderr_tail=tail if code else "",
                            terminated=stop["signal"] is not None))
     link.close()
+    if stop["progress"] is not None:
+        stop["progress"].close()
     if code == 0:
         return 0
     return 128 + sig if sig else code

@@ -13,9 +13,11 @@ import os
 import shlex
 import socket
 import sys
+import time
 
 from . import __version__, job, records, report
 from .collector import Collector
+from .inspector import StallInspector
 from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,
                      default_rank_env, detect_implementation, find_mpirun, is_local_host)
 
@@ -57,6 +59,11 @@ def _number(parse, minimum, what: str):
         return value
     return convert
 
+
+#: Default of ``--stall-timeout``; under plain mpirun each rank reads it itself.
+STALL_TIMEOUT_ENV = "POPDIST_LITE_STALL_TIMEOUT"
+#: Which attempt a rank belongs to (0 for the first, 1 after the first restart, ...).
+RESTART_COUNT_ENV = "POPDIST_LITE_RESTART_COUNT"
 
 _positive_int = _number(int, 1, "at least 1")
 _non_negative_int = _number(int, 0, "0 or more")
@@ -134,6 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
                           "write one Chrome-trace JSON file (open it in Perfetto); sets "
                           "POPDIST_LITE_TIMELINE for the ranks")
 
+    recovery = parser.add_argument_group("stalls and restarts")
+    recovery.add_argument("--stall-warning", type=_non_negative_float, default=60.0,
+                          metavar="SECONDS",
+                          help="when replicas have waited this long in a collective call that "
+                               "another replica has not entered, print which replicas wait, "
+                               "which are missing, what they last entered and their Python "
+                               "stacks (default 60; 0: never)")
+    recovery.add_argument("--stall-timeout", type=_non_negative_float, default=None,
+                          metavar="SECONDS",
+                          help="after this long in such a stall, end the job with that block as "
+                               "the root cause (default: $POPDIST_LITE_STALL_TIMEOUT, else never)")
+    recovery.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
+                          help="when an attempt fails (stalls included), print its report and "
+                               "launch the job again, up to N times; the program reads the "
+                               "attempt in POPDIST_LITE_RESTART_COUNT (0, 1, ...). SIGINT and "
+                               "SIGTERM stop without restarting (default 0)")
+
     parser.add_argument("program", help="the program to run in every instance")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
     return parser
@@ -143,6 +167,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and cross-check the options (errors exit via ``parser.error``)."""
     parser = build_parser()
     opts = parser.parse_args(argv)
+    if opts.stall_timeout is None:
+        text = os.environ.get(STALL_TIMEOUT_ENV, "")
+        try:
+            opts.stall_timeout = _non_negative_float(text) if text.strip() else 0.0
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"${STALL_TIMEOUT_ENV}: {exc}")
     if opts.num_instances is None:
         opts.num_instances = opts.num_replicas
     elif opts.num_instances != opts.num_replicas:
@@ -184,7 +214,7 @@ def read_hostfile(path: str) -> list[str]:
     return hosts
 
 
-def plan_ranks(opts: argparse.Namespace, collector: str) -> list[RankSpec]:
+def plan_ranks(opts: argparse.Namespace, collector: str, attempt: int = 0) -> list[RankSpec]:
     """One :class:`RankSpec` per MPI rank, in rank order, with its PopDist environment
     and ``POPRUN_LITE_COLLECTOR=collector`` (the launcher's ``host:port``).
 
@@ -194,7 +224,9 @@ def plan_ranks(opts: argparse.Namespace, collector: str) -> list[RankSpec]:
     ``0..R-1`` and feeder ``k`` of replica ``r`` is rank ``R + r*F + k``, on its
     replica's host, with its replica's environment and MPI arguments plus the role
     variables (``POPDIST_LITE_ROLE=feeder``, ``POPDIST_LITE_FEEDER_OF=r``,
-    ``POPDIST_LITE_FEEDER_INDEX=k``).
+    ``POPDIST_LITE_FEEDER_INDEX=k``). Every rank gets ``POPDIST_LITE_RESTART_COUNT=attempt``,
+    and ``POPRUN_LITE_STALL_INSPECTOR=1`` when ``--stall-warning`` or ``--stall-timeout``
+    is on (its agent then records its progress).
     """
     n = opts.num_instances
     per_host = n // len(opts.hosts) if opts.hosts else n
@@ -212,7 +244,10 @@ def plan_ranks(opts: argparse.Namespace, collector: str) -> list[RankSpec]:
         # Open MPI gives every rank a pty, so ranks can't tell a terminal from a pipe.
         "POPDIST_LITE_STDOUT_ISATTY": "1" if sys.stdout.isatty() else "0",
         "POPDIST_LITE_FEEDERS_PER_REPLICA": str(opts.feeders_per_replica),
+        RESTART_COUNT_ENV: str(attempt),
     })
+    if getattr(opts, "stall_warning", 0) or getattr(opts, "stall_timeout", 0):
+        common[records.INSPECTOR_ENV] = "1"
     if opts.only_output_from_instance is not None:
         common["POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE"] = str(opts.only_output_from_instance)
     if getattr(opts, "timeline", None):
@@ -275,7 +310,9 @@ def collector_host(hosts: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run ``poprun-lite`` and exit with the job's exit code (0 on success, the root
-    cause's code or 128+signal on failure, 124 on --timeout, 2 on usage errors)."""
+    cause's code or 128+signal on failure, 1 for a stall, 124 on --timeout, 2 on usage
+    errors). With ``--max-restarts N`` a failed attempt is reported and the job launched
+    again, up to N times; the last attempt's outcome decides the exit code."""
     opts = parse_args(argv)
     try:
         mpirun = find_mpirun(opts.mpirun)
@@ -284,6 +321,66 @@ def main(argv: list[str] | None = None) -> None:
         print(f"poprun-lite: error: {exc}", file=sys.stderr)
         sys.exit(2)
 
+    attempts = opts.max_restarts + 1
+    deadline = time.monotonic() + opts.timeout if opts.timeout else None
+    history: list[str] = []  # one line per failed attempt
+    for attempt in range(attempts):
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        result = _run_attempt(opts, mpirun, implementation, attempt, left)
+        if result.returncode == 0 and not result.stop_reason and not result.failures:
+            if opts.timeline:
+                path = os.path.abspath(opts.timeline)
+                state = "written to" if os.path.exists(path) else "not written (did the program call popdist_lite.init()?):"
+                print(f"poprun-lite: timeline {state} {path}", file=sys.stderr, flush=True)
+            if history:
+                print(f"poprun-lite: job succeeded on attempt {attempt + 1} of {attempts}; "
+                      f"earlier attempts:", *history, sep="\n", file=sys.stderr, flush=True)
+            sys.exit(0)
+        code = _exit_code(result)
+        summary = report.summary(result.failures, reason=result.stop_reason,
+                                 stalled=result.stall is not None)
+        history.append(f"  attempt {attempt + 1}: {summary} (exit code {code})")
+        final = attempt + 1 == attempts or result.stop_signal is not None or result.timed_out
+        reason = result.stop_reason if final else f"attempt {attempt + 1} of {attempts} failed"
+        text = report.format_report(result.failures, code, reason=reason,
+                                    mpirun_tail=result.mpirun_tail, cause=result.stall)
+        if final and len(history) > 1:
+            text += "\nattempts:\n" + "\n".join(history)
+        print(text, file=sys.stderr, flush=True)
+        if final:
+            sys.exit(code)
+        print(f"poprun-lite: restarting the job: attempt {attempt + 2} of {attempts} "
+              f"({RESTART_COUNT_ENV}={attempt + 1})", file=sys.stderr, flush=True)
+
+
+def _exit_code(result: job.JobResult) -> int:
+    """The exit code of a failed attempt."""
+    if result.timed_out:
+        return 124
+    if result.stop_signal is not None:
+        return 128 + result.stop_signal
+    if result.stall is not None:
+        return 1
+    return report.exit_code_for(result.failures, result.returncode)
+
+
+def processes_of(ranks: list[RankSpec]) -> dict[int, list[tuple[str, int]]]:
+    """For each replica, ``(who, rank)`` of its processes: its own rank first, then its
+    feeders' (``"feeder 0 of replica 1"``)."""
+    processes: dict[int, list[tuple[str, int]]] = {}
+    for rank, spec in enumerate(ranks):
+        who = f"replica {spec.replica}"
+        if spec.role == "feeder":
+            who = f"feeder {spec.env.get('POPDIST_LITE_FEEDER_INDEX', '?')} of replica {spec.replica}"
+        processes.setdefault(spec.replica, []).append((who, rank))
+    return processes
+
+
+def _run_attempt(opts: argparse.Namespace, mpirun: str, implementation: str, attempt: int,
+                 timeout: float | None) -> job.JobResult:
+    """Launch the job once (attempt ``attempt``, counted from 0; each with its own
+    collector and stall inspector) and return its result. Exits with code 2 when the
+    collector or mpirun cannot be started."""
     local = all(is_local_host(host) for host in opts.hosts or [None])
     try:
         collector = Collector("127.0.0.1" if local else collector_host(opts.hosts))
@@ -291,7 +388,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"poprun-lite: error: cannot start the record collector: {exc}", file=sys.stderr)
         sys.exit(2)
     with collector:
-        ranks = plan_ranks(opts, collector.address)
+        ranks = plan_ranks(opts, collector.address, attempt)
+        inspector = None
+        if opts.stall_warning or opts.stall_timeout:
+            inspector = StallInspector(
+                opts.num_replicas, processes_of(ranks),
+                lambda rank, request: collector.send(rank, records.make("stack_request",
+                                                                        request=request)),
+                warning=opts.stall_warning, timeout=opts.stall_timeout)
+            collector.subscribe("progress", inspector.on_progress)
+            collector.subscribe("stack", inspector.on_stack)
         export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
         cmd = build_command(
             mpirun, implementation, ranks, [opts.program, *opts.args],
@@ -300,33 +406,16 @@ def main(argv: list[str] | None = None) -> None:
             oversubscribe=local or len(ranks) > (os.cpu_count() or 1),
             allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
             hostfile=opts.hostfile, export=export)
-        if opts.print_topology:
+        if opts.print_topology and attempt == 0:
             print(format_topology(ranks), flush=True)
         if opts.verbose:
             print(shlex.join(cmd), file=sys.stderr, flush=True)
         sys.stdout.flush()
         try:
-            result = job.run_job(cmd, collector, timeout=opts.timeout or None)
+            return job.run_job(cmd, collector, timeout=timeout, inspector=inspector)
         except OSError as exc:
             print(f"poprun-lite: error: cannot run {mpirun}: {exc}", file=sys.stderr)
             sys.exit(2)
-
-    if result.returncode == 0 and not result.stop_reason and not result.failures:
-        code = 0
-        if opts.timeline:
-            path = os.path.abspath(opts.timeline)
-            state = "written to" if os.path.exists(path) else "not written (did the program call popdist_lite.init()?):"
-            print(f"poprun-lite: timeline {state} {path}", file=sys.stderr, flush=True)
-    else:
-        code = report.exit_code_for(result.failures, result.returncode)
-        if result.timed_out:
-            code = 124
-        elif result.stop_signal is not None:
-            code = 128 + result.stop_signal
-        print(report.format_report(result.failures, code, reason=result.stop_reason,
-                                   mpirun_tail=result.mpirun_tail),
-              file=sys.stderr, flush=True)
-    sys.exit(code)
 
 
 if __name__ == "__main__":

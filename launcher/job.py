@@ -38,6 +38,7 @@ class JobResult:
     stop_reason: str | None = None       # e.g. "job interrupted by SIGINT"
     stop_signal: int | None = None       # the signal the launcher received, if any
     timed_out: bool = False
+    stall: str | None = None             # the stall inspector's block when it ended the job
     mpirun_tail: str = ""
     failures: list = field(default_factory=list)
 
@@ -78,15 +79,18 @@ def kill_session(sid: int) -> None:
 
 
 def run_job(cmd: list[str], collector, *, timeout: float | None = None,
-            env: dict[str, str] | None = None) -> JobResult:
+            env: dict[str, str] | None = None, inspector=None) -> JobResult:
     """Run ``cmd`` (an mpirun command) to completion; failures come from ``collector``
     (a :class:`~popdist_lite_launcher.collector.Collector` whose address the ranks got).
 
     SIGINT/SIGTERM received meanwhile are forwarded to mpirun; ``timeout`` seconds
     (None/0: no limit) after the start mpirun gets SIGTERM, and so it does when the
     collector reports a failure and mpirun is still running
-    ``FAILED_JOB_STOP_DELAY_SECONDS`` later (at once for a lost agent). In every case
-    the whole session is SIGKILLed if still alive ``SESSION_KILL_DELAY_SECONDS`` later.
+    ``FAILED_JOB_STOP_DELAY_SECONDS`` later (at once for a lost agent). ``inspector``
+    (a :class:`~popdist_lite_launcher.inspector.StallInspector`) is polled every 0.1 s;
+    when it returns a block (stall timeout) the job is stopped too and the block is kept
+    in :attr:`JobResult.stall`. In every case the whole session is SIGKILLed if still
+    alive ``SESSION_KILL_DELAY_SECONDS`` later.
     Must be called from the main thread (it installs signal handlers).
 
     Raises:
@@ -94,12 +98,6 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     """
     result = JobResult(returncode=0)
     state = {"proc": None, "stop_at": None}
-
-    def interrupt(signum, _frame):
-        if result.stop_signal is None and not result.timed_out:
-            result.stop_signal = signum
-            result.stop_reason = f"job interrupted by {signal.Signals(signum).name}"
-        stop(signum)
 
     def stop(signum):
         if state["stop_at"] is None:
@@ -110,6 +108,13 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
                 state["proc"].send_signal(signum)
             except OSError:
                 pass
+
+    def interrupt(signum, _frame=None):
+        if result.stop_signal is None:
+            result.stop_signal = signum
+            if result.stop_reason is None:
+                result.stop_reason = f"job interrupted by {signal.Signals(signum).name}"
+        stop(signum)
 
     # handlers first: a Ctrl-C while starting must not orphan mpirun (its own session)
     previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -135,8 +140,7 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
-            if timeout and not result.timed_out and result.stop_signal is None \
-                    and now - start > timeout:
+            if timeout and state["stop_at"] is None and now - start > timeout:
                 result.timed_out = True
                 result.stop_reason = f"job timed out after {timeout:g} s"
                 stop(signal.SIGTERM)
@@ -146,6 +150,12 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
                     any(not r["terminated"] for r in collector.records("lost"))
                     or now - failed_at > FAILED_JOB_STOP_DELAY_SECONDS):
                 stop(signal.SIGTERM)
+            if inspector is not None and state["stop_at"] is None:
+                block = inspector.poll()
+                if block is not None:
+                    result.stall = block
+                    result.stop_reason = "job stalled"
+                    stop(signal.SIGTERM)
             if state["stop_at"] is not None and not killed \
                     and now - state["stop_at"] > SESSION_KILL_DELAY_SECONDS:
                 kill_session(proc.pid)

@@ -165,13 +165,23 @@ def _indent(text: str, max_lines: int | None = None, prefix: str = "  ") -> list
 
 
 def format_report(failures: list[Failure], exit_code: int, *, reason: str | None = None,
-                  mpirun_tail: str = "") -> str:
+                  mpirun_tail: str = "", cause: str | None = None) -> str:
     """Format the report (no trailing newline).
 
     ``reason`` replaces "job failed" in the first line (e.g. "job interrupted by
-    SIGINT"); ``mpirun_tail`` is shown when there are no records at all.
+    SIGINT"); ``mpirun_tail`` is shown when there are no records at all. ``cause`` is a
+    root cause found by the launcher itself (the stall inspector's block, starting with
+    ``root cause:``): it is shown instead of one taken from the records, which then all
+    read as stopped ranks.
     """
     lines = [f"poprun-lite: {reason or 'job failed'} (exit code {exit_code})"]
+    if cause is not None:
+        lines.append(cause)
+        if failures:
+            lines.append("stopped ranks:")
+            lines += [f"  {f.title()}: {f.status()} (terminated after the root cause)"
+                      for f in failures]
+        return "\n".join(lines)
     if not failures:
         if reason:  # stopped on purpose: nothing failed on its own
             return "\n".join(lines)
@@ -206,6 +216,17 @@ def format_report(failures: list[Failure], exit_code: int, *, reason: str | None
                 elif failure.stderr_tail.strip():
                     lines += _indent(failure.stderr_tail, 15, "    ")
     return "\n".join(lines)
+
+
+def summary(failures: list[Failure], *, reason: str | None = None, stalled: bool = False) -> str:
+    """One line naming what ended a failed attempt: the root cause's title and status,
+    ``stall`` when the stall inspector ended it, else ``reason`` or ``failed``."""
+    if stalled:
+        return "stall (the stall inspector ended the job)"
+    cause = root_cause(failures)
+    if cause is not None:
+        return f"{cause.title()}: {cause.status()}"
+    return reason or "failed"
 
 
 def exit_code_for(failures: list[Failure], mpirun_code: int) -> int:

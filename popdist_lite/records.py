@@ -11,8 +11,9 @@ A record is a JSON object with a ``"kind"`` field, sent as one line of UTF-8 JSO
 * **agent <-> launcher**, over the network: every agent opens ONE TCP connection to the
   launcher's collector, whose address is in ``POPRUN_LITE_COLLECTOR=host:port``. The agent
   sends ``hello`` first, then ``heartbeat`` every :data:`HEARTBEAT_SECONDS`, the rank's
-  records as they come, and ``exit`` last. The launcher may send requests the other way
-  (``signal``).
+  records as they come (and, for the stall inspector, ``progress`` whenever the rank
+  enters another collective call), and ``exit`` last. The launcher may send requests the
+  other way (``signal``, ``stack_request``).
 
 Kinds (fields besides ``kind``):
 
@@ -31,6 +32,15 @@ Kinds (fields besides ``kind``):
     as for ``exit`` (the job was already failing or stopping when the loss was seen).
 ``signal`` (launcher -> agent)
     ``signal``: a signal name (``"SIGUSR1"``) the agent sends to its program.
+``progress`` (agent -> launcher; only with ``POPRUN_LITE_STALL_INSPECTOR=1``)
+    identity + ``call`` (the collective call number the rank last entered), ``op`` (its
+    operation, e.g. ``"all_reduce"``), ``since`` (``time.time()`` when it entered it).
+    The agent reads these from the rank's progress slot (:mod:`popdist_lite.progress`).
+``stack_request`` (launcher -> agent)
+    ``request``: an integer the answer repeats. The agent has its program dump the
+    Python stack of every thread and answers with ``stack``.
+``stack`` (agent -> launcher)
+    identity + ``request`` and ``text`` (faulthandler's dump, "" if none came).
 
 Identity fields: ``rank`` (MPI rank or None), ``replica`` (the replica driven, or fed by a
 feeder), ``role`` (``"replica"`` or ``"feeder"``), ``feeder`` (a feeder's index, else
@@ -53,6 +63,9 @@ import time
 COLLECTOR_ENV = "POPRUN_LITE_COLLECTOR"
 #: File descriptor of the rank's stream socket to its agent (set by the agent).
 RECORD_FD_ENV = "POPDIST_LITE_RECORD_FD"
+#: Set to ``"1"`` by poprun-lite when its stall inspector is on: agents then record and
+#: forward their rank's progress.
+INSPECTOR_ENV = "POPRUN_LITE_STALL_INSPECTOR"
 #: Seconds between an agent's heartbeats.
 HEARTBEAT_SECONDS = 1.0
 #: Variables holding the MPI rank, first set wins (Open MPI, MPICH/hydra, PMIx).
@@ -66,6 +79,9 @@ FIELDS = {
     "exit": IDENTITY_FIELDS + ("exitcode", "signal", "stderr_tail", "terminated"),
     "lost": IDENTITY_FIELDS + ("reason", "terminated"),
     "signal": ("signal",),
+    "progress": IDENTITY_FIELDS + ("call", "op", "since"),
+    "stack_request": ("request",),
+    "stack": IDENTITY_FIELDS + ("request", "text"),
 }
 #: Kinds that describe how a rank failed (read by the launcher's failure report).
 FAILURE_KINDS = ("error", "exit", "lost")

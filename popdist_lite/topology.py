@@ -139,10 +139,15 @@ def init() -> None:
     records it for the launcher's report and aborts the whole job instead of leaving the
     other ranks waiting in a collective (as ``python -m mpi4py`` does). When
     ``POPDIST_LITE_TIMELINE`` is set, starts the timeline (:mod:`popdist_lite.timeline`).
+    Under poprun-lite's stall inspector, records this replica's collective calls and
+    dumps its stacks on request (:mod:`popdist_lite.progress`); under plain mpirun with
+    ``POPDIST_LITE_STALL_TIMEOUT`` set, starts the stall watchdog
+    (:mod:`popdist_lite.watchdog`).
 
     Raises:
         ValueError: the ``POPDIST_*`` variables disagree with the MPI job (for example
-            more replicas announced than there are replica ranks), on every rank.
+            more replicas announced than there are replica ranks), on every rank;
+            ``POPDIST_LITE_STALL_TIMEOUT`` is not a number.
     """
     global _topology
     if _topology is not None:
@@ -164,9 +169,14 @@ def init() -> None:
     if num_feeders:  # one communicator per replica: the replica is rank 0, feeder k rank 1 + k
         feed = world.Split(offset, 0 if feeder_index is None else 1 + feeder_index)
 
-    from . import _excepthook
+    from . import _excepthook, progress
 
     _excepthook.install(replica_index=offset, role=env.role, feeder_index=feeder_index)
+    progress.enable_from_env()
+    if env.role == "replica":
+        from . import watchdog
+
+        watchdog.start_from_env(offset, lambda: world.Abort(1))
     _topology = Topology(
         replica_id=offset,
         num_replicas=total,

@@ -19,9 +19,10 @@ before running it).
   would wait for it in the collective): it passes a :class:`Problem` (an exception
   class and a message) to :func:`agree`, and every replica raises that exception,
   naming the replica.
-- Call numbers: every :func:`agree` takes its number from :func:`next_call_number`,
-  the one place where checked calls are counted per communicator (a progress monitor
-  can hook that function to see how far each replica got).
+- Call numbers: every collective call takes its number from :func:`next_call_number`,
+  the one place where calls are counted per communicator, checked or not (with
+  ``set_collective_checks(False)`` the number is still taken, not exchanged), and where
+  each call is recorded for poprun-lite's stall inspector (:mod:`popdist_lite.progress`).
 - Fast paths: a call whose signature agreed before reuses its signature row (only the
   call number is rewritten) and, for the fixed-shape collectives, its gathered table;
   identical signatures are recognised with one byte comparison of the table.
@@ -36,7 +37,7 @@ from time import perf_counter
 
 import numpy as np
 
-from .. import counters
+from .. import counters, progress
 
 MAX_NDIM = 8
 #: The layout of a signature row, one per replica (int64 fields; 112 bytes).
@@ -117,16 +118,21 @@ def register_op(name: str) -> str:
     return name
 
 
-def next_call_number(comm) -> int:
-    """This replica's number for its next checked call on ``comm`` (0, 1, 2, ...).
+def next_call_number(comm, op: str) -> int:
+    """This replica's number for its next collective call ``op`` on ``comm`` (0, 1, 2, ...).
 
     The only place where call numbers are counted: every :func:`agree` takes its number
     here, so replicas that issue different sequences of collectives are told apart by
-    the number in their signatures.
+    the number in their signatures. Unchecked calls (``set_collective_checks(False)``)
+    and the infeed's per-step agreement take one too, so the numbers stay in step on
+    every replica and the stall inspector sees every collective: each call is recorded
+    with :func:`popdist_lite.progress.record` (a no-op unless poprun-lite's stall
+    inspector or ``POPDIST_LITE_STALL_TIMEOUT`` turned it on).
     """
     key = id(comm)
     seq = _calls.get(key, 0)
     _calls[key] = seq + 1
+    progress.record(op, seq)
     return seq
 
 
@@ -187,20 +193,21 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: Problem | None = None
         if not _checks[0]:
             if problem is not None:  # unchecked: this replica's own error, raised here only
                 problem.raise_as(op, comm.rank)
+            next_call_number(comm, op)
             return None
         if problem is None:  # fast path: a repeat of a call that agreed before
             entry = _fixed.get((op, x.dtype, x.shape, extra, comm.size))
             if entry is not None:
                 start = perf_counter()
                 sig, table, n, named = entry
-                sig[_CALL] = next_call_number(comm)
+                sig[_CALL] = next_call_number(comm, op)
                 comm.Allgather(sig, table)
                 counters.record("agree", start, n, n)
                 if table.tobytes() == sig.tobytes() * table.shape[0]:
                     return named
                 return _disagree(op, table, problem, comm, same_from, name, extra_name, extra_format)
     start = perf_counter()
-    seq = next_call_number(comm)
+    seq = next_call_number(comm, op)
     key = None
     if problem is None:
         # a payload call with no array (the embedding headers): the row differs only in

@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import topology
+from ..collectives.fingerprint import next_call_number
 from . import protocol
 
 _active: "Infeed | None" = None  # the open session of this replica, if any
@@ -67,6 +68,7 @@ class Infeed:
         batch = self._source.fetch()
         have = batch is not None
         if self._replicas is not None:  # every replica has a batch, or all stop here
+            next_call_number(self._replicas, "infeed")  # numbered for the stall inspector
             flag = np.array([have], dtype=np.int32)
             self._replicas.Allreduce(MPI.IN_PLACE, flag, op=MPI.MIN)
             have = bool(flag[0])

@@ -159,7 +159,7 @@ def test_records_contract():
         records.decode(b'{"rank": 1}')
     with pytest.raises(ValueError):
         records.decode(b'{"kind": "exit", "ti')
-    assert records.make("progress", ident, step=5)["step"] == 5  # other kinds: any fields
+    assert records.make("custom", ident, step=5)["step"] == 5  # other kinds: any fields
     env = {"PMI_RANK": "4", "POPDIST_REPLICA_INDEX_OFFSET": "1", "POPDIST_LITE_ROLE": "feeder",
            "POPDIST_LITE_FEEDER_OF": "1", "POPDIST_LITE_FEEDER_INDEX": "2"}
     ident = records.env_identity(env)

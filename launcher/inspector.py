@@ -1,0 +1,128 @@
+"""The stall inspector in the launcher: progress records in, one block out.
+
+:class:`StallInspector` keeps every replica's last ``progress`` record (the collective
+call it entered, from its agent), and :meth:`StallInspector.poll`, called every tenth
+of a second by the job loop, looks for a stall (:func:`popdist_lite_launcher.stall.find_stall`).
+When the longest wait reaches ``warning`` seconds it asks the agents of the missing
+replicas (and of their feed processes) for their Python stacks, and prints the block
+(:func:`popdist_lite_launcher.stall.format_stall`) once the stacks are in, or
+:data:`STACK_WAIT_SECONDS` later without the ones that did not come. When the wait
+reaches ``timeout`` seconds it asks again and returns the block: the job loop then
+stops the job and reports that block as the root cause. A stall that changes (another
+call, other replicas missing) is a new stall; one that ends re-arms the warning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+
+from .stall import Progress, find_stall, format_stall
+
+#: Seconds to wait for the stacks the inspector asked for.
+STACK_WAIT_SECONDS = 3.0
+
+
+class StallInspector:
+    """Stall inspector for one attempt of a job.
+
+    Args:
+        num_replicas: replicas in the job.
+        processes: for each replica, ``(who, rank)`` of its processes: the replica's
+            own rank first (``"replica 1"``), then its feeders' (``"feeder 0 of
+            replica 1"``).
+        ask_stack: ``ask_stack(rank, request_id)`` asks that rank's agent for a stack
+            (the answer comes back through :meth:`on_stack`); False if it could not.
+        warning: seconds of waiting before the block is printed (None: never).
+        timeout: seconds of waiting before the job is ended (None: never).
+        out: where the warning block goes (default stderr).
+    """
+
+    def __init__(self, num_replicas: int, processes: dict[int, list[tuple[str, int]]], ask_stack, *,
+                 warning: float | None = 60.0, timeout: float | None = None, out=None):
+        self.num_replicas = num_replicas
+        self.processes = processes
+        self.ask_stack = ask_stack
+        self.warning = warning or None
+        self.timeout = timeout or None
+        self.out = out
+        self._lock = threading.Lock()
+        self._progress: dict[int, Progress] = {}
+        self._stacks: dict[int, tuple[int, str]] = {}  # rank -> (request id, text)
+        self._ids = itertools.count(1)
+        self._asked: dict | None = None  # the current round of stack requests
+        self._warned = None  # key of the stall already printed
+
+    # ------------------------------------------------------------ records in
+
+    def on_progress(self, record: dict) -> None:
+        """A ``progress`` record from a replica's agent (``replica``, ``call``, ``op``,
+        ``since`` and identity fields). Thread-safe."""
+        if record.get("role", "replica") != "replica":
+            return
+        p = Progress(replica=int(record["replica"]), call=int(record["call"]), op=str(record["op"]),
+                     since=float(record["since"]), rank=record.get("rank"), host=record.get("host"),
+                     pid=record.get("pid"))
+        with self._lock:
+            old = self._progress.get(p.replica)
+            if old is None or p.call >= old.call:
+                self._progress[p.replica] = p
+
+    def on_stack(self, record: dict) -> None:
+        """A ``stack`` record (``rank``, ``request``, ``text``) answering a request. Thread-safe."""
+        with self._lock:
+            self._stacks[record.get("rank")] = (record.get("request"), record.get("text") or "")
+
+    # ------------------------------------------------------------ the check
+
+    def poll(self, now: float | None = None) -> str | None:
+        """Check once; print a warning block when due. Returns the block to report as the
+        root cause when the stall timeout is reached, else None."""
+        now = time.time() if now is None else now
+        with self._lock:
+            stall = find_stall(self._progress, self.num_replicas, now)
+        thresholds = [t for t in (self.warning, self.timeout) if t is not None]
+        if stall is None or not thresholds or stall.waited < min(thresholds):
+            self._asked = None
+            if stall is None:
+                self._warned = None
+            return None
+        phase = "timeout" if self.timeout is not None and stall.waited >= self.timeout else "warning"
+        asked = self._asked
+        if asked is None or asked["key"] != stall.key or asked["phase"] != phase:
+            asked = self._asked = self._ask(stall, phase, now)
+        if not self._answered(asked) and now - asked["at"] < STACK_WAIT_SECONDS:
+            return None
+        stacks = self._collect(asked)
+        if phase == "timeout":
+            return format_stall(stall, now, stacks, title="root cause: stall")
+        if self._warned != stall.key:
+            self._warned = stall.key
+            print(f"poprun-lite: {format_stall(stall, now, stacks)}", file=self.out or sys.stderr,
+                  flush=True)
+        return None
+
+    def _ask(self, stall, phase: str, now: float) -> dict:
+        requests = {}
+        for replica, _ in stall.missing:
+            for who, rank in self.processes.get(replica, ()):
+                request = next(self._ids)
+                if self.ask_stack(rank, request):
+                    requests[rank] = (replica, who, request)
+        return {"key": stall.key, "phase": phase, "at": now, "requests": requests}
+
+    def _answered(self, asked: dict) -> bool:
+        with self._lock:
+            return all(self._stacks.get(rank, (None,))[0] == request
+                       for rank, (_, _, request) in asked["requests"].items())
+
+    def _collect(self, asked: dict) -> dict[int, list[tuple[str, str]]]:
+        stacks: dict[int, list[tuple[str, str]]] = {}
+        with self._lock:
+            for rank, (replica, who, request) in asked["requests"].items():
+                got = self._stacks.get(rank)
+                if got is not None and got[0] == request:
+                    stacks.setdefault(replica, []).append((who, got[1]))
+        return stacks

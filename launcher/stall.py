@@ -1,0 +1,145 @@
+"""The stall inspector's analysis: from every replica's last collective call to the one
+block poprun-lite prints (pure functions on plain values: no processes, no sockets).
+
+Every replica records the collective call it last entered (operation, call number and
+entry time; :mod:`popdist_lite.progress`) and its agent forwards that to the launcher.
+A job stalls when some replicas have entered call ``#N`` and wait there while others
+have not entered it: :func:`find_stall` names the call, the waiting replicas (longest
+wait first) and the missing ones (furthest behind first, each with what it last
+entered); :func:`format_stall` adds the missing replicas' Python stacks. Like
+Horovod's stall inspector (which names the ranks that did not submit a tensor after
+``HOROVOD_STALL_CHECK_TIME_SECONDS``), with the missing replica's own stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A replica's last collective call: ``call`` number, ``op`` name and ``since``
+    (seconds since the epoch when it entered the call); where it runs, when known."""
+
+    replica: int
+    call: int
+    op: str
+    since: float
+    rank: int | None = None
+    host: str | None = None
+    pid: int | None = None
+
+
+@dataclass
+class Stall:
+    """Replicas ``waiting`` in call ``call`` (``op``) for ``(replica, seconds)``, longest
+    first, and the ``missing`` replicas that have not entered it: ``(replica, last
+    Progress or None)``, furthest behind first. ``waited`` is the longest wait."""
+
+    op: str
+    call: int
+    waiting: list[tuple[int, float]]
+    missing: list[tuple[int, Progress | None]]
+    where: dict[int, Progress] = field(default_factory=dict)
+
+    @property
+    def waited(self) -> float:
+        return self.waiting[0][1]
+
+    @property
+    def key(self) -> tuple:
+        """What identifies this stall: the call and who is missing (a new key is a new stall)."""
+        return self.call, tuple(r for r, _ in self.missing)
+
+
+def find_stall(progress: dict[int, Progress], num_replicas: int, now: float) -> Stall | None:
+    """The stall the replicas' last calls show at time ``now``, or None.
+
+    Args:
+        progress: the last :class:`Progress` of each replica that has entered a
+            collective (replicas absent from it have entered none).
+        num_replicas: replicas in the job (0 .. num_replicas - 1).
+        now: seconds since the epoch.
+
+    Returns:
+        a :class:`Stall` when some replicas have entered a call number that others have
+        not reached, or entered it as different operations, else None (every replica is
+        in the same call). The waiting replicas are those in the highest call number (the
+        largest group of them that entered it as the same operation); whether they have
+        waited long enough to report is the caller's threshold on :attr:`Stall.waited`.
+    """
+    if not progress:
+        return None
+    top = max(p.call for p in progress.values())
+    at_top: dict[str, list[int]] = {}
+    for r, p in sorted(progress.items()):
+        if p.call == top:
+            at_top.setdefault(p.op, []).append(r)
+    # replicas that entered call #top as different operations (one skipped or added a
+    # collective): the largest group (ties: the one with the lowest replica) waits
+    op = max(at_top, key=lambda name: (len(at_top[name]), -at_top[name][0]))
+    waiting = sorted(((r, max(0.0, now - progress[r].since)) for r in at_top[op]),
+                     key=lambda item: (-item[1], item[0]))
+    inside = set(at_top[op])
+    missing = [(r, progress.get(r)) for r in range(num_replicas) if r not in inside]
+    if not missing:
+        return None
+    missing.sort(key=lambda item: (-1 if item[1] is None else item[1].call, item[0]))
+    return Stall(op=op, call=top, waiting=waiting, missing=missing, where=dict(progress))
+
+
+def _plural(items: list[int], word: str = "replica") -> str:
+    names = ", ".join(str(i) for i in items)
+    return f"{word}s {names}" if len(items) > 1 else f"{word} {names}"
+
+
+def _where(p: Progress | None) -> str:
+    if p is None:
+        return ""
+    details = [f"rank {p.rank}" if p.rank is not None else None,
+               f"host {p.host}" if p.host else None,
+               f"pid {p.pid}" if p.pid is not None else None]
+    details = ", ".join(d for d in details if d)
+    return f" ({details})" if details else ""
+
+
+def _indent(text: str, prefix: str) -> list[str]:
+    return [prefix + line for line in text.rstrip("\n").splitlines()]
+
+
+def format_stall(stall: Stall, now: float, stacks: dict[int, list[tuple[str, str]]] | None = None,
+                 title: str = "stall") -> str:
+    """The block poprun-lite prints for ``stall`` (no trailing newline).
+
+    ``stacks`` maps a missing replica to ``(who, stack)`` pairs: its own Python stack
+    (faulthandler's text, ``who`` = ``"replica 1"``) and its feed processes' (``"feeder 0
+    of replica 1"``). A missing replica without any reads ``not available``. ``title``
+    starts the first line (``stall``, or ``root cause: stall`` in a failure report).
+    """
+    stacks = stacks or {}
+    waiters = [r for r, _ in stall.waiting]
+    absent = [r for r, _ in stall.missing]
+    lines = [f"{title}: {_plural(waiters)} {'have' if len(waiters) > 1 else 'has'} waited "
+             f"{stall.waited:.1f} s in {stall.op} (collective call #{stall.call}) for "
+             f"{_plural(absent)}, which did not enter it"]
+    for r, seconds in stall.waiting:
+        lines.append(f"  waiting: replica {r}{_where(stall.where.get(r))} for {seconds:.1f} s")
+    for r, last in stall.missing:
+        if last is None:
+            doing = "has not entered any collective"
+        elif last.call == stall.call:
+            doing = (f"entered {last.op} as collective call #{last.call} instead "
+                     f"{max(0.0, now - last.since):.1f} s ago (a replica skipped or added a "
+                     f"collective)")
+        else:
+            doing = (f"last entered {last.op} (collective call #{last.call}) "
+                     f"{max(0.0, now - last.since):.1f} s ago")
+        lines.append(f"  missing: replica {r}{_where(last)}: {doing}")
+    for r, _ in stall.missing:
+        found = [(who, text) for who, text in stacks.get(r, ()) if text and text.strip()]
+        if not found:
+            lines.append(f"  Python stack of replica {r}: not available")
+        for who, text in found:
+            lines.append(f"  Python stack of {who}:")
+            lines += _indent(text, "    ")
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""poprun-lite --max-restarts: a failed attempt is reported and the job launched again,
+POPDIST_LITE_RESTART_COUNT tells the program which attempt it is, the final report
+lists every attempt, and SIGTERM stops without restarting. Every run under a timeout."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+
+LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
+
+# Every rank appends "<attempt> <replica>" to a log; replica 1 fails on attempts before
+# argv[2] (exit code 3), and everyone sleeps when argv[3] == "sleep".
+PROG = textwrap.dedent("""
+    import os, sys, time
+    attempt = int(os.environ["POPDIST_LITE_RESTART_COUNT"])
+    replica = int(os.environ["POPDIST_REPLICA_INDEX_OFFSET"])
+    with open(os.path.join(sys.argv[1], "log"), "a") as f:
+        f.write(f"{attempt} {replica}\\n")
+    if sys.argv[3] == "sleep":
+        time.sleep(60)
+    if replica == 1 and attempt < int(sys.argv[2]):
+        print(f"replica 1 fails on attempt {attempt}", file=sys.stderr, flush=True)
+        sys.exit(3)
+    print(f"attempt {attempt} replica {replica} ok", flush=True)
+""")
+
+
+def run(tmp_path, *args, fail_attempts, mode="run", timeout=90):
+    prog = tmp_path / "prog.py"
+    prog.write_text(PROG)
+    return subprocess.run([*LAUNCHER, "--timeout", "60", "--num-replicas", "2", *args,
+                           sys.executable, str(prog), str(tmp_path), str(fail_attempts), mode],
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def attempts_logged(tmp_path):
+    lines = (tmp_path / "log").read_text().split("\n")
+    return sorted(tuple(map(int, line.split())) for line in lines if line)
+
+
+def test_restart_after_failures_then_success(tmp_path):
+    proc = run(tmp_path, "--max-restarts", "3", fail_attempts=2)
+    assert proc.returncode == 0, proc.stderr
+    assert attempts_logged(tmp_path) == [(a, r) for a in range(3) for r in range(2)]
+    err = proc.stderr
+    for attempt in (1, 2):
+        assert f"poprun-lite: attempt {attempt} of 4 failed (exit code 3)" in err
+        assert (f"poprun-lite: restarting the job: attempt {attempt + 1} of 4 "
+                f"(POPDIST_LITE_RESTART_COUNT={attempt})") in err
+    assert "root cause: replica 1 (rank 1" in err
+    assert "replica 1 fails on attempt 0" in err and "replica 1 fails on attempt 1" in err
+    assert "poprun-lite: job succeeded on attempt 3 of 4; earlier attempts:" in err
+    summary = err[err.index("job succeeded on attempt"):].splitlines()
+    assert summary[1].startswith("  attempt 1: replica 1 (rank 1") and summary[1].endswith(
+        ": exit code 3 (exit code 3)")
+    assert summary[2].startswith("  attempt 2: replica 1 (rank 1")
+    assert "attempt 2 replica 1 ok" in proc.stdout
+
+
+def test_no_restarts_left_final_report_lists_every_attempt(tmp_path):
+    proc = run(tmp_path, "--max-restarts", "1", fail_attempts=5)
+    assert proc.returncode == 3, proc.stderr
+    assert attempts_logged(tmp_path) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    err = proc.stderr
+    assert "poprun-lite: attempt 1 of 2 failed (exit code 3)" in err
+    final = err[err.rindex("poprun-lite: job failed (exit code 3)"):]
+    assert "root cause: replica 1 (rank 1" in final and "replica 1 fails on attempt 1" in final
+    lines = final.splitlines()
+    listed = lines[lines.index("attempts:") + 1:]
+    assert [line.split(":")[0] for line in listed] == ["  attempt 1", "  attempt 2"]
+
+
+def test_without_max_restarts_no_restart(tmp_path):
+    proc = run(tmp_path, fail_attempts=1)
+    assert proc.returncode == 3
+    assert attempts_logged(tmp_path) == [(0, 0), (0, 1)]
+    assert "restarting" not in proc.stderr and "attempts:" not in proc.stderr
+
+
+def test_sigterm_stops_without_restarting(tmp_path):
+    prog = tmp_path / "prog.py"
+    prog.write_text(PROG)
+    launcher = subprocess.Popen([*LAUNCHER, "--timeout", "60", "--num-replicas", "2",
+                                 "--max-restarts", "3", sys.executable, str(prog), str(tmp_path),
+                                 "0", "sleep"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "log").exists() or len(attempts_logged(tmp_path)) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert "poprun-lite: job interrupted by SIGTERM" in err
+    assert "restarting" not in err
+    assert attempts_logged(tmp_path) == [(0, 0), (0, 1)]
+
+
+def test_bad_max_restarts_value():
+    proc = subprocess.run([*LAUNCHER, "--max-restarts", "-1", "true"], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2 and "--max-restarts: must be 0 or more" in proc.stderr
+    env = {**os.environ, "POPDIST_LITE_STALL_TIMEOUT": "soon"}
+    proc = subprocess.run([*LAUNCHER, "true"], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 2 and "$POPDIST_LITE_STALL_TIMEOUT: invalid float value: 'soon'" in proc.stderr

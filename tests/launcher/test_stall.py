@@ -1,0 +1,143 @@
+"""The stall analysis (pure functions): which call, who waits, who is missing, what the
+missing replicas last entered, and the printed block; the launcher's inspector on it
+(with a fake transport for the stack requests)."""
+
+import io
+
+from popdist_lite_launcher.inspector import STACK_WAIT_SECONDS, StallInspector
+from popdist_lite_launcher.stall import Progress, find_stall, format_stall
+
+NOW = 1000.0
+
+
+def p(replica, call, op, ago, **where):
+    return Progress(replica=replica, call=call, op=op, since=NOW - ago, **where)
+
+
+def test_no_stall_when_every_replica_is_in_the_same_call():
+    progress = {r: p(r, 7, "all_reduce", 100.0 - r) for r in range(3)}
+    assert find_stall(progress, 3, NOW) is None
+    assert find_stall({}, 3, NOW) is None
+
+
+def test_one_replica_behind():
+    # replicas 0 and 2 entered call #8; replica 1 is still after call #7
+    progress = {0: p(0, 8, "all_reduce", 61.0), 1: p(1, 7, "broadcast", 70.0, rank=1, host="h1", pid=42),
+                2: p(2, 8, "all_reduce", 65.0)}
+    stall = find_stall(progress, 3, NOW)
+    assert (stall.op, stall.call) == ("all_reduce", 8)
+    assert stall.waiting == [(2, 65.0), (0, 61.0)]  # longest wait first
+    assert stall.waited == 65.0
+    assert [r for r, _ in stall.missing] == [1]
+    assert stall.missing[0][1].op == "broadcast" and stall.missing[0][1].call == 7
+    text = format_stall(stall, NOW, {1: [("replica 1", 'File "train.py", line 3 in slow_step\n')]})
+    lines = text.splitlines()
+    assert lines[0] == ("stall: replicas 2, 0 have waited 65.0 s in all_reduce (collective call #8) "
+                        "for replica 1, which did not enter it")
+    assert "  waiting: replica 2 for 65.0 s" in lines
+    assert "  waiting: replica 0 for 61.0 s" in lines
+    assert ("  missing: replica 1 (rank 1, host h1, pid 42): last entered broadcast "
+            "(collective call #7) 70.0 s ago") in lines
+    assert lines[-2:] == ["  Python stack of replica 1:", '    File "train.py", line 3 in slow_step']
+
+
+def test_several_missing_furthest_behind_first_and_never_entered():
+    progress = {0: p(0, 12, "all_gather", 5.0), 1: p(1, 11, "all_gather", 6.0)}
+    stall = find_stall(progress, 4, NOW)
+    assert (stall.op, stall.call) == ("all_gather", 12)
+    assert stall.waiting == [(0, 5.0)]
+    assert [r for r, _ in stall.missing] == [2, 3, 1]  # none entered before #11
+    text = format_stall(stall, NOW, {1: [("replica 1", "stack one"), ("feeder 0 of replica 1", "feeder")]},
+                        title="root cause: stall")
+    assert text.startswith("root cause: stall: replica 0 has waited 5.0 s in all_gather "
+                           "(collective call #12) for replicas 2, 3, 1, which did not enter it")
+    assert "  missing: replica 2: has not entered any collective" in text
+    assert "  Python stack of replica 2: not available" in text
+    assert "  Python stack of feeder 0 of replica 1:\n    feeder" in text
+
+
+def test_a_replica_past_the_others_is_the_waiting_one():
+    # a broadcast root may leave the call before the others enter it: it then waits in the next
+    progress = {0: p(0, 5, "all_reduce", 3.0), 1: p(1, 3, "all_reduce", 9.0), 2: p(2, 4, "broadcast", 4.0)}
+    stall = find_stall(progress, 3, NOW)
+    assert stall.call == 5 and [r for r, _ in stall.waiting] == [0]
+    assert [r for r, _ in stall.missing] == [1, 2]
+    assert stall.key == (5, (1, 2))
+
+
+def test_clock_ahead_of_the_launcher_counts_as_no_wait():
+    stall = find_stall({0: p(0, 2, "all_reduce", -1.0)}, 2, NOW)
+    assert stall.waiting == [(0, 0.0)]
+
+
+# ---------------------------------------------------------------- the inspector
+
+def progress_record(replica, call, op, since):
+    return {"kind": "progress", "replica": replica, "rank": replica, "role": "replica", "host": "h",
+            "pid": 100 + replica, "call": call, "op": op, "since": since}
+
+
+def make_inspector(asked, answer=True, **kw):
+    processes = {r: [(f"replica {r}", r)] for r in range(3)}
+    processes[1].append(("feeder 0 of replica 1", 3))
+    out = io.StringIO()
+    inspector = StallInspector(3, processes, lambda rank, request: asked.append((rank, request)) or answer,
+                               out=out, **kw)
+    return inspector, out
+
+
+def test_inspector_warns_once_with_the_stacks_then_times_out():
+    asked = []
+    inspector, out = make_inspector(asked, warning=2.0, timeout=5.0)
+    for r, call in ((0, 4), (1, 3), (2, 4)):
+        inspector.on_progress(progress_record(r, call, "all_reduce", NOW))
+    assert inspector.poll(NOW + 1.0) is None and asked == []  # not yet 2 s
+    assert inspector.poll(NOW + 2.5) is None
+    assert [rank for rank, _ in asked] == [1, 3]  # replica 1 and its feeder
+    assert out.getvalue() == ""  # waiting for the stacks
+    for rank, request in asked:
+        inspector.on_stack({"kind": "stack", "rank": rank, "request": request, "text": f"stack of rank {rank}"})
+    assert inspector.poll(NOW + 2.6) is None
+    printed = out.getvalue()
+    assert printed.startswith("poprun-lite: stall: replicas 0, 2 have waited 2.6 s in all_reduce "
+                              "(collective call #4) for replica 1")
+    assert "  Python stack of replica 1:\n    stack of rank 1" in printed
+    assert "  Python stack of feeder 0 of replica 1:\n    stack of rank 3" in printed
+    assert inspector.poll(NOW + 3.0) is None and out.getvalue() == printed  # printed once
+    assert inspector.poll(NOW + 5.5) is None  # timeout: asks again, waits for fresh stacks
+    assert len(asked) == 4
+    block = inspector.poll(NOW + 5.5 + STACK_WAIT_SECONDS)  # they never come
+    assert block.startswith("root cause: stall: replicas 0, 2 have waited 8.5 s in all_reduce")
+    assert "  Python stack of replica 1: not available" in block
+
+
+def test_inspector_rearms_after_progress_and_ignores_feeders():
+    asked = []
+    inspector, out = make_inspector(asked, warning=1.0, answer=False)
+    inspector.on_progress(progress_record(0, 1, "broadcast", NOW))
+    inspector.on_progress({**progress_record(1, 0, "x", NOW), "role": "feeder"})
+    inspector.on_progress(progress_record(2, 1, "broadcast", NOW))
+    inspector.on_progress(progress_record(1, 1, "broadcast", NOW + 0.5))  # arrives: no stall
+    assert inspector.poll(NOW + 10) is None and asked == [] and out.getvalue() == ""
+    inspector.on_progress(progress_record(1, 0, "broadcast", NOW))  # an older record changes nothing
+    assert inspector.poll(NOW + 10) is None and asked == []
+
+
+def test_inspector_off_without_thresholds():
+    asked = []
+    inspector, out = make_inspector(asked, warning=0, timeout=None)
+    inspector.on_progress(progress_record(0, 9, "all_gather", NOW))
+    assert inspector.poll(NOW + 1e6) is None and asked == [] and out.getvalue() == ""
+
+
+def test_same_call_number_different_operations():
+    # replica 1 skipped broadcast #5 and entered all_reduce as its #5 (checks off)
+    progress = {0: p(0, 5, "broadcast", 30.0), 1: p(1, 5, "all_reduce", 29.0), 2: p(2, 5, "broadcast", 28.0)}
+    stall = find_stall(progress, 3, NOW)
+    assert (stall.op, stall.call) == ("broadcast", 5)
+    assert [r for r, _ in stall.waiting] == [0, 2] and [r for r, _ in stall.missing] == [1]
+    assert ("  missing: replica 1: entered all_reduce as collective call #5 instead 29.0 s ago "
+            "(a replica skipped or added a collective)") in format_stall(stall, NOW)
+    # two replicas, a tie: the group with replica 0 waits
+    stall = find_stall({0: p(0, 1, "broadcast", 3.0), 1: p(1, 1, "all_reduce", 3.0)}, 2, NOW)
+    assert stall.op == "broadcast" and [r for r, _ in stall.missing] == [1]

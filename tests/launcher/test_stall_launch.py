@@ -1,0 +1,194 @@
+"""The stall inspector end to end: poprun-lite with a short --stall-warning over real
+ranks, one replica stalling in each of four ways. Each test checks the printed block
+(the right replica, operation and call number, and a Python stack naming the test
+program's own function), that it came within warning time + 10 s of the stall, and that
+--stall-timeout ends the job with the block as the root cause. Every run is under a
+timeout."""
+
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
+WARNING = 2.0
+
+# Calls: all_reduce #0, broadcast #1, then the scenario. Replica 0 writes the time at
+# which it enters the collective the others will wait in to argv[1]/stall_start.
+PRELUDE = """
+    import os, sys, time
+    import numpy as np
+    import popdist_lite as pl
+
+    pl.init()
+    me = pl.replica_id()
+    x = np.ones(4)
+    pl.all_reduce(x)
+    pl.broadcast(x)
+
+    def stall_starts():
+        if me == 0:
+            with open(os.path.join(sys.argv[1], "stall_start"), "w") as f:
+                f.write(repr(time.time()))
+"""
+
+SLEEP = PRELUDE + """
+    def sleep_before_all_reduce():
+        time.sleep(120)
+
+    if me == 1:
+        sleep_before_all_reduce()
+    stall_starts()
+    pl.all_reduce(x)
+"""
+
+LOOP = PRELUDE + """
+    def spin_in_a_python_loop():
+        n = 0
+        while True:
+            n += 1
+
+    if me == 1:
+        spin_in_a_python_loop()
+    stall_starts()
+    pl.all_gather(x)
+"""
+
+SKIP = PRELUDE + """
+    pl.set_collective_checks(False)  # checked, the skip would be a clean error at once
+
+    def skip_the_broadcast():
+        pl.all_reduce(x)  # replica 1 skips broadcast #2 (it is the root) and goes on
+
+    if me == 1:
+        skip_the_broadcast()
+    else:
+        stall_starts()
+        pl.broadcast(x, root=1)
+        pl.all_reduce(x)
+"""
+
+FEEDER = """
+    import os, sys, time
+    import numpy as np
+    import popdist_lite as pl
+
+    pl.init()
+
+    def stuck_in_the_dataset():
+        while True:
+            time.sleep(0.1)
+
+    def make_dataset(shard, num_shards):
+        for step in range(100):
+            if shard == 1 and step == 3:
+                stuck_in_the_dataset()
+            yield {"x": np.full(4, step, dtype=np.float32)}
+
+    feed = pl.infeed(make_dataset, prefetch_depth=1)
+    if pl.role() == "replica":
+        for step, batch in enumerate(feed):  # per step: infeed #2s, all_reduce #2s+1
+            if step == 2 and pl.replica_id() == 0:
+                with open(os.path.join(sys.argv[1], "stall_start"), "w") as f:
+                    f.write(repr(time.time()))  # about to ask for batch 3
+            pl.all_reduce(batch["x"])
+"""
+
+
+def run_stalled(tmp_path, code, *args, replicas=2, timeout_after=None):
+    """Run ``code`` under poprun-lite; return (stderr text, seconds from the stall's start
+    to the first stall block, exit code)."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(code))
+    extra = ["--stall-timeout", str(timeout_after)] if timeout_after else []
+    proc = subprocess.Popen([*LAUNCHER, "--timeout", "90", "--num-replicas", str(replicas),
+                             "--stall-warning", str(WARNING), *extra, *args,
+                             sys.executable, str(prog), str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    lines, first_block = [], []
+
+    def read():
+        for line in proc.stderr:
+            if line.startswith("poprun-lite: stall:") and not first_block:
+                first_block.append(time.time())
+            lines.append(line)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if timeout_after is None:  # stop once the block is complete
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                if first_block and any("Python stack of" in line for line in lines) \
+                        and time.time() - first_block[0] > 1.0:
+                    break
+                time.sleep(0.2)
+            proc.terminate()
+        proc.wait(timeout=100)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(5)
+    start = float((tmp_path / "stall_start").read_text())
+    delay = first_block[0] - start if first_block else None
+    return "".join(lines), delay, proc.returncode
+
+
+def block_of(text, title="poprun-lite: stall:"):
+    lines = text[text.index(title):].splitlines()
+    end = next((i for i, line in enumerate(lines[1:], 1) if not line.startswith("  ")), len(lines))
+    return "\n".join(lines[:end])
+
+
+def test_replica_sleeping_before_an_all_reduce(tmp_path):
+    err, delay, code = run_stalled(tmp_path, SLEEP, replicas=3, timeout_after=5)
+    assert delay is not None and delay < WARNING + 10, err
+    block = block_of(err)
+    assert re.search(r"^poprun-lite: stall: replicas (0, 2|2, 0) have waited", block)  # longest wait first
+    assert "in all_reduce (collective call #2) for replica 1, which did not enter it" in block
+    assert "  missing: replica 1 (rank 1, host" in block
+    assert "last entered broadcast (collective call #1)" in block
+    assert "in sleep_before_all_reduce" in block
+    # --stall-timeout: the block is the root cause, exit code 1
+    assert code == 1, err
+    assert "poprun-lite: job stalled (exit code 1)" in err
+    cause = block_of(err, "root cause: stall:")
+    assert "in all_reduce (collective call #2) for replica 1" in cause
+    assert "in sleep_before_all_reduce" in cause
+
+
+def test_replica_stuck_in_a_python_loop(tmp_path):
+    err, delay, _ = run_stalled(tmp_path, LOOP)
+    assert delay is not None and delay < WARNING + 10, err
+    block = block_of(err)
+    assert "replica 0 has waited" in block
+    assert "in all_gather (collective call #2) for replica 1, which did not enter it" in block
+    assert "last entered broadcast (collective call #1)" in block
+    assert "in spin_in_a_python_loop" in block
+
+
+def test_replica_skipping_a_broadcast(tmp_path):
+    err, delay, _ = run_stalled(tmp_path, SKIP)
+    assert delay is not None and delay < WARNING + 10, err
+    block = block_of(err)
+    assert "replica 0 has waited" in block
+    assert "in broadcast (collective call #2) for replica 1, which did not enter it" in block
+    assert "entered all_reduce as collective call #2 instead" in block
+    assert "in skip_the_broadcast" in block
+
+
+def test_replica_waiting_for_a_stuck_feeder(tmp_path):
+    err, delay, _ = run_stalled(tmp_path, FEEDER, "--feeders-per-replica", "1")
+    assert delay is not None and delay < WARNING + 10, err
+    block = block_of(err)
+    # step 3: replica 0 entered the infeed's agreement #6; replica 1 last entered all_reduce #5
+    assert "replica 0 has waited" in block
+    assert "in infeed (collective call #6) for replica 1, which did not enter it" in block
+    assert "last entered all_reduce (collective call #5)" in block
+    assert "  Python stack of replica 1:" in block
+    assert "  Python stack of feeder 0 of replica 1:" in block
+    feeder_stack = block[block.index("Python stack of feeder 0 of replica 1"):]
+    assert "in stuck_in_the_dataset" in feeder_stack

@@ -1,0 +1,83 @@
+"""The rank's progress slot and stack dumps (popdist_lite.progress), read the way the
+poprun-lite agent reads them (popdist_lite_launcher.rank_progress), in a real child
+process: no MPI."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+from popdist_lite_launcher.rank_progress import RankProgress
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from popdist_lite import progress
+    progress.enable_from_env()
+    progress.record("broadcast", 0)
+    progress.record("all_reduce", 1)
+    progress.record("all_reduce", 2)
+
+    def spin_in_a_python_loop_for_the_test():
+        print("spinning", flush=True)
+        x = 0
+        while True:
+            x += 1
+
+    spin_in_a_python_loop_for_the_test()
+""")
+
+
+def test_slot_and_stack_of_a_spinning_rank():
+    rank = RankProgress()
+    try:
+        assert rank.read() is None  # no call entered yet
+        before = time.time()
+        child = subprocess.Popen([sys.executable, "-c", CHILD], env={**os.environ, **rank.env()},
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "spinning"
+            call, op, since, pid = rank.read()
+            assert (call, op, pid) == (2, "all_reduce", child.pid)
+            assert before <= since <= time.time()
+            stack = rank.dump_stack(child.pid)
+            assert "spin_in_a_python_loop_for_the_test" in stack, stack
+            assert "most recent call first" in stack
+            again = rank.dump_stack(child.pid)  # only the new dump, not the first one again
+            assert again.count("spin_in_a_python_loop_for_the_test") == 1
+        finally:
+            child.kill()
+            child.wait(10)
+    finally:
+        rank.close()
+    assert not os.path.exists(rank.dir)
+
+
+def test_watch_reports_each_new_call():
+    rank = RankProgress()
+    seen = []
+    code = textwrap.dedent("""
+        import time
+        from popdist_lite import progress
+        progress.enable_from_env()
+        for call, op in enumerate(["all_gather", "all_reduce", "broadcast"]):
+            progress.record(op, call)
+            time.sleep(0.6)
+    """)
+    try:
+        rank.watch(lambda *args: seen.append(args))
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, **rank.env()}, timeout=30,
+                       check=True)
+        time.sleep(0.5)
+    finally:
+        rank.close()
+    assert [(call, op) for call, op, _ in seen] == [(0, "all_gather"), (1, "all_reduce"), (2, "broadcast")]
+    assert seen[0][2] < seen[1][2] < seen[2][2]
+
+
+def test_off_by_default_records_nothing():
+    code = ("from popdist_lite import progress\n"
+            "assert progress.record is progress._off\n"
+            "progress.record('all_reduce', 0)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POPDIST_LITE_")}
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=30, check=True)
