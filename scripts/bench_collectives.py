@@ -23,6 +23,12 @@ across replicas of the per-replica mean (OSU's report), and ``*_median_block_us`
 ``ratio`` of ours to raw is the median over rounds of the ratio of the two blocks of the
 same round (adjacent in time, so a burst of load from other processes cancels out);
 ``overhead_us`` is the median of their differences.
+Stall inspector: under poprun-lite (whose stall inspector is on by default) every
+collective call also records its op, call number and time for the inspector
+(:mod:`popdist_lite.progress`). A fifth variant, "quiet", is ours with that recorder
+paused; ``inspector_overhead_us`` is the median over rounds of ours minus quiet, and
+``summary.inspector`` adds the recorder's own cost per call (``record_on_ns``,
+``record_off_ns``: timeit, best of 5) against the target of 1 us per call.
 Operations (ours / raw):
     all_gather          Allgather(x, out)                  out: (r, n)
     reduce_scatter_sum  Reduce_scatter_block(x, out, SUM)  x: (r, n/r)
@@ -93,6 +99,8 @@ def measure(op: str, n_bytes: int, comm, blocks: int) -> dict:
     import popdist_lite as pl
     from mpi4py import MPI
 
+    from popdist_lite import progress
+
     ours, raw = calls(op, n_bytes, comm)
     from popdist_lite.collectives.fingerprint import SIGNATURE
 
@@ -102,10 +110,17 @@ def measure(op: str, n_bytes: int, comm, blocks: int) -> dict:
         comm.Allgather(sig, table)
         raw()
 
-    variants = (("raw", raw, True), ("ours", ours, True), ("unchecked", ours, False), ("floor", floor, True))
+    inspected = progress.set_recording(True)  # on when poprun-lite's stall inspector is
+    # (name, call, checks, progress recorded); "quiet" is "ours" with the inspector's
+    # recorder paused, measured only when the inspector is on
+    variants = [("raw", raw, True, False), ("ours", ours, True, inspected),
+                ("unchecked", ours, False, inspected), ("floor", floor, True, False)]
+    if inspected:
+        variants.append(("quiet", ours, True, False))
     comm.Barrier()
-    for _, f, checks in variants:  # warm-up, and a calibration of the block size
+    for _, f, checks, recording in variants:  # warm-up, and a calibration of the block size
         pl.set_collective_checks(checks)
+        progress.set_recording(recording)
         for _ in range(20 if n_bytes <= SMALL else 3):
             f()
     start = time.perf_counter()
@@ -118,25 +133,46 @@ def measure(op: str, n_bytes: int, comm, blocks: int) -> dict:
     for b in range(blocks):
         for i in range(len(variants)):
             j = (i + b) % len(variants)  # rotate the order: no variant always runs first
-            _, f, checks = variants[j]
+            _, f, checks, recording = variants[j]
             pl.set_collective_checks(checks)
+            progress.set_recording(recording)
             comm.Barrier()
             start = time.perf_counter()
             for _ in range(per_block):
                 f()
             times[j, b] = (time.perf_counter() - start) / per_block * 1e6
     pl.set_collective_checks(True)
+    progress.set_recording(inspected)
     mine = times.mean(axis=1)
     slowest = np.empty_like(times)
     comm.Allreduce(times, slowest, op=MPI.MAX)
     result = {"bytes": n_bytes, "calls_per_block": per_block, "blocks": blocks}
-    for j, (name, _, _) in enumerate(variants):
+    for j, (name, _, _, _) in enumerate(variants):
         result[f"{name}_us"] = across(comm, float(mine[j]))
         result[f"{name}_median_block_us"] = round(float(np.median(slowest[j])), 3)
     for j, prefix in ((1, ""), (2, "unchecked_"), (3, "floor_")):
         result[f"{prefix}ratio"] = round(float(np.median(slowest[j] / slowest[0])), 3)
         result[f"{prefix}overhead_us"] = round(float(np.median(slowest[j] - slowest[0])), 3)
+    if inspected:  # the stall inspector's cost per checked call: ours - quiet, same round
+        result["inspector_overhead_us"] = round(float(np.median(slowest[1] - slowest[4])), 3)
     return result
+
+
+def recorder_cost(repeat: int = 5, number: int = 200_000) -> dict:
+    """Nanoseconds per ``progress.record`` call, recording and paused (best of ``repeat``
+    timings of ``number`` calls; only meaningful when the inspector is on)."""
+    import timeit
+
+    from popdist_lite import progress
+
+    was = progress.set_recording(True)
+    costs = {}
+    for name, on in (("on", True), ("off", False)):
+        progress.set_recording(on)
+        best = min(timeit.repeat(lambda: progress.record("all_reduce", 7), number=number, repeat=repeat))
+        costs[f"record_{name}_ns"] = round(best / number * 1e9, 1)
+    progress.set_recording(was)
+    return costs
 
 
 def worker(opts) -> None:
@@ -169,6 +205,16 @@ def worker(opts) -> None:
         summary[f"{prefix}within_1.10_from_bytes"] = next((s for s, good in zip(sizes, ok) if good), None)
         summary[f"{prefix}max_overhead_us_at_or_above_64KiB"] = max(
             (m[f"{prefix}overhead_us"] for m in large), default=None)
+    from popdist_lite import progress
+
+    if progress.set_recording(True):  # the stall inspector is on (poprun-lite's default)
+        overheads = [m["inspector_overhead_us"] for op in OPS for m in results[op]]
+        summary["inspector"] = {
+            **recorder_cost(),
+            "median_overhead_us_per_checked_call": round(float(np.median(overheads)), 3),
+            "max_overhead_us_below_64KiB": max(m["inspector_overhead_us"] for m in small) if small else None,
+            "target_us": 1.0,
+        }
     if comm.rank == 0:
         report = {"benchmark": "collectives", "replicas": comm.size, "dtype": "float32",
                   "seconds": round(time.perf_counter() - start, 1), "summary": summary, "results": results}
