@@ -1,6 +1,7 @@
-"""The seed's Shakespeare character model in pure numpy (no MPI in this file).
+"""The Shakespeare character model of the TF-IPU host-embedding guide's example, in pure
+numpy (no MPI in this file).
 
-Model (the seed's ``model()``, with the embedding lookup kept outside so it can be
+Model (the example's ``model()``, with the embedding lookup kept outside so it can be
 sharded across replicas by ``popdist_lite``)::
 
     emb (B, T, E) -> GRU(H) -> outputs (B, T, H) -> dense -> softmax -> cross-entropy
@@ -12,7 +13,7 @@ Two label modes:
     loss is the mean cross-entropy over all B*T positions.  ``labels`` is (B, T).
 
 ``"seed"``
-    The seed's configuration: the GRU outputs of all T steps are flattened into one
+    The configuration of the guide's example: the GRU outputs of all T steps are flattened into one
     vector per sequence (``tf.reshape(partial, [batch, -1])``), a dense layer maps T*H ->
     V and the label is the character following the sequence.  ``labels`` is (B,).
 
@@ -189,7 +190,7 @@ def _dense_inputs(outs_tm: np.ndarray, mode: str) -> np.ndarray:
     T, B, H = outs_tm.shape
     if mode == "next":
         return outs_tm.reshape(T * B, H)  # rows in (t, b) order
-    # seed: (B, T*H), the seed's reshape of the batch-major GRU outputs
+    # seed: (B, T*H), the guide example's reshape of the batch-major GRU outputs
     return np.ascontiguousarray(outs_tm.transpose(1, 0, 2)).reshape(B, T * H)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The seed's Shakespeare character model, data-parallel over popdist_lite replicas.
+"""The TF-IPU host-embedding guide's Shakespeare char model, data-parallel over replicas.
 
 Run it on 2 replicas (one MPI rank each) with::
 
@@ -7,7 +7,8 @@ Run it on 2 replicas (one MPI rank each) with::
 
 or as a single process (one replica) with ``python examples/shakespeare.py``.
 
-What each replica does, as in the seed example (host-embeddings user guide, 15.2):
+What each replica does, as in the example of the TensorFlow-IPU host-embedding guide
+(*IPU host embeddings*, section "Example"):
 
 * reads the text, builds the char vocabulary ``sorted(set(text))`` and ``char2idx``;
 * trains on its own shard of the text (``make_dataset(shard_index=replica, ...)``), read
@@ -23,9 +24,10 @@ What each replica does, as in the seed example (host-embeddings user guide, 15.2
   sample of generated text.
 
 By default the model predicts every next character (labels = the input shifted by one).
-``--seed-config`` reproduces the seed exactly: 100-character sequences whose last character
-is the label for the first 99, all GRU outputs flattened into the dense layer, learning
-rate 1e-4 and momentum 0.99 (it learns far more slowly; the seed ran 25 x 1000 steps).
+``--seed-config`` reproduces the guide's example exactly: 100-character sequences whose
+last character is the label for the first 99, all GRU outputs flattened into the dense
+layer, learning rate 1e-4 and momentum 0.99 (it learns far more slowly; the guide's
+example runs 25 x 1000 steps).
 """
 
 from __future__ import annotations
@@ -54,23 +56,23 @@ import popdist_lite  # noqa: E402
 
 DEFAULT_DATA = ROOT / "data" / "shakespeare.txt"
 FETCH_SCRIPT = ROOT / "scripts" / "fetch_shakespeare"
-TABLE_SHAPE = (256, 256)  # the seed's host embedding: 256 tokens x 256 encodings
-HIDDEN = 256              # the seed's PopnnGRU(256)
-OUTPUTS = 256             # the seed's tf.layers.dense(partial, 256)
+TABLE_SHAPE = (256, 256)  # the guide example's host embedding: 256 tokens x 256 encodings
+HIDDEN = 256              # the guide example's PopnnGRU(256)
+OUTPUTS = 256             # the guide example's tf.layers.dense(partial, 256)
 
 # Defaults of the next-character configuration, measured on a 2-core machine: with 2
 # replicas (one core each) a step takes 83-89 ms, so the default 600 steps train in
 # ~55 s (the demo's budget is ~3 minutes including installation), and the printed loss
 # goes 5.55 (step 0, ~ln 256) -> 3.5 (mean of steps 1-32) -> 2.0 (step 200) -> 1.7
 # (step 600) -> 1.6 (step 1000). lr >= 2, or lr 0.5 without clipping, sometimes diverged early
-# (exploding GRU gradients); lr 1 with clipping was stable over the seeds and both
-# strategies tried.
+# (exploding GRU gradients); lr 1 with clipping is stable over several random seeds and
+# both strategies.
 DEFAULT_STEPS = 600
 DEFAULT_LR = 1.0
 DEFAULT_MOMENTUM = 0.9
 DEFAULT_EMB_LR = 10.0
 DEFAULT_CLIP_NORM = 1.0
-# The seed's configuration.
+# The guide example's configuration (--seed-config).
 SEED_LR = 1e-4
 SEED_MOMENTUM = 0.99
 
@@ -79,7 +81,7 @@ SEED_MOMENTUM = 0.99
 # data
 # --------------------------------------------------------------------------------------
 def encode_text(text: str) -> tuple[list[str], np.ndarray]:
-    """The seed's vocabulary and ``text_as_int``: ``vocab = sorted(set(text))``,
+    """The guide example's vocabulary and ``text_as_int``: ``vocab = sorted(set(text))``,
     ``char2idx = {c: i for i, c in enumerate(vocab)}``, vectorised."""
     vocab = sorted(set(text))
     codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
@@ -93,10 +95,10 @@ def make_dataset(shard_index: int, num_shards: int, *, text_ids: np.ndarray, seq
     """An endless iterator of batches ``{"ids": int32 (batch_size, seq_len + 1)}`` for one
     shard of the text.
 
-    As the seed's ``tf.data`` pipeline: the text is cut into consecutive, non-overlapping
+    As the guide example's ``tf.data`` pipeline: the text is cut into consecutive, non-overlapping
     chunks of ``seq_len + 1`` characters (``ds.batch(..., drop_remainder=True)``), shard
     ``k`` of ``n`` keeps chunks ``k, k + n, k + 2n, ...`` (``ds.shard(n, k)``), and the
-    chunks are shuffled (a full permutation per epoch rather than the seed's 256-element
+    chunks are shuffled (a full permutation per epoch rather than the example's 256-element
     buffer), batched and repeated forever; batches run on across epoch boundaries.
 
     A pure function of its arguments: the same arguments give the same batches, whatever
@@ -302,7 +304,8 @@ def main(argv=None) -> int:
 
     mode = "seed" if args.seed_config else "next"
     # Next-char mode: chunks of seq_len + 1 (input = first seq_len, labels = last seq_len).
-    # Seed mode: chunks of seq_len as in the seed (input = first seq_len - 1, label = last).
+    # Seed mode: chunks of seq_len as in the guide's example (input = first seq_len - 1,
+    # label = last).
     model_len = chunk_len - 1  # T, the GRU's sequence length
 
     # Dense parameters: each replica initialises its own, then replica 0's are broadcast,

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Embedding lookup and lookup + update per step: dense TOKEN (seed), ENCODING (seed),
-sparse TOKEN, against single-process ``np.take`` and a plain mpi4py sparse exchange.
+"""Embedding lookup and lookup + update per step: dense TOKEN and ENCODING (the
+algorithms of the TensorFlow-IPU host-embedding guide), sparse TOKEN, against
+single-process ``np.take`` and a plain mpi4py sparse exchange.
 
     python scripts/bench_lookup.py [--ranks 2] [--steps-char 200] [--steps-recsys 160] [--timeout 300]
 
@@ -15,8 +16,8 @@ for every variant):
     char    vocab 256, dim 256, 16 x 99 indices (printable ASCII, uniform)
     recsys  1,000,000 x 64 float32, 8192 indices from Zipf(1.1), minus 1, clipped to the table
 Variants:
-    dense     create_host_embedding(..., "TOKEN", exchange="dense"): the seed's algorithm
-    encoding  create_host_embedding(..., "ENCODING"): the seed's algorithm
+    dense     create_host_embedding(..., "TOKEN", exchange="dense"): the guide's TOKEN algorithm
+    encoding  create_host_embedding(..., "ENCODING"): the guide's ENCODING algorithm
     sparse    create_host_embedding(..., "TOKEN", exchange="sparse")
     mpi4py    plain mpi4py sparse exchange written as simply as possible (np.unique,
               Alltoall of counts, Alltoallv of ids and rows; update with np.add.at): the floor

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark ID limits and minibatching (issue 5): JSON on stdout.
+"""Benchmark ID limits and minibatching: JSON on stdout.
 
     .venv/bin/python scripts/bench_minibatch.py [--ranks 2] [--rows 200000] [--dim 32]
                                                 [--batch 8192] [--steps 10] [--rounds 5] [--timeout 110]

@@ -9,7 +9,7 @@ Usage::
 Runs one ``mpirun -n R`` job per replica count (each under a subprocess timeout, so a
 hang cannot stall the benchmark) and prints one JSON document. Per replica count:
 
-- ``all_reduce``: one all-reduce of a gradient the size of the seed's char model
+- ``all_reduce``: one all-reduce of a gradient the size of the example's char model
   (GRU 256 + dense 256 = 460,544 values) in float32 and in float16.
 - ``embedding_step``: a lookup and an ``apply_gradients`` on the char table [256, 256]
   (batch 16 x 100 indices per replica, SGD) stored in fp32, fp16, and fp16 with FP32

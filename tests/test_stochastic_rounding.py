@@ -1,5 +1,6 @@
-"""Stochastic rounding in one process: the seed's swamping numbers, unbiasedness,
-the neighbours-only property, special values, and the three modes."""
+"""Stochastic rounding in one process: the swamping numbers of Graphcore's FP16
+mixed-precision tutorial, unbiasedness, the neighbours-only property, special values,
+and the three modes."""
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ F16 = np.float16
 
 
 def accumulate(n_runs, rounding, steps=10_000, addend=0.0001):
-    """The seed's loop: start at 0.0 in float16 and add 0.0001 (a float16) ``steps``
+    """The tutorial's loop: start at 0.0 in float16 and add 0.0001 (a float16) ``steps``
     times; each addition is exact in float64, then rounded to float16 by ``rounding``."""
     total = np.zeros(n_runs, F16)
     y = np.float64(F16(addend))
@@ -21,7 +22,7 @@ def accumulate(n_runs, rounding, steps=10_000, addend=0.0001):
 
 
 def test_seed_swamping_with_round_to_nearest_gives_0_25():
-    # The seed's own numpy code, verbatim in spirit: float16 += 0.0001, 10,000 times.
+    # The tutorial's own numpy code, verbatim in spirit: float16 += 0.0001, 10,000 times.
     x = np.array([0.0]).astype(F16)
     for _ in range(10000):
         x += 0.0001
@@ -31,7 +32,7 @@ def test_seed_swamping_with_round_to_nearest_gives_0_25():
 
 def test_seed_swamping_with_stochastic_rounding_averages_1():
     rng = np.random.default_rng(2024)
-    runs = accumulate(20, lambda v: stochastic_round(v, rng))  # 20 independent runs, as in the seed
+    runs = accumulate(20, lambda v: stochastic_round(v, rng))  # 20 independent runs, as in the tutorial
     assert runs.dtype == F16
     assert abs(runs.astype(np.float64).mean() - 1.0) < 0.02
     assert runs.min() > 0.9 and runs.max() < 1.1  # every run is far from the swamped 0.25

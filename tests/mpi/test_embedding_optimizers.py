@@ -8,7 +8,7 @@ import pytest
 
 import popdist_lite as pl
 
-# TOKEN tables use their default, the sparse exchange; "TOKEN/dense" is the seed's exchange.
+# TOKEN tables use their default, the sparse exchange; "TOKEN/dense" is the TF-IPU guide's exchange.
 STRATEGIES = ["TOKEN", "TOKEN/dense", "ENCODING"]
 SPECS = {
     "sgd": lambda: pl.HostEmbeddingOptimizerSpec(0.3),
@@ -172,7 +172,7 @@ def run_swamping(comm, emb, steps=200):
 def test_fp16_storage_swamps_master_weights_do_not(comm, strategy):
     plain = swamping_table(strategy, dtype=np.float16)
     drop = run_swamping(comm, plain)
-    assert np.all(plain.get_embedding_tensor() == 1.0)  # swamped: the seed's failure mode
+    assert np.all(plain.get_embedding_tensor() == 1.0)  # swamped: the FP16 tutorial's failure mode
     master = swamping_table(strategy, dtype=np.float16, master_weights=np.float32)
     run_swamping(comm, master)
     assert master.local_shard.dtype == np.float32 and master.lookup(np.array([0])).dtype == np.float16

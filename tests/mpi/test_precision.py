@@ -254,7 +254,7 @@ def test_f16_weights_round_identically_on_every_replica(comm, mode, sharded):
         assert abs(mean - target) < 5e-4  # unbiased: 40 roundings of std <= 2**-12 each, 4096 weights
     nearest = {"w": np.ones(4096, F16)}
     swamped_step(pl.CrossReplicaOptimizer(pl.SGD(1e-4)), nearest)
-    assert np.all(nearest["w"] == 1.0)  # round to nearest: the seed's swamping
+    assert np.all(nearest["w"] == 1.0)  # round to nearest: swamped, as in the FP16 tutorial
 
 
 @pytest.mark.mpi(min_size=2)

@@ -1,5 +1,5 @@
-"""Sparse (deduplicated all-to-all) vs dense (seed) TOKEN exchange vs a numpy reference,
-and the per-replica counters, at any number of replicas.
+"""Sparse (deduplicated all-to-all) vs dense (the TF-IPU guide's) TOKEN exchange vs a
+numpy reference, and the per-replica counters, at any number of replicas.
 
 Every replica builds every replica's indices from the same generator, so each one
 knows the whole step and checks its own result against numpy.
