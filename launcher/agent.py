@@ -281,23 +281,28 @@ def run(program: list[str]) -> int:
         if stop["signal"] is not None:  # told to stop while starting the child
             forward(stop["signal"], None)
 
+    ended_at = time.time()
     if child is not None:
-        while True:
-            try:
-                code = child.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                stopped_at = stop["time"]
-                if stopped_at is not None \
-                        and time.monotonic() - stopped_at > PROGRAM_KILL_DELAY_SECONDS:
-                    child.kill()
+        # a thread blocked in waitpid notes the moment the program ended: the report
+        # orders failures by time, and a peer's error follows a death within milliseconds
+        ended = {}
+        waiter = threading.Thread(target=lambda: ended.update(code=child.wait(), at=time.time()),
+                                  daemon=True)
+        waiter.start()
+        while waiter.is_alive():
+            waiter.join(0.2)
+            stopped_at = stop["time"]
+            if waiter.is_alive() and stopped_at is not None \
+                    and time.monotonic() - stopped_at > PROGRAM_KILL_DELAY_SECONDS:
+                child.kill()
+        code, ended_at = ended["code"], ended["at"]
         # when told to stop, mpirun SIGKILLs us soon: do not wait long for the pipes
         wait = 0.2 if stop["signal"] is not None else 2.0
         relay.join(wait)
         tail = tail_reader.text(timeout=wait)
 
     sig = -code if code < 0 else None
-    ident["time"] = time.time()
+    ident["time"] = ended_at
     link.send(records.make("exit", ident, exitcode=None if sig else code,
                            signal=_signal_name(sig) if sig else None,
                            stderr_tail=tail if code else "",

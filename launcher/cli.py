@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import socket
 import sys
 import time
 
-from . import __version__, job, records, report
+from . import __version__, job, network, records, report
 from .collector import Collector
 from .inspector import StallInspector
 from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,
@@ -35,6 +34,9 @@ examples:
       one Chrome-trace file with a track per replica (open in ui.perfetto.dev)
   poprun-lite --num-replicas 2 --feeders-per-replica 2 --print-topology python3 train.py
       2 replicas, each fed by 2 host feed processes (popdist_lite.infeed)
+  poprun-lite --num-replicas 8 -H node0:4,node1:4 --network-interface 10.1.0.0/16 python3 train.py
+      4 replicas on each host, traffic on 10.1.0.0/16; every host is checked with
+      `ssh HOST true` first (--launch-agent replaces ssh, --no-host-check skips the check)
 
 Each rank gets POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_IPUS_PER_REPLICA,
 POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
@@ -70,10 +72,21 @@ _non_negative_int = _number(int, 0, "0 or more")
 _non_negative_float = _number(float, 0, "0 or more")
 
 
-def _host_list(text: str) -> list[str]:
-    hosts = [h.strip() for h in text.split(",") if h.strip()]
+def _host_slots(text: str) -> tuple[str, int | None]:
+    """``host`` or ``host:slots`` -> (host, slots or None)."""
+    name, sep, slots = text.strip().partition(":")
+    if not name or (sep and not slots.isdigit()) or (sep and int(slots) < 1):
+        raise ValueError(f"expected HOST or HOST:SLOTS, got {text.strip()!r}")
+    return name, int(slots) if sep else None
+
+
+def _host_list(text: str) -> list[tuple[str, int | None]]:
+    try:
+        hosts = [_host_slots(h) for h in text.split(",") if h.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if not hosts:
-        raise argparse.ArgumentTypeError("expected host0,host1,...")
+        raise argparse.ArgumentTypeError("expected host0,host1,... (or host0:slots,...)")
     return hosts
 
 
@@ -108,9 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
                       help="exported as POPDIST_NUM_IPUS_PER_REPLICA (default 1)")
     hosts = topo.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--host", type=_host_list, default=None, metavar="HOST0,HOST1",
-                       help="hosts; instances are divided evenly among them")
+                       help="hosts, optionally with slots (h0:2,h1:2); instances are divided "
+                            "evenly among them, at most SLOTS ranks on a host")
     hosts.add_argument("--hostfile", default=None, metavar="FILE",
-                       help="MPI hostfile; its hosts are used like --host")
+                       help="hostfile in Open MPI (`host slots=N`) or MPICH (`host:N`) format; "
+                            "its hosts are used like --host")
+
+    net = parser.add_argument_group("hosts and network")
+    net.add_argument("--launch-agent", default="ssh", metavar="AGENT",
+                     help="program that runs a command on another host, called as "
+                          "`AGENT HOST COMMAND` like ssh (default ssh; Open MPI's "
+                          "plm_ssh_agent, MPICH's -launcher-exec)")
+    net.add_argument("--network-interface", default=None, metavar="IFACE|CIDR",
+                     help="network for the job's control and data traffic: an interface "
+                          "name (eth1) or a CIDR (10.1.0.0/16) (Open MPI oob_tcp_if_include "
+                          "and btl_tcp_if_include; MPICH -iface for a name)")
+    net.add_argument("--no-host-check", dest="host_check", action="store_false",
+                     help="skip running `AGENT HOST true` on every remote host before the "
+                          "launch (the check fails fast naming the host and the agent's error)")
 
     mpi = parser.add_argument_group("mpirun")
     mpi.add_argument("--mpirun", default=None, metavar="PATH",
@@ -187,12 +215,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--only-output-from-instance {opts.only_output_from_instance} is out "
                      f"of range (0..{opts.num_instances - 1})")
     try:
-        opts.hosts = opts.host or (read_hostfile(opts.hostfile) if opts.hostfile else None)
+        hosts = opts.host or (read_hostfile_slots(opts.hostfile) if opts.hostfile else None)
     except (OSError, LauncherError) as exc:
         parser.error(str(exc))
+    opts.hosts = [name for name, _ in hosts] if hosts else None
+    opts.slots = {name: slots for name, slots in hosts or () if slots is not None}
+    if opts.hosts and len(set(opts.hosts)) != len(opts.hosts):
+        parser.error(f"hosts named more than once: {', '.join(opts.hosts)}")
     if opts.hosts and opts.num_instances % len(opts.hosts):
         parser.error(f"{opts.num_instances} instances cannot be divided evenly among "
                      f"{len(opts.hosts)} hosts")
+    if opts.hosts:
+        per_host = opts.num_instances // len(opts.hosts) * (1 + opts.feeders_per_replica)
+        for name, slots in opts.slots.items():
+            if per_host > slots:
+                parser.error(f"host {name} has {slots} slot(s) but would run {per_host} "
+                             f"ranks ({opts.num_instances // len(opts.hosts)} instance(s) and "
+                             f"their feeders)")
     return opts
 
 
@@ -201,14 +240,36 @@ def read_hostfile(path: str) -> list[str]:
 
     Raises:
         OSError: the file cannot be read.
-        LauncherError: it names no hosts.
+        LauncherError: it names no hosts, or a line is malformed.
+    """
+    return [name for name, _ in read_hostfile_slots(path)]
+
+
+def read_hostfile_slots(path: str) -> list[tuple[str, int | None]]:
+    """(host, slots or None) for every line of an Open MPI (``host slots=N``, other
+    ``key=value`` fields ignored) or MPICH (``host:N``) hostfile; ``#`` starts a comment.
+
+    Raises:
+        OSError: the file cannot be read.
+        LauncherError: it names no hosts, or a line is malformed.
     """
     hosts = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.split("#", 1)[0].strip()
-            if line:
-                hosts.append(line.split()[0].split(":")[0])
+        for number, line in enumerate(f, 1):
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            try:
+                name, slots = _host_slots(fields[0])
+                for field in fields[1:]:
+                    key, _, value = field.partition("=")
+                    if key == "slots":
+                        if not value.isdigit() or int(value) < 1:
+                            raise ValueError(f"bad slots value {value!r}")
+                        slots = int(value)
+            except ValueError as exc:
+                raise LauncherError(f"hostfile {path}, line {number}: {exc}") from None
+            hosts.append((name, slots))
     if not hosts:
         raise LauncherError(f"hostfile {path} names no hosts")
     return hosts
@@ -292,22 +353,6 @@ def format_topology(ranks: list[RankSpec]) -> str:
                      for row in rows)
 
 
-def collector_host(hosts: list[str]) -> str:
-    """The launcher's address the ranks' hosts reach it at: the source address of the
-    route to the first remote host (a UDP ``connect`` sends nothing).
-
-    Raises:
-        LauncherError: the host name does not resolve or has no route.
-    """
-    host = next(h for h in hosts if not is_local_host(h))
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            return probe.getsockname()[0]
-    except OSError as exc:
-        raise LauncherError(f"no route to host {host!r}: {exc}") from exc
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run ``poprun-lite`` and exit with the job's exit code (0 on success, the root
     cause's code or 128+signal on failure, 1 for a stall, 124 on --timeout, 2 on usage
@@ -381,11 +426,15 @@ def _run_attempt(opts: argparse.Namespace, mpirun: str, implementation: str, att
     """Launch the job once (attempt ``attempt``, counted from 0; each with its own
     collector and stall inspector) and return its result. Exits with code 2 when the
     collector or mpirun cannot be started."""
-    local = all(is_local_host(host) for host in opts.hosts or [None])
+    remote = [host for host in opts.hosts or () if not is_local_host(host)]
     try:
-        collector = Collector("127.0.0.1" if local else collector_host(opts.hosts))
+        address = network.launcher_address(opts.network_interface, remote) if remote \
+            else "127.0.0.1"
+        if remote and opts.host_check:
+            network.check_hosts(opts.launch_agent, remote)
+        collector = Collector(address)
     except (OSError, LauncherError) as exc:
-        print(f"poprun-lite: error: cannot start the record collector: {exc}", file=sys.stderr)
+        print(f"poprun-lite: error: {exc}", file=sys.stderr)
         sys.exit(2)
     with collector:
         ranks = plan_ranks(opts, collector.address, attempt)
@@ -403,9 +452,12 @@ def _run_attempt(opts: argparse.Namespace, mpirun: str, implementation: str, att
             mpirun, implementation, ranks, [opts.program, *opts.args],
             global_args=[a for text in opts.mpi_global_args for a in shlex.split(text)],
             tag_output=opts.tag_output,
-            oversubscribe=local or len(ranks) > (os.cpu_count() or 1),
+            oversubscribe=not remote or len(ranks) > (os.cpu_count() or 1),
             allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
-            hostfile=opts.hostfile, export=export)
+            export=export,
+            launch_agent=opts.launch_agent if remote and opts.launch_agent != "ssh" else None,
+            network=opts.network_interface if remote else None,
+            launcher_address=address if remote else None)
         if opts.print_topology and attempt == 0:
             print(format_topology(ranks), flush=True)
         if opts.verbose:

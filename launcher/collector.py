@@ -10,10 +10,12 @@ newline-delimited JSON records (format: :mod:`popdist_lite.records`). The collec
 * sends requests to one agent (:meth:`Collector.send`, e.g. ``{"kind": "signal",
   "signal": "SIGUSR1"}``);
 * turns an agent that disappears into a ``"lost"`` record: its connection ended without
-  an ``exit`` record (the agent was killed, its host went down), or nothing came for
+  an ``exit`` record (the agent was killed, its host went down), nothing came for
   ``silence_timeout`` seconds although heartbeats come every second (the host or its
-  link is down). Losses seen after another failure or after :meth:`Collector.stopping`
-  are marked ``terminated`` (consequences, not causes).
+  link is down), or it was still connected without an ``exit`` record when mpirun
+  ended (:meth:`Collector.finish`). A loss is marked ``terminated`` (a consequence, not
+  a cause) unless the agent fell silent before the first failure or
+  :meth:`Collector.stopping`.
 
 One thread runs a ``selectors`` loop over the listening socket and the connections;
 callbacks run in that thread and must be quick.
@@ -43,6 +45,7 @@ class _Agent:
         self.last_heard = time.time()
         self.exited = False
         self.closed = False
+        self.lost = False
 
 
 class Collector:
@@ -66,8 +69,8 @@ class Collector:
         self._records: list[dict] = []
         self._subscribers: dict[str, list] = {}
         self._lock = threading.Lock()
-        self._stopping = False
         self._failed = False
+        self._failed_at: float | None = None  # when the first failure or the stop came
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="poprun-lite collector",
                                         daemon=True)
@@ -116,7 +119,17 @@ class Collector:
     def stopping(self) -> None:
         """Mark the job as being stopped: agents lost from now on are consequences."""
         with self._lock:
-            self._stopping = True
+            self._failed_at = self._failed_at or time.time()
+
+    def finish(self) -> None:
+        """Call when mpirun has ended: an agent still connected without an ``exit``
+        record is lost (killed, or its host is down; mpirun may end the job before the
+        agent's silence is noticed)."""
+        with self._lock:
+            agents = [a for a in self._agents if not a.exited and not a.lost]
+        for agent in agents:
+            self._lose(agent, "no exit record from its agent when the job ended (agent "
+                              "killed or host down)")
 
     def wait_closed(self, timeout: float) -> bool:
         """Wait until every connected agent has closed its connection (their last records
@@ -204,7 +217,7 @@ class Collector:
             if kind == "error" or (kind == "exit" and (record.get("exitcode") or
                                                        record.get("signal"))
                                    and not record.get("terminated")):
-                self._failed = True
+                self._mark_failed()
             callbacks = list(self._subscribers.get(kind, ()))
         for callback in callbacks:
             try:
@@ -224,17 +237,25 @@ class Collector:
                                   "(host down or unreachable)")
 
     def _lose(self, agent: _Agent, reason: str) -> None:
+        """Record ``agent`` as lost. The loss is a consequence (``terminated``) unless the
+        agent fell silent at least two heartbeats before the first failure or the stop."""
         ident = dict(agent.hello or {})
         ident.pop("kind", None)
-        if not ident:  # connected but never said hello: nothing to name
+        if not ident or agent.lost:  # never said hello: nothing to name
             return
+        agent.lost = True
         with self._lock:
-            terminated = self._failed or self._stopping
+            terminated = self._failed_at is not None and \
+                agent.last_heard > self._failed_at - 2 * records.HEARTBEAT_SECONDS
             record = records.make("lost", {**ident, "time": agent.last_heard},
                                   reason=reason, terminated=terminated)
             self._records.append(record)
             if not terminated:
-                self._failed = True
+                self._mark_failed()
+
+    def _mark_failed(self) -> None:
+        self._failed = True
+        self._failed_at = self._failed_at or time.time()
 
 
 def _send_all(sock: socket.socket, data: bytes, timeout: float) -> bool:

@@ -167,5 +167,6 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
         kill_session(proc.pid)  # leftovers that ignored the stop request
     result.mpirun_tail = tail.text(timeout=2.0)
     collector.wait_closed(2.0)
+    collector.finish()
     result.failures = report.merge_records(collector.failure_records())
     return result

@@ -148,14 +148,26 @@ def build_command(mpirun: str, implementation: str, ranks: list[RankSpec],
                   program: list[str], *, global_args: list[str] = (),
                   tag_output: bool = False, oversubscribe: bool = False,
                   allow_run_as_root: bool = False, hostfile: str | None = None,
-                  export: list[str] = (), agent: list[str] | None = None) -> list[str]:
+                  export: list[str] = (), agent: list[str] | None = None,
+                  launch_agent: str | None = None, network: str | None = None,
+                  launcher_address: str | None = None) -> list[str]:
     """Build the MPMD mpirun command running ``program`` once per rank spec.
 
     Every context is ``-np 1`` (Open MPI) / ``-n 1`` (MPICH), with the rank's host,
     its ``env`` and ``mpi_args``, then the agent command wrapping ``program``.
     ``export`` names variables of the launcher's environment to forward (Open MPI
     ``-x NAME``; MPICH forwards the environment by default). Hosts are given as
-    ``host:slots`` to Open MPI, with slots = number of ranks on that host.
+    ``host:slots`` to Open MPI, with slots = number of ranks on that host; MPICH's
+    hydra takes hosts only globally, as ``-hosts h0:2,h1:2,...`` (runs of the ranks'
+    hosts in rank order; a hostfile is then not passed).
+
+    Across hosts: ``launch_agent`` (the program run as ``AGENT HOST COMMAND`` instead
+    of ssh) becomes Open MPI's ``--prtemca plm_ssh_agent`` or MPICH's ``-launcher ssh
+    -launcher-exec``; ``network`` (an interface name or a CIDR) becomes Open MPI's
+    ``--prtemca oob_tcp_if_include`` (daemons' control traffic) and ``--mca
+    btl_tcp_if_include`` (data), and MPICH's ``-iface`` when it is a name;
+    ``launcher_address`` (the launcher's address on the job's network) is given to
+    MPICH as ``-localhost``, so that hydra's proxies call back to that address.
 
     Raises:
         LauncherError: unknown implementation, or no ranks.
@@ -178,11 +190,33 @@ def build_command(mpirun: str, implementation: str, ranks: list[RankSpec],
             cmd.append("--tag-output")
         if hostfile:
             cmd += ["--hostfile", hostfile]
+        if launch_agent:
+            cmd += ["--prtemca", "plm_ssh_agent", launch_agent]
+        if network:
+            cmd += ["--prtemca", "oob_tcp_if_include", network,
+                    "--mca", "btl_tcp_if_include", network]
     else:
         if tag_output:
             cmd.append("-prepend-rank")
-        if hostfile:
+        hosts = [spec.host for spec in ranks]
+        if any(hosts):
+            # hydra takes hosts only globally; its ranks fill this list's entries in
+            # order, so runs of equal hosts in rank order place every rank exactly
+            runs: list[list] = []
+            for host in hosts:
+                if runs and runs[-1][0] == host:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([host, 1])
+            cmd += ["-hosts", ",".join(f"{h or 'localhost'}:{n}" for h, n in runs)]
+        elif hostfile:
             cmd += ["-f", hostfile]
+        if launch_agent:
+            cmd += ["-launcher", "ssh", "-launcher-exec", launch_agent]
+        if launcher_address:
+            cmd += ["-localhost", launcher_address]
+        if network and "/" not in network:
+            cmd += ["-iface", network]
     cmd += list(global_args)
 
     slots: dict[str, int] = {}
@@ -203,8 +237,6 @@ def build_command(mpirun: str, implementation: str, ranks: list[RankSpec],
                 cmd += ["-x", f"{name}={value}"]
         else:
             cmd += ["-n", "1"]
-            if spec.host is not None:
-                cmd += ["-host", spec.host]
             for name, value in spec.env.items():
                 cmd += ["-env", name, str(value)]
         cmd += list(spec.mpi_args)

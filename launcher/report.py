@@ -13,7 +13,8 @@ Records of host feed processes have ``role == "feeder"``, ``replica`` = the repl
 they feed and ``feeder`` = their index; they are titled ``feeder K of replica N``.
 
 The root cause is the earliest failure (by time) that is not a consequence of the
-job being stopped. Pure functions on plain dicts: no MPI, no processes.
+job being stopped; failures within a second of it count as simultaneous, and among
+those an exception, then a signal, then a lost agent wins over a plain exit code. Pure functions on plain dicts: no MPI, no processes.
 """
 
 from __future__ import annotations
@@ -149,12 +150,33 @@ def merge_records(records: list[dict]) -> list[Failure]:
     return failures
 
 
+#: Failures this close to the earliest candidate count as simultaneous (seconds).
+SIMULTANEOUS_SECONDS = 1.0
+
+
+def _primacy(failure: Failure) -> int:
+    """How surely a failure is a cause of its own: an exception the rank raised (0), a
+    signal it did not get from us (1), a lost agent (2), an exit code (3) - the MPI
+    library's exit when a peer vanished comes milliseconds after the peer's death."""
+    if failure.raised:
+        return 0
+    if failure.signal:
+        return 1
+    if failure.lost and not failure.has_exit_record:
+        return 2
+    return 3
+
+
 def root_cause(failures: list[Failure]) -> Failure | None:
-    """The earliest failure that is a root-cause candidate, or None."""
-    for failure in sorted(failures, key=lambda f: f.time):
-        if failure.is_candidate:
-            return failure
-    return None
+    """The root cause, or None: among the candidates within :data:`SIMULTANEOUS_SECONDS`
+    of the earliest one, the one of the most primary kind (:func:`_primacy`), earliest
+    first."""
+    candidates = sorted((f for f in failures if f.is_candidate), key=lambda f: f.time)
+    if not candidates:
+        return None
+    first = candidates[0].time
+    close = [f for f in candidates if f.time - first <= SIMULTANEOUS_SECONDS]
+    return min(close, key=lambda f: (_primacy(f), f.time))
 
 
 def _indent(text: str, max_lines: int | None = None, prefix: str = "  ") -> list[str]:
@@ -197,7 +219,7 @@ def format_report(failures: list[Failure], exit_code: int, *, reason: str | None
             lines += _indent(cause.traceback)
         elif cause.stderr_tail.strip():
             lines += _indent(cause.stderr_tail, SHOWN_TAIL_LINES)
-        else:
+        elif cause.has_exit_record:
             lines.append("  (no output on stderr)")
     others = [f for f in failures if f is not cause]
     if others:

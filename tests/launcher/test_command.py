@@ -103,13 +103,13 @@ def test_mpich_command_shape():
     cmd = build_command("mpiexec", MPICH, ranks, ["p"], global_args=["-v"], tag_output=True,
                         oversubscribe=True, allow_run_as_root=True, export=["PATH"])
     glob, *ctx = contexts(cmd)
-    assert glob == ["mpiexec", "-prepend-rank", "-v"]
+    assert glob == ["mpiexec", "-prepend-rank", "-hosts", "h0:2,h1:2", "-v"]
     # MPICH takes neither flag; it forwards the environment itself (no -x / -env PATH)
     assert not {"--oversubscribe", "--allow-run-as-root", "--bind-to", "-x"} & set(cmd)
-    assert ctx[0] == ["-n", "1", "-host", "h0", "-env", "A", "0", *agent_command(["p"])]
-    assert ctx[1][:7] == ["-n", "1", "-host", "h0", "-env", "A", "1"]
-    assert ctx[1][7] == "-genvnone"
-    assert ctx[3][:4] == ["-n", "1", "-host", "h1"]
+    assert ctx[0] == ["-n", "1", "-env", "A", "0", *agent_command(["p"])]
+    assert ctx[1][:5] == ["-n", "1", "-env", "A", "1"]
+    assert ctx[1][5] == "-genvnone"
+    assert "-host" not in cmd  # hydra rejects a host list per context
 
 
 def test_hosts_and_hostfile_per_implementation():
@@ -118,8 +118,13 @@ def test_hosts_and_hostfile_per_implementation():
     assert ompi[ompi.index("--hostfile") + 1] == "hf"
     assert [ompi[i + 1] for i, a in enumerate(ompi) if a == "-H"] == ["a:2", "a:2", "b:2", "b:2"]
     mpich = build_command("mpiexec", MPICH, ranks, ["p"], hostfile="hf")
+    # hydra: hosts only globally, and not together with a hostfile
+    assert mpich[mpich.index("-hosts") + 1] == "a:2,b:2" and "-f" not in mpich
+    feeders = ranks + [RankSpec("feeder", 0, host="a"), RankSpec("feeder", 1, host="b")]
+    mpich = build_command("mpiexec", MPICH, feeders, ["p"])
+    assert mpich[mpich.index("-hosts") + 1] == "a:2,b:2,a:1,b:1"
+    mpich = build_command("mpiexec", MPICH, [RankSpec("replica", 0)], ["p"], hostfile="hf")
     assert mpich[mpich.index("-f") + 1] == "hf"
-    assert [mpich[i + 1] for i, a in enumerate(mpich) if a == "-host"] == ["a", "a", "b", "b"]
 
 
 def test_build_command_errors():

@@ -390,3 +390,16 @@ def test_agent_forwards_sigterm_escalates_and_marks_terminated(tmp_path):
     assert agent.PROGRAM_KILL_DELAY_SECONDS <= elapsed < agent.PROGRAM_KILL_DELAY_SECONDS + 3
     assert record["terminated"] is True and record["signal"] == "SIGKILL"
     assert record["exitcode"] is None
+
+
+def test_simultaneous_failures_prefer_the_primary_kind():
+    # a peer's MPI library exits (code 14) a moment "before" the killed rank's record
+    failures, text = make([exit_rec(0, 10.00, code=14, tail="Socket closed"),
+                           exit_rec(2, 10.05, sig="SIGKILL", tail="about to die")])
+    assert report.root_cause(failures).rank == 2
+    assert "root cause: replica 2 (rank 2, host h, pid 102): signal SIGKILL" in text
+    # an exception beats a signal at the same moment; seconds apart, the earliest wins
+    failures, _ = make([exit_rec(1, 5.0, sig="SIGKILL"), error_rec(3, 5.5)])
+    assert report.root_cause(failures).rank == 3
+    failures, _ = make([exit_rec(0, 1.0, code=14), exit_rec(2, 3.0, sig="SIGKILL")])
+    assert report.root_cause(failures).rank == 0

@@ -1,0 +1,20 @@
+"""Multi-host tests on network-namespace test hosts (tests/multihost/testhosts.py).
+
+They run where root, iproute2 and network namespaces are available and are skipped
+with the reason otherwise. Every poprun-lite/mpirun runs under a timeout.
+"""
+
+import pytest
+
+import testhosts
+
+REASON = testhosts.unavailable()
+
+
+@pytest.fixture(scope="session")
+def hosts():
+    """Two test hosts, pdlh1 and pdlh2, for the whole session (removed at its end)."""
+    if REASON:
+        pytest.skip(REASON)
+    with testhosts.TestHosts(2) as made:
+        yield made

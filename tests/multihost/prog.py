@@ -1,0 +1,51 @@
+"""The program the multi-host launcher tests run on every rank (a file in the project,
+since /tmp is private to each test host).
+
+    python tests/multihost/prog.py topology | feed | raise R | sigkill R | loop
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+import numpy as np
+
+import popdist_lite as pl
+
+what = sys.argv[1]
+pl.init()
+me = pl.replica_id()
+host = socket.gethostname()
+
+if what == "topology":
+    print("TOPO " + json.dumps({"replica": me, "role": pl.role(), "host": host,
+                                "local_instance_index": pl.local_instance_index(),
+                                "num_replicas": pl.num_replicas()}), flush=True)
+elif what == "feed":
+    def make_dataset(shard, num_shards):
+        # runs on the feeder: every batch says where it was made
+        for step in range(3):
+            yield {"host": np.frombuffer(socket.gethostname().encode().ljust(32), np.uint8),
+                   "shard": np.array([shard, num_shards, step], np.int64)}
+
+    got = [(bytes(b["host"]).decode().strip(), b["shard"].tolist()) for b in pl.infeed(make_dataset)]
+    print("FEED " + json.dumps({"replica": me, "host": host, "got": got}), flush=True)
+elif what in ("raise", "sigkill"):
+    victim = int(sys.argv[2])
+    pl.all_reduce(np.ones(4))
+    if me == victim:
+        time.sleep(0.5)
+        if what == "raise":
+            raise KeyError(f"boom on {host}")
+        print(f"about to die on {host}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    pl.all_reduce(np.ones(4))  # the others wait here until the job is stopped
+elif what == "loop":
+    pl.all_reduce(np.ones(4))
+    print(f"READY {me} {host}", flush=True)
+    while True:
+        pl.all_reduce(np.ones(4))
+        time.sleep(0.05)
