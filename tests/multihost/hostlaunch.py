@@ -39,3 +39,26 @@ def poprun(hosts, *args, timeout: float = 90, job_timeout: float = 60, mpich: bo
     return subprocess.run(poprun_command(hosts, *args, job_timeout=job_timeout, python=python),
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
                           stdin=subprocess.DEVNULL, **kw)
+
+
+def mpirun(hosts, ranks_per_host: int, args: list[str], *, mpich: bool = False, tcp_only: bool = True,
+           timeout: float = 600) -> subprocess.CompletedProcess:
+    """Plain mpirun (Open MPI) or mpiexec (MPICH's hydra) over every test host, with the
+    launch agent and the test network, under a timeout."""
+    spread = ",".join(f"{name}:{ranks_per_host}" for name in hosts.names)
+    n = str(ranks_per_host * len(hosts.names))
+    if mpich:
+        exe = str(Path(MPICH_PYTHON).parent / "mpiexec")
+        cmd = [exe, "-launcher", "ssh", "-launcher-exec", testhosts.LAUNCH_AGENT,
+               "-localhost", testhosts.LAUNCHER_ADDRESS, "-hosts", spread, "-n", n]
+    else:
+        exe = str(Path(sys.executable).parent / "mpirun")
+        cmd = [exe, "--allow-run-as-root", "--bind-to", "none", "--host", spread, "-np", n,
+               "--prtemca", "plm_ssh_agent", testhosts.LAUNCH_AGENT,
+               "--prtemca", "oob_tcp_if_include", testhosts.CIDR,
+               "--mca", "btl_tcp_if_include", testhosts.CIDR, "-x", "PATH"]
+        if tcp_only:
+            cmd += ["--mca", "btl", "tcp,self"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env, stdin=subprocess.DEVNULL, start_new_session=True)
