@@ -2,6 +2,7 @@
 """OSU-style latency sweep: popdist-lite collectives against raw mpi4py buffer calls.
 
     python scripts/bench_collectives.py [--ranks 2] [--max-bytes 16777216] [--timeout 600]
+    python scripts/bench_collectives.py --hosts 2 --ranks 4     # 2 test hosts x 2 replicas, TCP
 
 prints one JSON object on stdout. Without ``--worker`` it launches itself on
 ``--ranks`` replicas with ``poprun-lite`` (under ``--timeout``) and prints what replica
@@ -35,6 +36,9 @@ Operations (ours / raw):
     all_to_all          Alltoall(x, out)                   x: (n,)
     all_reduce          Allreduce(x, out, SUM)
     broadcast           Bcast(x, root=0)
+With ``--hosts H`` (root: network-namespace test hosts, tests/multihost/testhosts.py)
+the replicas are spread evenly over H test hosts and every byte between ranks goes over
+TCP (``--mca btl tcp,self``), for ours and raw alike.
 Targets: ours / raw <= 1.10 for >= 64 KiB; ours - raw < 15 us below. ``floor_*``
 fields report the checked floor the same way (a size where ``floor_ratio`` exceeds 1.10
 is one where no checked collective can meet the ratio target on this machine).
@@ -51,7 +55,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
-from _launch import run_ranks, under_mpi  # noqa: E402
+from _launch import run_ranks, on_test_hosts, under_mpi  # noqa: E402
 
 OPS = ("all_gather", "reduce_scatter_sum", "all_to_all", "all_reduce", "broadcast")
 SMALL = 8192
@@ -227,13 +231,18 @@ def main() -> None:
     parser.add_argument("--max-bytes", type=int, default=16 << 20)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--blocks", type=int, default=31, help="timed rounds per size (default 31)")
+    parser.add_argument("--hosts", type=int, default=0,
+                        help="spread the replicas over this many network-namespace test hosts, TCP only (root)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker or under_mpi():
         worker(opts)
         return
-    reports = run_ranks(os.path.abspath(__file__), ["--max-bytes", str(opts.max_bytes), "--blocks", str(opts.blocks)],
-                        opts.ranks, opts.timeout)
+    with on_test_hosts(opts.hosts) as launcher_args:
+        reports = run_ranks(os.path.abspath(__file__), ["--max-bytes", str(opts.max_bytes), "--blocks", str(opts.blocks)],
+                            opts.ranks, opts.timeout, launcher_args)
+    if opts.hosts:
+        reports[0].update(hosts=opts.hosts, transport="tcp (btl tcp,self) between network-namespace test hosts")
     print(json.dumps(reports[0], indent=1))
 
 

@@ -4,12 +4,16 @@ algorithms of the TensorFlow-IPU host-embedding guide), sparse TOKEN, against
 single-process ``np.take`` and a plain mpi4py sparse exchange.
 
     python scripts/bench_lookup.py [--ranks 2] [--steps-char 200] [--steps-recsys 160] [--timeout 300]
+    python scripts/bench_lookup.py --hosts 2 --ranks 4     # 2 test hosts x 2 replicas, TCP
 
 prints one JSON object on stdout. Without ``--worker`` it launches itself once per
 workload on ``--ranks`` replicas with ``poprun-lite`` (under ``--timeout``). Every
 variant runs in that same job and their timed blocks are interleaved (block 1 of every
 variant, then block 2, ...; ``--blocks``, default 16), so load from other processes on a
 shared machine hits all of them alike; a variant's time is its median block.
+
+With ``--hosts H`` (root: network-namespace test hosts, tests/multihost/testhosts.py)
+the replicas are spread evenly over H test hosts, every byte between ranks over TCP.
 
 Workloads (indices per replica, drawn per replica and step from a fixed seed, the same
 for every variant):
@@ -44,7 +48,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
-from _launch import run_ranks, under_mpi  # noqa: E402
+from _launch import run_ranks, on_test_hosts, under_mpi  # noqa: E402
 
 WORKLOADS = {
     "char": {"t": 256, "e": 256, "shape": (16, 99), "kind": "ascii"},
@@ -237,6 +241,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--hosts", type=int, default=0,
+                        help="spread the replicas over this many network-namespace test hosts, TCP only (root)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -246,12 +252,13 @@ def main() -> None:
         return
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     results, peaks, paired = {}, {}, {}
-    for workload in opts.workloads.split(","):
-        steps = opts.steps_char if workload == "char" else opts.steps_recsys
-        args = ["--workload", workload, "--variants", opts.variants, "--steps", str(steps),
-                "--blocks", str(opts.blocks)]
-        got = run_ranks(os.path.abspath(__file__), args, opts.ranks, opts.timeout)[0]
-        results[workload], peaks[workload], paired[workload] = got["variants"], got["job_peak_rss_mib"], got["paired"]
+    with on_test_hosts(opts.hosts) as launcher_args:
+        for workload in opts.workloads.split(","):
+            steps = opts.steps_char if workload == "char" else opts.steps_recsys
+            args = ["--workload", workload, "--variants", opts.variants, "--steps", str(steps),
+                    "--blocks", str(opts.blocks)]
+            got = run_ranks(os.path.abspath(__file__), args, opts.ranks, opts.timeout, launcher_args)[0]
+            results[workload], peaks[workload], paired[workload] = got["variants"], got["job_peak_rss_mib"], got["paired"]
     summary = {}
     for workload, r in results.items():
         s = {}
@@ -266,7 +273,9 @@ def main() -> None:
     summary["targets"] = {"dense_over_sparse_lookup_at_least": 5.0, "sparse_over_mpi4py_lookup_at_most": 1.25,
                           "met": bool(rec.get("dense_over_sparse_lookup", 0) >= 5.0
                                       and rec.get("sparse_over_mpi4py_lookup", 99) <= 1.25)}
-    print(json.dumps({"benchmark": "lookup", "replicas": opts.ranks, "seconds": round(time.perf_counter() - start, 1),
+    where = {"hosts": opts.hosts, "transport": "tcp (btl tcp,self) between network-namespace test hosts"} \
+        if opts.hosts else {}
+    print(json.dumps({"benchmark": "lookup", "replicas": opts.ranks, **where, "seconds": round(time.perf_counter() - start, 1),
                       "machine": {"cpus": os.cpu_count(), "load_avg_1min_before": round(load_before, 2),
                                   "load_avg_1min_after": round(os.getloadavg()[0], 2)},
                       "summary": summary, "job_peak_rss_mib": peaks, "results": results}, indent=1))
