@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import protocol
+from .position import feeder_skip, open_dataset
 from .structure import check_same, encode_shapes, flatten
 
 _END = object()
@@ -44,9 +45,11 @@ def _receive_control(comm, pending: list | None = None) -> tuple[int, int]:
 
 
 def _session(make_dataset: Callable[[int, int], Iterable[Any]], comm, shard_index: int,
-             num_shards: int, name: str) -> None:
-    """One feed session; returns on ``STOP``, raises :class:`_Shutdown` on ``SHUTDOWN``."""
-    batches = iter(make_dataset(shard_index, num_shards))
+             num_shards: int, name: str, first_step: int = 0) -> None:
+    """One feed session from the replica's step ``first_step``; returns on ``STOP``,
+    raises :class:`_Shutdown` on ``SHUTDOWN``."""
+    skip = feeder_skip(first_step, comm.Get_size() - 1, comm.Get_rank() - 1)
+    batches = open_dataset(make_dataset, shard_index, num_shards, skip)
     batch = next(batches, _END)
     structure, arrays = (None, None) if batch is _END else flatten(batch)
     comm.send(structure, dest=0, tag=protocol.STRUCTURE)  # small: kind, keys, dtypes, ndims
@@ -91,12 +94,12 @@ def serve(make_dataset: Callable[[int, int], Iterable[Any]], comm, shard_index: 
     """
     try:
         while True:
-            code, _ = _receive_control(comm)
+            code, first_step = _receive_control(comm)
             if code == protocol.SHUTDOWN:
                 break
             if code != protocol.START:
                 raise RuntimeError(f"infeed: {name} expected START or SHUTDOWN, got control code {code}")
-            _session(make_dataset, comm, shard_index, num_shards, name)
+            _session(make_dataset, comm, shard_index, num_shards, name, max(first_step, 0))
     except _Shutdown:
         pass
     for stream in (sys.stdout, sys.stderr):

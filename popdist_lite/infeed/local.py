@@ -12,6 +12,7 @@ import queue
 import threading
 from typing import Any, Callable, Iterable
 
+from .position import open_dataset
 from .structure import check_same, flatten
 
 _END = object()
@@ -33,17 +34,20 @@ class ThreadSource:
         self.batches: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = threading.Event()
         self.fetched = 0
+        self.first_step = 0
         self.ended = False
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"popdist-lite-infeed-{replica}")
 
-    def start(self) -> None:
+    def start(self, first_step: int = 0) -> None:
+        self.first_step = first_step
         self.thread.start()
 
     def _run(self) -> None:
         try:
             structure = None
-            for count, batch in enumerate(self.make_dataset(self.shard_index, self.num_shards)):
+            batches = open_dataset(self.make_dataset, self.shard_index, self.num_shards, self.first_step)
+            for count, batch in enumerate(batches, start=self.first_step):
                 got, _ = flatten(batch)
                 if structure is None:
                     structure = got

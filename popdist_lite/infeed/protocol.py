@@ -3,8 +3,10 @@
 
 Replica -> feeder, tag ``CONTROL``, ``int64[2] = [code, slot]``:
 
-* ``START``: a new feed session (a call of :func:`popdist_lite.infeed` on the replica);
-  the feeder calls ``make_dataset`` and answers with its ``STRUCTURE``;
+* ``START``: a new feed session (a call of :func:`popdist_lite.infeed` on the replica)
+  from the replica's step ``slot`` (0, or where :meth:`Infeed.seek` put it); the feeder
+  calls ``make_dataset``, skips its batches of earlier steps and answers with its
+  ``STRUCTURE``;
 * ``CREDIT``: the replica has posted the receive for step ``slot``; the feeder answers
   with exactly one ``HEADER`` (a batch, or the end of its data);
 * ``STOP``: the session is over (every credit has been answered); wait for the next;

@@ -57,14 +57,15 @@ class FeederSource:
         self.fetched = 0
         self.ended = False
 
-    def start(self) -> None:
-        """Start a session: feeders call ``make_dataset``; check their structures agree.
+    def start(self, first_step: int = 0) -> None:
+        """Start a session at step ``first_step``: feeders call ``make_dataset`` (and skip
+        their batches of earlier steps); check their structures agree.
 
         Raises:
             TypeError: two feeders of this replica yield batches of different structure.
         """
         for k in range(self.num_feeders):
-            self.comm.Send(protocol.control(protocol.START), dest=1 + k, tag=protocol.CONTROL)
+            self.comm.Send(protocol.control(protocol.START, first_step), dest=1 + k, tag=protocol.CONTROL)
         structures = []
         for k in range(self.num_feeders):
             protocol.wait_until(lambda: self.comm.Iprobe(source=1 + k, tag=protocol.STRUCTURE))
@@ -81,6 +82,7 @@ class FeederSource:
         self.pool = shared_pool((self.depth + 2) * fields)
         self.header_words = protocol.HEADER_WORDS + num_shape_words(self.structure)
         self.fields = layout(self.structure) if self.structure else []
+        self.next_step = first_step
         for _ in range(self.depth):
             self._post()
 

@@ -42,6 +42,7 @@ class Infeed:
         self._source = source
         self.prefetch_depth = prefetch_depth
         self.steps = 0
+        self._first_step = 0
         self._started = False
         self._closed = False
         comm = topology.replica_comm()
@@ -55,8 +56,32 @@ class Infeed:
                 _active.close()
             self._started = True
             _active = self
-            self._source.start()
+            self._source.start(self._first_step)
         return self
+
+    @property
+    def started(self) -> bool:
+        """Whether the session has started (the first batch was asked for, or :meth:`start`)."""
+        return self._started
+
+    def seek(self, step: int) -> None:
+        """Start the session at batch ``step`` of this replica's sequence instead of 0
+        (resuming from a checkpoint); :attr:`steps` becomes ``step``. No communication.
+
+        The batches before are skipped where they are made (on the feeders, or in the
+        thread): ``make_dataset(shard_index, num_shards, start=k)`` is called when it has
+        a ``start`` parameter (``k`` = batches of that shard to skip), otherwise the
+        first ``k`` batches are computed and dropped. With feeders, step ``s`` still
+        comes from feeder ``s % F``, so the batches equal those of an uninterrupted run.
+
+        Raises:
+            ValueError: the session has started, or ``step`` is not an integer >= 0.
+        """
+        if self._started:
+            raise ValueError("Infeed.seek: the session has started; seek before the first batch")
+        if isinstance(step, bool) or int(step) != step or step < 0:
+            raise ValueError(f"Infeed.seek: argument step: expected an integer >= 0, got {step!r}")
+        self._first_step = self.steps = int(step)
 
     def __iter__(self) -> "Infeed":
         return self
