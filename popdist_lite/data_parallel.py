@@ -113,6 +113,9 @@ class CrossReplicaOptimizer:
         self.op = op
         self.shard_optimizer_state = bool(shard_optimizer_state)
         self.stochastic_rounding = as_stochastic_rounding(stochastic_rounding, seed=seed)
+        #: With ``shard_optimizer_state``: the unpadded length of each flat state buffer
+        #: (``"shard:<dtype>"`` -> elements), known from the first step (checkpoints use it).
+        self.shard_sizes: dict[str, int] = {}
         self._comm = comm
 
     def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray], *,
@@ -168,6 +171,7 @@ class CrossReplicaOptimizer:
             gbuf = np.zeros(r * c, dtype=gdtype)
             gbuf[:total] = np.concatenate([np.asarray(grads[n], dtype=gdtype).reshape(-1) for n in group])
             key = f"shard:{dtype}"
+            self.shard_sizes[key] = total
             gshards[key] = _unscale(reduce_scatter(gbuf.reshape(r, c), self.op, comm=comm), loss_scale)
             flat = np.zeros(r * c, dtype=dtype)
             flat[:total] = np.concatenate([params[n].reshape(-1) for n in group])
