@@ -10,9 +10,10 @@ Topology (PopDist names are aliases of the snake_case ones), collectives on nump
 arrays, sharded host embeddings with their optimizer specs, ID limits, minibatching
 and combiners, data-parallel helpers, dense optimizers, stochastic rounding, loss
 scaling, the per-replica counters (:func:`stats`, :func:`reset_stats`) and the host
-feed (``infeed``: batches computed by feed processes or a thread, with prefetch) are
+feed (``infeed``: batches computed by feed processes or a thread, with prefetch) and
+checkpoints (``save_checkpoint``, ``load_checkpoint``, ``latest_checkpoint``) are
 re-exported here (see docs/precision.md, docs/performance.md, docs/infeed.md,
-docs/minibatching.md).
+docs/minibatching.md, docs/checkpoint.md).
 """
 
 from .collectives import (all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast, reduce_scatter_sum,
@@ -35,6 +36,10 @@ from .topology import (execute_on_instances, getInstanceIndex, getLocalInstanceI
                        num_replicas, replica_comm, replica_id, replica_index_offset, role, world_comm,
                        feeders_per_replica, feeder_index)
 
+from . import checkpoint  # noqa: E402  (last: it builds on every module above)
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import wait as wait_checkpoint
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -56,4 +61,5 @@ __all__ = [
     "feeders_per_replica", "feeder_index", "infeed", "Infeed", "feed_shard",
     "IdLimits", "IdLimitError", "IdLimitRecorder", "last_id_stats", "COMBINERS", "bucket_of", "split_mask",
     "minibatch_ranges",
+    "save_checkpoint", "load_checkpoint", "latest_checkpoint", "wait_checkpoint", "CheckpointError",
 ]

@@ -1,0 +1,146 @@
+"""Loading, at any replica count and partition: check everything, then copy in place.
+
+``load_checkpoint(path, state)`` runs in three agreed phases, so a bad checkpoint
+changes nothing on any replica:
+
+1. every replica reads the manifest and matches ``state`` against it (kinds, shapes,
+   dtypes; :func:`popdist_lite.checkpoint.state.bind`);
+2. every replica opens the files it needs (:func:`~.partition.plan`: the pieces of
+   each writer's file that overlap its own part) and checks their headers and crc32
+   (mapped and released one chunk at a time);
+3. every replica copies its pieces from the mapped files into its arrays in place,
+   one chunk at a time, then restores the rest (optimizer slots, generator states,
+   values, the feed position).
+
+Phases 1 and 2 end with an agreement: a problem on any replica raises on every replica
+before anything is changed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .agreement import agree, problem_of
+from .format import CHUNK_BYTES, CheckpointError, committed, read_manifest
+from .partition import Partition, plan, copy_piece
+from .reader import ArrayFile
+from .save import wait
+from .state import bind
+
+
+def latest_checkpoint(directory, *, comm=None) -> Path | None:
+    """The newest complete checkpoint under ``directory`` (the ``step-N`` directory with
+    a manifest and the highest N), or ``None``. Collective: replica 0 looks, every
+    replica gets its answer; leftovers of torn saves are never returned.
+
+    Raises:
+        CheckpointError: an earlier background save failed.
+    """
+    from .. import topology
+
+    topology.init()
+    comm = topology.replica_comm() if comm is None else comm
+    wait()
+    found = None
+    if comm.Get_rank() == 0:
+        found = committed(Path(os.path.abspath(directory)))
+        found = str(found[-1][1]) if found else None
+    found = comm.bcast(found, root=0)
+    return Path(found) if found is not None else None
+
+
+def load_checkpoint(path, state: dict, *, comm=None) -> dict:
+    """Load the checkpoint at ``path`` into ``state``, in place. Collective.
+
+    ``state`` has the same names as when saving (a subset is fine); arrays, tables and
+    optimizer state are overwritten in place, JSON values are replaced in their dicts.
+    The checkpoint may come from another replica count, and tables from another
+    partition strategy: each replica reads only the pieces of the files that overlap
+    its own part. Stochastic-rounding and ``np.random.Generator`` states of single
+    replicas are restored at the same replica count only (elsewhere they keep their
+    current state); an ``Infeed`` resumes after the batches already taken
+    (docs/checkpoint.md gives the rule across replica counts).
+
+    Args:
+        path: a checkpoint directory (``.../step-00000020``; see :func:`latest_checkpoint`).
+        state: dict of name -> state, as for :func:`save_checkpoint`.
+
+    Returns:
+        ``state``.
+
+    Raises:
+        CheckpointError: ``path`` is not a checkpoint, or a file is missing, truncated or
+            corrupted (the crc32 mismatch names the file and the array), on every
+            replica, before anything is changed.
+        ValueError: the checkpoint lacks an entry of ``state`` or holds another kind,
+            shape or dtype (on every replica, before anything is changed).
+        TypeError: an unsupported state entry.
+    """
+    from .. import topology
+
+    topology.init()
+    comm = topology.replica_comm() if comm is None else comm
+    r, k = comm.Get_size(), comm.Get_rank()
+    wait()
+    path = Path(os.path.abspath(path))
+    what = f"load_checkpoint({str(path)!r})"
+    problem, binding, manifest = None, None, None
+    try:
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError as exc:
+            found = committed(path)
+            if found:
+                raise CheckpointError(f"{exc}; it holds checkpoints (the newest is {found[-1][1].name}): pass "
+                                      f"latest_checkpoint({str(path)!r})") from None
+            raise
+        binding = bind(state, manifest, path, r, k)
+        for target in binding.targets:
+            _check(manifest, target)
+    except (TypeError, ValueError, CheckpointError, OSError) as exc:
+        problem = problem_of(exc)
+    agree(comm, problem, what)
+
+    problem, opened, work = None, {}, []
+    try:
+        for target in binding.targets:
+            saved = manifest["arrays"][target.name]
+            source = Partition.from_record(saved["partition"])
+            writers = int(saved["writers"])
+            by_replica = {f["replica"]: f for f in saved["files"]}
+            for writer in source.writers(writers):
+                piece = plan(target.shape, target.partition, r, k, source, writers, writer)
+                if piece is None:
+                    continue
+                record = by_replica.get(writer)
+                if record is None:
+                    raise CheckpointError(f"{path}: the manifest lists no file of array {target.name!r} "
+                                          f"from replica {writer}")
+                if record["file"] not in opened:
+                    opened[record["file"]] = ArrayFile(path, target.name, record, target.dtype)
+                    opened[record["file"]].verify()
+                work.append((target, opened[record["file"]], piece))
+    except (CheckpointError, OSError) as exc:
+        problem = problem_of(exc)
+    try:
+        agree(comm, problem, what)
+        for target, file, piece in work:
+            copy_piece(target.local, file.array(), piece, CHUNK_BYTES, file.release_rows)
+    finally:
+        for file in opened.values():
+            file.close()
+    for finish in binding.finish:
+        finish()
+    return state
+
+
+def _check(manifest: dict, target) -> None:
+    saved = manifest.get("arrays", {}).get(target.name)
+    if saved is None:
+        raise ValueError(f"the checkpoint has no array {target.name!r}")
+    if tuple(saved["shape"]) != tuple(target.shape) or np.dtype(saved["dtype"]) != target.dtype:
+        raise ValueError(f"array {target.name!r}: the checkpoint holds {np.dtype(saved['dtype'])}"
+                         f"{list(saved['shape'])}, the state being loaded has {target.dtype}{list(target.shape)}")
