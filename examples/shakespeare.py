@@ -21,7 +21,12 @@ What each replica does, as in the example of the TensorFlow-IPU host-embedding g
 * runs a GRU(256) and a dense layer + softmax in numpy (``char_model.py``), dense weights
   broadcast from replica 0 at the start and trained with cross-replica momentum SGD;
 * replica 0 prints ``Step N, loss = X`` (X averaged over the replicas) and, at the end, a
-  sample of generated text.
+  sample of generated text;
+* with ``--checkpoint-dir DIR --checkpoint-every N`` saves everything (table and its
+  optimizer state, dense weights and momentum, loss scaler, feed position, step) every N
+  steps; ``--resume`` continues from the newest complete checkpoint in DIR, at any replica
+  count (docs/checkpoint.md), with exactly the losses of an uninterrupted run at the same
+  replica and feeder counts.
 
 By default the model predicts every next character (labels = the input shifted by one).
 ``--seed-config`` reproduces the guide's example exactly: 100-character sequences whose
@@ -71,6 +76,7 @@ DEFAULT_STEPS = 600
 DEFAULT_LR = 1.0
 DEFAULT_MOMENTUM = 0.9
 DEFAULT_EMB_LR = 10.0
+DEFAULT_EMB_ADAM_LR = 0.01
 DEFAULT_CLIP_NORM = 1.0
 # The guide example's configuration (--seed-config).
 SEED_LR = 1e-4
@@ -193,6 +199,8 @@ def parse_args(argv=None):
                "  poprun-lite --num-replicas 2 python examples/shakespeare.py "
                "--partition-strategy ENCODING\n"
                "  python examples/shakespeare.py --seed-config --steps 200\n"
+               "  poprun-lite --num-replicas 2 python examples/shakespeare.py --checkpoint-dir ckpt "
+               "--checkpoint-every 100 --resume\n"
                "  mpirun -n 2 python examples/shakespeare.py --data my.txt --steps 50")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per replica per step")
@@ -203,8 +211,10 @@ def parse_args(argv=None):
     p.add_argument("--momentum", type=float, default=None,
                    help=f"dense momentum (default: {DEFAULT_MOMENTUM}; {SEED_MOMENTUM} with --seed-config)")
     p.add_argument("--emb-lr", type=float, default=None,
-                   help=f"host embedding SGD learning rate (default: {DEFAULT_EMB_LR}; "
-                        "--lr with --seed-config, as the seed)")
+                   help=f"host embedding learning rate (default: SGD {DEFAULT_EMB_LR}, Adam "
+                        f"{DEFAULT_EMB_ADAM_LR}; --lr with --seed-config, as the seed)")
+    p.add_argument("--emb-optimizer", choices=["sgd", "adam"], default="sgd",
+                   help="host embedding optimizer: SGD (the seed's) or Adam on touched rows")
     p.add_argument("--clip-norm", type=float, default=None,
                    help=f"clip each replica's gradient (dense and embedding together) to this "
                         f"global norm; 0 = off (default: {DEFAULT_CLIP_NORM}; off with --seed-config)")
@@ -230,19 +240,34 @@ def parse_args(argv=None):
     p.add_argument("--sample-chars", type=int, default=400,
                    help="characters of text to generate at the end (0: none)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="save checkpoints under this directory (one path every replica sees)")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="save a checkpoint every N steps (default: at the end only)")
+    p.add_argument("--checkpoint-keep", type=int, default=2,
+                   help="keep the newest K checkpoints")
+    p.add_argument("--checkpoint-async", action="store_true",
+                   help="save in the background (training continues while the files are written)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
     args = p.parse_args(argv)
     if args.lr is None:
         args.lr = SEED_LR if args.seed_config else DEFAULT_LR
     if args.momentum is None:
         args.momentum = SEED_MOMENTUM if args.seed_config else DEFAULT_MOMENTUM
     if args.emb_lr is None:
-        args.emb_lr = args.lr if args.seed_config else DEFAULT_EMB_LR
+        args.emb_lr = args.lr if args.seed_config else \
+            DEFAULT_EMB_ADAM_LR if args.emb_optimizer == "adam" else DEFAULT_EMB_LR
     if args.clip_norm is None:
         args.clip_norm = 0.0 if args.seed_config else DEFAULT_CLIP_NORM
     if args.log_every is None:
         args.log_every = max(1, args.steps // 30)
     if args.steps < 0 or args.log_every < 1:
         p.error("--steps must be >= 0 and --log-every >= 1")
+    if (args.resume or args.checkpoint_every is not None) and args.checkpoint_dir is None:
+        p.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1 or args.checkpoint_keep < 1:
+        p.error("--checkpoint-every and --checkpoint-keep must be >= 1")
     min_len = 2 if args.seed_config else 1
     if args.seq_len < min_len:
         p.error(f"--seq-len must be >= {min_len}")
@@ -329,12 +354,30 @@ def main(argv=None) -> int:
         master_weights=np.float32 if args.precision == "mixed" else None,
         stochastic_rounding=rounding,  # each row has one owner: ON is safe
         partition_strategy=args.partition_strategy,
-        optimizer_spec=popdist_lite.HostEmbeddingOptimizerSpec(args.emb_lr),
+        optimizer_spec=(popdist_lite.HostEmbeddingAdamOptimizerSpec(args.emb_lr) if args.emb_optimizer == "adam"
+                        else popdist_lite.HostEmbeddingOptimizerSpec(args.emb_lr)),
         seed=args.seed)
     scaler = {"static": lambda: popdist_lite.StaticLossScaler(2.0 ** 8),
               "dynamic": lambda: popdist_lite.DynamicLossScaler(2.0 ** 12, growth_interval=200),
               None: lambda: None}[args.loss_scaling]()
-    skipped = 0
+    # Everything a resumed run needs to continue exactly (docs/checkpoint.md).
+    state = {"step": 0, "skipped": 0, "params": params, "optimizer": optimizer, "embedding": embedding,
+             "feed": dataset, **({"scaler": scaler} if scaler is not None else {})}
+    first = 0
+    if args.resume:
+        latest = popdist_lite.latest_checkpoint(args.checkpoint_dir)
+        if latest is None:
+            log(f"no checkpoint in {args.checkpoint_dir}; starting from step 0")
+        else:
+            popdist_lite.load_checkpoint(latest, state)
+            first = state["step"]
+            log(f"resumed from {latest} (step {first})")
+    skipped = state["skipped"]
+
+    def save(step: int) -> None:
+        state.update(step=step, skipped=skipped)
+        popdist_lite.save_checkpoint(args.checkpoint_dir, state, step=step, keep=args.checkpoint_keep,
+                                     blocking=not args.checkpoint_async)
 
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x "
         f"batch {args.batch_size}, sequences of {model_len}, {args.partition_strategy} "
@@ -345,13 +388,13 @@ def main(argv=None) -> int:
     bar = None
     if lead and args.steps > 0 and stdout_is_terminal():
         from tqdm import tqdm
-        bar = tqdm(total=args.steps, unit="step", file=sys.stdout)
+        bar = tqdm(total=args.steps, initial=min(first, args.steps), unit="step", file=sys.stdout)
     say = bar.write if bar is not None else log
 
     window = []  # this replica's losses since the last print
     start = time.perf_counter()
     with embedding.register():
-        for step in range(args.steps):
+        for step in range(first, args.steps):
             ids = next(dataset)["ids"]
             inputs = ids[:, :-1]
             labels = ids[:, 1:] if mode == "next" else ids[:, -1]
@@ -388,11 +431,18 @@ def main(argv=None) -> int:
                     say(f"Step {step}, loss = {float(mean):.4f}")
             if bar is not None:
                 bar.update(1)
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                save(step + 1)
+    if args.checkpoint_dir is not None:
+        if first < args.steps and (not args.checkpoint_every or args.steps % args.checkpoint_every):
+            save(args.steps)
+        popdist_lite.wait_checkpoint()  # a background save, if any, is committed before we exit
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    if args.steps:
-        log(f"trained {args.steps} steps in {elapsed:.1f} s ({1000 * elapsed / args.steps:.1f} "
+    trained = args.steps - first
+    if trained > 0:
+        log(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} "
             f"ms/step) on {replicas} replica(s), precision {args.precision}"
             + (f", final loss scale {scaler.scale:g}, {skipped} step(s) skipped on overflow" if scaler else ""))
 
