@@ -2,6 +2,10 @@
 
     checkpoint_prog.py save DIR OUT STRATEGY      train 4 steps, save, dump, train 3 more, dump
     checkpoint_prog.py load DIR OUT STRATEGY      load the newest checkpoint, dump, train 3 more, dump
+    checkpoint_prog.py torn DIR OUT STRATEGY      save at step 4, dump, then a slow save at 7 (the test kills
+                                                  a replica during it)
+    checkpoint_prog.py disk DIR OUT STRATEGY      save at step 4, dump, then a save too big for the disk:
+                                                  write its error, load step 4 back, dump
 
 Training is a pure function of the global step, whatever the replica count: every
 step has a global batch of B = 12 ids and gradients (from a generator seeded by the
@@ -15,11 +19,13 @@ checkpoint code. ``OUT/<tag>.full.npz`` (replica 0) holds the full tables
 """
 
 import json
+import os
 import sys
 
 import numpy as np
 
 import popdist_lite as pl
+from popdist_lite.checkpoint.save import SLOW_WRITE_ENV
 
 T, E, B = 37, 6, 12
 SAVE_AT, END = 4, 7
@@ -85,6 +91,28 @@ def main() -> None:
     command, directory, out, strategy = sys.argv[1:5]
     pl.init()
     state = build(strategy)
+    if command in ("torn", "disk"):
+        train(state, 0, SAVE_AT)
+        pl.save_checkpoint(directory, state, step=SAVE_AT)
+        dump(state, out, "saved")
+        train(state, SAVE_AT, END)
+        if command == "torn":
+            with open(f"{out}/pid.r{pl.replica_id()}", "w") as f:
+                f.write(str(os.getpid()))
+            os.environ[SLOW_WRITE_ENV] = "0.5"
+            pl.save_checkpoint(directory, state, step=END)
+            raise SystemExit("the test should have killed a replica during the save")
+        state["big"] = np.ones(400_000, np.float32)  # 1.6 MB, on a 1 MiB filesystem
+        try:
+            pl.save_checkpoint(directory, state, step=END)
+            raise SystemExit("the save on a full disk did not fail")
+        except pl.CheckpointError as exc:
+            with open(f"{out}/error.r{pl.replica_id()}", "w") as f:
+                f.write(str(exc))
+        state = build(strategy)
+        pl.load_checkpoint(pl.latest_checkpoint(directory), state)
+        dump(state, out, "loaded")
+        return
     if command == "save":
         train(state, 0, SAVE_AT)
         pl.save_checkpoint(directory, state, step=SAVE_AT)
