@@ -17,6 +17,8 @@ def problem_of(exc: BaseException) -> tuple[str, str]:
     message = str(exc)
     if isinstance(exc, OSError) and exc.strerror:
         message = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    elif not isinstance(exc, tuple(_TYPES.values())):
+        message = f"{type(exc).__name__}: {message}"
     return type(exc).__name__, message
 
 

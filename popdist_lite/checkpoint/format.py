@@ -119,10 +119,11 @@ class Written:
                 "bytes": self.bytes, "crc32": self.crc32}
 
 
-def write_npy(path: Path, array: np.ndarray, replica: int, slow: float = 0.0) -> Written:
+def write_npy(path: Path, array: np.ndarray, replica: int, slow: float = 0.0, sync: bool = True) -> Written:
     """Write ``array`` (any strides) as a ``.npy`` file, in blocks of about
     ``CHUNK_BYTES`` (so a non-contiguous array costs one block of memory, not a copy),
-    computing its crc32 on the way, then fsync it.
+    computing its crc32 on the way, then fsync it (unless ``sync=False``: see
+    :func:`fsync_file`).
 
     ``slow`` (seconds, a test hook) sleeps after each block.
     """
@@ -136,9 +137,9 @@ def write_npy(path: Path, array: np.ndarray, replica: int, slow: float = 0.0) ->
     step = max(1, CHUNK_BYTES // row_bytes)
     with open(path, "wb", buffering=0) as f:
         f.write(header)
-        for first in range(0, len(rows), step):
+        for first in range(0, len(rows) if rows.size else 0, step):
             block = np.ascontiguousarray(rows[first:first + step])
-            view = memoryview(block).cast("B")
+            view = memoryview(block.reshape(-1)).cast("B")
             crc = zlib.crc32(view, crc)
             written = 0
             while written < len(view):
@@ -146,8 +147,18 @@ def write_npy(path: Path, array: np.ndarray, replica: int, slow: float = 0.0) ->
             total += len(view)
             if slow:
                 time.sleep(slow)
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     return Written(path.name, replica, tuple(array.shape), total, crc)
+
+
+def fsync_file(path: Path) -> None:
+    """fsync a closed file (Linux flushes the file's data whatever the descriptor's mode)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_manifest(path: Path) -> dict:

@@ -100,7 +100,7 @@ def load_checkpoint(path, state: dict, *, comm=None) -> dict:
         binding = bind(state, manifest, path, r, k)
         for target in binding.targets:
             _check(manifest, target)
-    except (TypeError, ValueError, CheckpointError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - raised on every replica by agree()
         problem = problem_of(exc)
     agree(comm, problem, what)
 
@@ -123,7 +123,7 @@ def load_checkpoint(path, state: dict, *, comm=None) -> dict:
                     opened[record["file"]] = ArrayFile(path, target.name, record, target.dtype)
                     opened[record["file"]].verify()
                 work.append((target, opened[record["file"]], piece))
-    except (CheckpointError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001
         problem = problem_of(exc)
     try:
         agree(comm, problem, what)

@@ -7,7 +7,7 @@ The protocol (docs/checkpoint.md), for ``save_checkpoint(DIR, state, step=N)``:
    it sees the temporary directory and can create a file in it. Any failure is raised
    on every replica before anything is written.
 2. Every replica writes the files of its partitions (replicated arrays: replica 0 only)
-   and fsyncs each.
+   and fsyncs each (a helper thread fsyncs one file while the next is written).
 3. Every replica reports success or its error to replica 0 (one small gather); if all
    succeeded, replica 0 writes ``manifest.json`` (fsynced), fsyncs the temporary
    directory, renames it to ``DIR/step-0000000N`` (an existing one of the same step is
@@ -19,8 +19,10 @@ A kill or a full disk before the rename leaves only a ``.tmp-*`` directory, whic
 reader takes for a checkpoint (it has no manifest under a ``step-*`` name).
 
 With ``blocking=False`` steps 2-4 run in a background thread on a duplicate of the
-replica communicator, from a copy of this replica's arrays made in the call; the next
-checkpoint call (or :func:`wait`) joins it and raises its failure on every replica.
+replica communicator, from a copy of this replica's arrays made in the call (kept and
+reused by the next background save: one copy of the replica's state in host memory);
+the next checkpoint call (or :func:`wait`) joins it and raises its failure on every
+replica.
 """
 
 from __future__ import annotations
@@ -31,11 +33,15 @@ import secrets
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 from .agreement import agree, problem_of
 from .format import (FORMAT, MANIFEST, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, committed, file_name,
-                     fsync_dir, step_dir_name, write_npy)
+                     fsync_dir, fsync_file, step_dir_name, write_npy)
 from .state import Description, describe
 
 #: Test hook: seconds to sleep after each block written (slows saves down so a test can
@@ -123,7 +129,7 @@ def save_checkpoint(directory, state: dict, step: int, keep: int | None = None, 
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"argument keep: expected None or an integer >= 1, got {keep!r}")
         description = describe(state, r, k)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - raised on every replica by agree()
         problem = problem_of(exc)
     agree(comm, problem, what)
     directory = Path(os.path.abspath(directory))
@@ -137,19 +143,31 @@ def save_checkpoint(directory, state: dict, step: int, keep: int | None = None, 
     key = id(comm)
     if key not in _duplicates:
         _duplicates[key] = comm.Dup()  # collective: every replica is in this call
-    snapshot = Description([_copy(e, r, k) for e in description.entries if k in e.partition.writers(r)],
-                           description.values, description.replica_values, description.objects)
+    entries = [e for e in description.entries if k in e.partition.writers(r)]
+    for name in set(_buffers) - {e.name for e in entries}:
+        del _buffers[name]
+    snapshot = Description([_copy(e, r, k) for e in entries], description.values, description.replica_values,
+                           description.objects)
     background = _duplicates[key]
     _pending = _Background(lambda: _write_and_commit(background, snapshot, tmp, final, step, keep, slow, what),
                            step)
     return final
 
 
+#: The host copies of the last background save, reused by the next one when shapes
+#: and dtypes match (name -> array): copying into memory already mapped is a plain
+#: memcpy, where a fresh allocation would also fault in every page.
+_buffers: dict[str, np.ndarray] = {}
+
+
 def _copy(entry, replicas: int, replica: int):
     """The entry with a private copy of this replica's real part (for a background save)."""
-    from dataclasses import replace
-
-    return replace(entry, local=entry.partition.local_view(entry.local, entry.shape, replicas, replica).copy())
+    part = entry.partition.local_view(entry.local, entry.shape, replicas, replica)
+    buffer = _buffers.get(entry.name)
+    if buffer is None or buffer.shape != part.shape or buffer.dtype != part.dtype:
+        buffer = _buffers[entry.name] = np.empty_like(part, order="C")
+    np.copyto(buffer, part)
+    return replace(entry, local=buffer)
 
 
 def _prepare(comm, directory: Path, step: int, what: str) -> Path:
@@ -191,26 +209,43 @@ def _prepare(comm, directory: Path, step: int, what: str) -> Path:
 
 def _write_and_commit(comm, description: Description, tmp: Path, final: Path, step: int, keep: int | None,
                       slow: float, what: str) -> None:
-    """Steps 2-4."""
+    """Steps 2-4. Each file is fsynced by a helper thread while the next one is
+    checksummed and written, so the checksums cost little beyond the disk's time."""
     r, k = comm.Get_size(), comm.Get_rank()
-    problem, files = None, {}
-    for entry in description.entries:
-        if k not in entry.partition.writers(r):
-            continue
-        path = tmp / file_name(entry.name, None if entry.partition.kind == "replicated" else k)
-        try:
-            written = write_npy(path, entry.partition.local_view(entry.local, entry.shape, r, k), k, slow)
-        except OSError as exc:
-            problem = f"writing {path.name} (array {entry.name!r}): {problem_of(exc)[1]}"
-            break
-        files[entry.name] = [written.record()]
+    problem, files, syncs = None, {}, []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="popdist-lite-fsync") as pool:
+        for entry in description.entries:
+            if k not in entry.partition.writers(r):
+                continue
+            path = tmp / file_name(entry.name, None if entry.partition.kind == "replicated" else k)
+            try:
+                written = write_npy(path, entry.partition.local_view(entry.local, entry.shape, r, k), k, slow,
+                                    sync=False)
+            except Exception as exc:  # noqa: BLE001 - every replica must reach the gather below
+                problem = f"writing {path.name} (array {entry.name!r}): {_describe_error(exc)}"
+                break
+            files[entry.name] = [written.record()]
+            syncs.append((entry.name, path, pool.submit(fsync_file, path)))
+        for name, path, sync in syncs:
+            try:
+                sync.result()
+            except Exception as exc:  # noqa: BLE001
+                problem = problem or f"fsync of {path.name} (array {name!r}): {_describe_error(exc)}"
     reports = comm.gather((problem, files, description.replica_values), root=0)
     outcome = None
     if k == 0:
-        outcome = _commit(reports, description, tmp, final, step, keep, r)
+        try:
+            outcome = _commit(reports, description, tmp, final, step, keep, r)
+        except Exception as exc:  # noqa: BLE001 - the others wait in the broadcast
+            outcome = f"replica 0: committing {final}: {_describe_error(exc)}"
     outcome = comm.bcast(outcome, root=0)
     if outcome is not None:
         raise CheckpointError(f"{what} failed: {outcome}; the previous checkpoints are intact")
+
+
+def _describe_error(exc: BaseException) -> str:
+    """An OSError's cause ("No space left on device"), else ``Type: message``."""
+    return problem_of(exc)[1] if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
 
 
 def _commit(reports, description: Description, tmp: Path, final: Path, step: int, keep: int | None,
