@@ -7,6 +7,7 @@ background save. Every error is raised on every replica and changes nothing."""
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +19,24 @@ from popdist_lite.checkpoint.save import SLOW_WRITE_ENV
 T, E = 23, 5
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 @pytest.fixture
-def shared(tmp_path, comm):
-    """One directory for every replica (replica 0's tmp_path)."""
-    path = Path(comm.bcast(str(tmp_path), root=0))
+def shared(comm):
+    """One directory every replica sees, on every test host: a fresh directory inside the
+    project checkout (test hosts share the project's filesystem, not /tmp), removed after
+    the test."""
+    path = None
+    if comm.rank == 0:
+        base = ROOT / ".test-checkpoints"
+        base.mkdir(exist_ok=True)
+        path = tempfile.mkdtemp(dir=base)
+    path = Path(comm.bcast(path, root=0))
     yield path
     comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _state(strategy="TOKEN", seed=0, sharded=True):
