@@ -228,6 +228,7 @@ def run(program: list[str]) -> int:
         try:
             stop["progress"] = RankProgress()
             child_env.update(stop["progress"].env())
+            pass_fds += stop["progress"].fds()
         except OSError as exc:
             print(f"poprun-lite agent: no stall inspection for this rank: {exc}", file=sys.stderr)
 

@@ -1,8 +1,9 @@
 """The agent's side of the stall inspector: its rank's progress slot and stack dumps.
 
-The agent makes a private directory on its own host holding the rank's progress slot
-and stack file (:mod:`popdist_lite.progress`), and points the program at them with
-``POPDIST_LITE_PROGRESS_FILE`` and ``POPDIST_LITE_STACK_FILE``. :meth:`RankProgress.watch`
+The agent makes two unlinked temporary files on its own host, the rank's progress slot
+and stack file (:mod:`popdist_lite.progress`), and passes them to the program as open
+descriptors named by ``POPDIST_LITE_PROGRESS_FD`` and ``POPDIST_LITE_STACK_FD`` (so
+nothing is left on disk however the agent ends). :meth:`RankProgress.watch`
 reads the slot every :data:`POLL_SECONDS` in a thread and calls ``send(call, op,
 since)`` when the rank has entered another collective call (the agent forwards that to
 the launcher as a ``progress`` record); :meth:`RankProgress.dump_stack` sends the rank
@@ -13,7 +14,6 @@ appended to the file. Nothing here uses MPI, and nothing is shared between hosts
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -30,30 +30,35 @@ class RankProgress:
     """The progress slot and stack file of one rank (see the module docstring)."""
 
     def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="poprun-lite-rank-")
-        self.slot_path = os.path.join(self.dir, "progress")
-        self.stack_path = os.path.join(self.dir, "stacks")
-        progress.create_slot(self.slot_path)
-        open(self.stack_path, "w").close()
+        self.slot = tempfile.TemporaryFile(prefix="poprun-lite-progress-")
+        progress.create_slot(self.slot)
+        # append mode: the rank's faulthandler writes at the end, we read with pread
+        self.stacks = tempfile.TemporaryFile(mode="a+b", prefix="poprun-lite-stacks-")
+        for f in (self.slot, self.stacks):
+            os.set_inheritable(f.fileno(), True)
         self._stop = threading.Event()
         self._stack_lock = threading.Lock()
 
     def env(self) -> dict[str, str]:
         """The variables that turn on the rank's recorder and stack dumps."""
-        return {progress.PROGRESS_ENV: self.slot_path, progress.STACK_ENV: self.stack_path}
+        return {progress.PROGRESS_ENV: str(self.slot.fileno()),
+                progress.STACK_ENV: str(self.stacks.fileno())}
+
+    def fds(self) -> list[int]:
+        """The descriptors the rank must inherit (``pass_fds``)."""
+        return [self.slot.fileno(), self.stacks.fileno()]
 
     def read(self) -> tuple[int, str, float, int] | None:
         """The rank's last ``(call, op, since, pid)``, or None before its first call.
         Reads until two reads agree, so a half-written slot is never returned."""
         try:
-            with open(self.slot_path, "rb") as f:
-                last = None
-                for _ in range(5):
-                    data = os.pread(f.fileno(), progress.SLOT_SIZE, 0)
-                    if data == last:
-                        return progress.read_slot(data)
-                    last = data
-        except OSError:
+            last = None
+            for _ in range(5):
+                data = os.pread(self.slot.fileno(), progress.SLOT_SIZE, 0)
+                if data == last:
+                    return progress.read_slot(data)
+                last = data
+        except (OSError, ValueError):
             pass
         return None
 
@@ -76,8 +81,9 @@ class RankProgress:
         """Ask process ``pid`` (the rank) for every thread's Python stack; return the text
         it appended to the stack file within ``timeout`` s ("" if none)."""
         with self._stack_lock:
+            fd = self.stacks.fileno()
             try:
-                start = os.path.getsize(self.stack_path)
+                start = os.fstat(fd).st_size
                 os.kill(pid, progress.STACK_SIGNAL)
             except OSError:
                 return ""
@@ -86,21 +92,20 @@ class RankProgress:
             while time.monotonic() < deadline:
                 time.sleep(0.05)
                 try:
-                    now = os.path.getsize(self.stack_path)
+                    now = os.fstat(fd).st_size
                 except OSError:
                     break
                 if now > start and now == size:  # grew, then stopped growing: complete
                     break
                 size = now
             try:
-                with open(self.stack_path, "rb") as f:
-                    f.seek(start)
-                    text = f.read()
+                text = os.pread(fd, max(0, os.fstat(fd).st_size - start), start)
             except OSError:
                 pass
             return text.decode("utf-8", "replace")
 
     def close(self) -> None:
-        """Stop watching and remove the directory."""
+        """Stop watching and close the files (they vanish with the last descriptor)."""
         self._stop.set()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.slot.close()
+        self.stacks.close()

@@ -1,17 +1,19 @@
 """Progress of this replica for the stall inspector: which collective call it last
 entered and when, readable by its agent without MPI; its Python stack on request.
 
-Turned on by ``POPDIST_LITE_PROGRESS_FILE=<path>`` (the poprun-lite agent sets it for
-its rank and creates the file on the rank's own host; nothing is shared between hosts).
-The file is a small shared-memory slot (:mod:`mmap`): :func:`record` writes the
+Turned on by ``POPDIST_LITE_PROGRESS_FD=<fd>``: the poprun-lite agent creates an
+unlinked file on the rank's own host (nothing is shared between hosts, nothing is left
+behind) and passes its descriptor to the rank. The file is a small shared-memory slot
+(:mod:`mmap`): :func:`record` writes the
 collective call number, the operation and the entry time (``time.time()``) into it,
 three stores and a clock read (about 0.3 us; ``scripts/bench_collectives.py`` measures
 the checked call with the inspector on and off), and the agent reads the slot with
 :func:`read_slot` whenever it looks. Off (the variable unset), :func:`record` is a
 function that returns at once, and the collectives call nothing else.
 
-``POPDIST_LITE_STACK_FILE=<path>`` makes :data:`STACK_SIGNAL` (SIGUSR2) dump the
-Python stack of every thread into that file (:func:`faulthandler.register`, appending),
+``POPDIST_LITE_STACK_FD=<fd>`` makes :data:`STACK_SIGNAL` (SIGUSR2) dump the Python
+stack of every thread into that file (:func:`faulthandler.register`; the agent opened
+it for appending),
 also while the main thread is blocked inside MPI or spinning in a Python loop: the
 agent sends the signal and reads what was appended.
 
@@ -31,9 +33,9 @@ import signal
 import sys
 import time
 
-PROGRESS_ENV = "POPDIST_LITE_PROGRESS_FILE"
-STACK_ENV = "POPDIST_LITE_STACK_FILE"
-#: The signal on which a rank dumps every thread's stack into ``$POPDIST_LITE_STACK_FILE``.
+PROGRESS_ENV = "POPDIST_LITE_PROGRESS_FD"
+STACK_ENV = "POPDIST_LITE_STACK_FD"
+#: The signal on which a rank dumps every thread's stack into the file of ``$POPDIST_LITE_STACK_FD``.
 STACK_SIGNAL = signal.SIGUSR2
 SLOT_SIZE = 4096
 NAMES_OFFSET = 64
@@ -83,11 +85,10 @@ def _empty_slot() -> bytes:
     return bytes(data)
 
 
-def create_slot(path: str) -> None:
-    """Create (or reset) the slot file ``path``: no call entered yet. Used by the agent
-    before it starts the rank."""
-    with open(path, "wb") as f:
-        f.write(_empty_slot())
+def create_slot(f) -> None:
+    """Write an empty slot (no call entered yet) at the start of the open binary file
+    ``f``. Used by the agent before it starts the rank."""
+    os.pwrite(f.fileno(), _empty_slot(), 0)
 
 
 def last_call() -> tuple[int, str, float, int] | None:
@@ -97,22 +98,21 @@ def last_call() -> tuple[int, str, float, int] | None:
     return None if mapped is None else read_slot(mapped[:])
 
 
-def enable(path: str | None) -> None:
-    """Record into the slot file ``path`` (created by :func:`create_slot`) from now on;
-    ``None``: into this process's own memory (read back with :func:`last_call`).
+def enable(fd: int | None) -> None:
+    """Record into the slot file open as descriptor ``fd`` (see :func:`create_slot`) from
+    now on; ``None``: into this process's own memory (read back with :func:`last_call`).
 
     Raises:
-        OSError: the file cannot be opened or mapped.
+        OSError: the file cannot be mapped.
     """
     global record, _words, _floats
     if _state["map"] is not None:
         return
-    if path is None:
+    if fd is None:
         mapped = mmap.mmap(-1, SLOT_SIZE)
         mapped[:] = _empty_slot()
     else:
-        with open(path, "r+b") as f:
-            mapped = mmap.mmap(f.fileno(), SLOT_SIZE)
+        mapped = mmap.mmap(fd, SLOT_SIZE)
     _state["map"] = mapped
     _words = memoryview(mapped).cast("q")
     _floats = memoryview(mapped).cast("d")
@@ -133,31 +133,32 @@ def set_recording(enabled: bool) -> bool:
     return before
 
 
-def enable_stack_dumps(path: str) -> None:
-    """Dump every thread's Python stack, appended to ``path``, on :data:`STACK_SIGNAL`.
+def enable_stack_dumps(fd: int) -> None:
+    """Dump every thread's Python stack into the file open as descriptor ``fd`` (kept
+    open) on :data:`STACK_SIGNAL`.
 
     Raises:
-        OSError: the file cannot be opened.
+        OSError: ``fd`` is not an open descriptor.
     """
     if _state["stack_file"] is not None:
         return
-    f = open(path, "a", encoding="utf-8")  # kept open: faulthandler writes to its fd
-    faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
-    _state["stack_file"] = f
+    os.fstat(fd)
+    faulthandler.register(STACK_SIGNAL, file=fd, all_threads=True, chain=False)
+    _state["stack_file"] = fd
 
 
 def enable_from_env(environ=None) -> None:
-    """Turn on what ``POPDIST_LITE_PROGRESS_FILE`` / ``POPDIST_LITE_STACK_FILE`` ask for
+    """Turn on what ``POPDIST_LITE_PROGRESS_FD`` / ``POPDIST_LITE_STACK_FD`` ask for
     (called by :func:`popdist_lite.init`). A file that cannot be opened leaves that part
     off with a warning on stderr: the job runs on without the inspector."""
     environ = os.environ if environ is None else environ
     for name, turn_on in ((PROGRESS_ENV, enable), (STACK_ENV, enable_stack_dumps)):
-        path = environ.get(name)
-        if path:
+        value = environ.get(name, "")
+        if value:
             try:
-                turn_on(path)
-            except OSError as exc:
-                print(f"popdist-lite: {name}={path}: {exc}; the stall inspector will not see "
+                turn_on(int(value))
+            except (OSError, ValueError) as exc:
+                print(f"popdist-lite: {name}={value}: {exc}; the stall inspector will not see "
                       f"this replica", file=sys.stderr, flush=True)
 
 
