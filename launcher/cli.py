@@ -370,7 +370,9 @@ def main(argv: list[str] | None = None) -> None:
     deadline = time.monotonic() + opts.timeout if opts.timeout else None
     history: list[str] = []  # one line per failed attempt
     for attempt in range(attempts):
-        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        left = opts.timeout or None  # --timeout covers all attempts together
+        if deadline is not None and attempt:
+            left = max(0.001, deadline - time.monotonic())
         result = _run_attempt(opts, mpirun, implementation, attempt, left)
         if result.returncode == 0 and not result.stop_reason and not result.failures:
             if opts.timeline:
