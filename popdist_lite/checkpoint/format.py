@@ -84,8 +84,9 @@ def file_name(array_name: str, replica: int | None) -> str:
     return f"{stem}.npy" if replica is None else f"{stem}.r{replica}.npy"
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so the names of files created or renamed in it are durable."""
+def fsync_path(path: Path) -> None:
+    """fsync a directory (so the names of files created or renamed in it are durable) or a
+    closed file (Linux flushes the file's data whatever the descriptor's mode)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -123,7 +124,7 @@ def write_npy(path: Path, array: np.ndarray, replica: int, slow: float = 0.0, sy
     """Write ``array`` (any strides) as a ``.npy`` file, in blocks of about
     ``CHUNK_BYTES`` (so a non-contiguous array costs one block of memory, not a copy),
     computing its crc32 on the way, then fsync it (unless ``sync=False``: see
-    :func:`fsync_file`).
+    :func:`fsync_path`).
 
     ``slow`` (seconds, a test hook) sleeps after each block.
     """
@@ -150,15 +151,6 @@ def write_npy(path: Path, array: np.ndarray, replica: int, slow: float = 0.0, sy
         if sync:
             os.fsync(f.fileno())
     return Written(path.name, replica, tuple(array.shape), total, crc)
-
-
-def fsync_file(path: Path) -> None:
-    """fsync a closed file (Linux flushes the file's data whatever the descriptor's mode)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_manifest(path: Path) -> dict:

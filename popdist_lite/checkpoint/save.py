@@ -41,7 +41,7 @@ import numpy as np
 
 from .agreement import agree, problem_of
 from .format import (FORMAT, MANIFEST, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, committed, file_name,
-                     fsync_dir, fsync_file, step_dir_name, write_npy)
+                     fsync_path, step_dir_name, write_npy)
 from .state import Description, describe
 
 #: Test hook: seconds to sleep after each block written (slows saves down so a test can
@@ -225,7 +225,7 @@ def _write_and_commit(comm, description: Description, tmp: Path, final: Path, st
                 problem = f"writing {path.name} (array {entry.name!r}): {_describe_error(exc)}"
                 break
             files[entry.name] = [written.record()]
-            syncs.append((entry.name, path, pool.submit(fsync_file, path)))
+            syncs.append((entry.name, path, pool.submit(fsync_path, path)))
         for name, path, sync in syncs:
             try:
                 sync.result()
@@ -272,14 +272,14 @@ def _commit(reports, description: Description, tmp: Path, final: Path, step: int
             json.dump(manifest, f, indent=1, allow_nan=True)
             f.flush()
             os.fsync(f.fileno())
-        fsync_dir(tmp)
+        fsync_path(tmp)
         directory = final.parent
         aside = None
         if final.exists():
             aside = directory / f"{TRASH_PREFIX}{final.name}-{secrets.token_hex(4)}"
             os.rename(final, aside)
         os.rename(tmp, final)
-        fsync_dir(directory)
+        fsync_path(directory)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         return f"replica 0: committing {final}: {problem_of(exc)[1]}"
