@@ -18,11 +18,18 @@ def under_mpi() -> bool:
 
 
 @contextlib.contextmanager
-def on_test_hosts(n: int):
+def on_test_hosts(n: int, ranks: int):
     """With ``n`` > 0: make ``n`` network-namespace test hosts (tests/multihost/testhosts.py,
     root only) for the duration and yield the poprun-lite arguments that spread the
-    replicas evenly over them with every byte between ranks on TCP over the test network
-    (``--mca btl tcp,self``); with ``n`` == 0 yield no arguments (one host).
+    ``ranks`` replicas evenly over them with every byte between ranks on TCP over the
+    test network (``--mca btl tcp,self``); with ``n`` == 0 yield no arguments (one host).
+
+    The test hosts share this machine's cores, which Open MPI cannot see: each host
+    looks like a node with a core per rank, so the ranks would busy-poll, and with more
+    ranks than cores every message would wait for the scheduler's time slice (milliseconds).
+    With more ``ranks`` than cores the ranks therefore yield the processor while they
+    wait (``--mca mpi_yield_when_idle 1``, what Open MPI does by itself on a node it
+    knows to be oversubscribed).
 
     Raises:
         RuntimeError: test hosts cannot be made here (the reason).
@@ -36,9 +43,20 @@ def on_test_hosts(n: int):
     reason = testhosts.unavailable()
     if reason:
         raise RuntimeError(reason)
+    mca = "--mca btl tcp,self" + (" --mca mpi_yield_when_idle 1" if _oversubscribed(ranks) else "")
     with testhosts.TestHosts(n) as hosts:
         yield ["-H", ",".join(hosts.names), "--launch-agent", testhosts.LAUNCH_AGENT,
-               "--network-interface", testhosts.CIDR, "--mpi-global-args=--mca btl tcp,self"]
+               "--network-interface", testhosts.CIDR, f"--mpi-global-args={mca}"]
+
+
+def _oversubscribed(ranks: int) -> bool:
+    return ranks > (os.cpu_count() or 1)
+
+
+def test_hosts_setup(n: int, ranks: int) -> dict:
+    """How :func:`on_test_hosts` ran ``ranks`` replicas on ``n`` test hosts, for a report."""
+    return {"hosts": n, "transport": "tcp (btl tcp,self) between network-namespace test hosts",
+            "mpi_yield_when_idle": _oversubscribed(ranks)}
 
 
 def run_ranks(script: str, args: list[str], ranks: int, timeout: float,

@@ -38,7 +38,9 @@ Operations (ours / raw):
     broadcast           Bcast(x, root=0)
 With ``--hosts H`` (root: network-namespace test hosts, tests/multihost/testhosts.py)
 the replicas are spread evenly over H test hosts and every byte between ranks goes over
-TCP (``--mca btl tcp,self``), for ours and raw alike.
+TCP (``--mca btl tcp,self``), for ours and raw alike; with more replicas than cores
+they yield the processor while waiting (``mpi_yield_when_idle``: the test hosts share
+this machine's cores, see ``_launch.on_test_hosts``).
 Targets: ours / raw <= 1.10 for >= 64 KiB; ours - raw < 15 us below. ``floor_*``
 fields report the checked floor the same way (a size where ``floor_ratio`` exceeds 1.10
 is one where no checked collective can meet the ratio target on this machine).
@@ -55,7 +57,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
-from _launch import run_ranks, on_test_hosts, under_mpi  # noqa: E402
+from _launch import on_test_hosts, run_ranks, test_hosts_setup, under_mpi  # noqa: E402
 
 OPS = ("all_gather", "reduce_scatter_sum", "all_to_all", "all_reduce", "broadcast")
 SMALL = 8192
@@ -238,11 +240,14 @@ def main() -> None:
     if opts.worker or under_mpi():
         worker(opts)
         return
-    with on_test_hosts(opts.hosts) as launcher_args:
+    load_before = os.getloadavg()[0]
+    with on_test_hosts(opts.hosts, opts.ranks) as launcher_args:
         reports = run_ranks(os.path.abspath(__file__), ["--max-bytes", str(opts.max_bytes), "--blocks", str(opts.blocks)],
                             opts.ranks, opts.timeout, launcher_args)
     if opts.hosts:
-        reports[0].update(hosts=opts.hosts, transport="tcp (btl tcp,self) between network-namespace test hosts")
+        reports[0].update(test_hosts_setup(opts.hosts, opts.ranks))
+    reports[0]["machine"] = {"cpus": os.cpu_count(), "load_avg_1min_before": round(load_before, 2),
+                             "load_avg_1min_after": round(os.getloadavg()[0], 2)}
     print(json.dumps(reports[0], indent=1))
 
 

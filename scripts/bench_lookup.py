@@ -13,7 +13,10 @@ variant, then block 2, ...; ``--blocks``, default 16), so load from other proces
 shared machine hits all of them alike; a variant's time is its median block.
 
 With ``--hosts H`` (root: network-namespace test hosts, tests/multihost/testhosts.py)
-the replicas are spread evenly over H test hosts, every byte between ranks over TCP.
+the replicas are spread evenly over H test hosts, every byte between ranks over TCP;
+with more replicas than cores they yield the processor while waiting
+(``mpi_yield_when_idle``: the test hosts share this machine's cores, see
+``_launch.on_test_hosts``).
 
 Workloads (indices per replica, drawn per replica and step from a fixed seed, the same
 for every variant):
@@ -48,7 +51,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
-from _launch import run_ranks, on_test_hosts, under_mpi  # noqa: E402
+from _launch import on_test_hosts, run_ranks, test_hosts_setup, under_mpi  # noqa: E402
 
 WORKLOADS = {
     "char": {"t": 256, "e": 256, "shape": (16, 99), "kind": "ascii"},
@@ -252,7 +255,7 @@ def main() -> None:
         return
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     results, peaks, paired = {}, {}, {}
-    with on_test_hosts(opts.hosts) as launcher_args:
+    with on_test_hosts(opts.hosts, opts.ranks) as launcher_args:
         for workload in opts.workloads.split(","):
             steps = opts.steps_char if workload == "char" else opts.steps_recsys
             args = ["--workload", workload, "--variants", opts.variants, "--steps", str(steps),
@@ -273,8 +276,7 @@ def main() -> None:
     summary["targets"] = {"dense_over_sparse_lookup_at_least": 5.0, "sparse_over_mpi4py_lookup_at_most": 1.25,
                           "met": bool(rec.get("dense_over_sparse_lookup", 0) >= 5.0
                                       and rec.get("sparse_over_mpi4py_lookup", 99) <= 1.25)}
-    where = {"hosts": opts.hosts, "transport": "tcp (btl tcp,self) between network-namespace test hosts"} \
-        if opts.hosts else {}
+    where = test_hosts_setup(opts.hosts, opts.ranks) if opts.hosts else {}
     print(json.dumps({"benchmark": "lookup", "replicas": opts.ranks, **where, "seconds": round(time.perf_counter() - start, 1),
                       "machine": {"cpus": os.cpu_count(), "load_avg_1min_before": round(load_before, 2),
                                   "load_avg_1min_after": round(os.getloadavg()[0], 2)},
