@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from popdist_lite.checkpoint.partition import Partition, copy_piece, plan
+from popdist_lite.checkpoint.partition import Partition, copy_piece, intersect, plan
 
 PARTITIONS = [Partition("replicated"), Partition("cyclic", 0), Partition("block", 0), Partition("block", 1),
               Partition("cyclic", 1)]
@@ -53,3 +53,16 @@ def test_scalar():
     piece = plan((), Partition("replicated"), 3, 1, Partition("replicated"), 2, 0)
     copy_piece(got, np.array(4.5), piece, 16)
     assert got == 4.5
+
+
+def test_intersect_matches_sets():
+    """Every pair of small progressions: the shared indices, in each side's local order,
+    against Python's set intersection."""
+    progressions = [slice(start, stop, step) for step in range(1, 7) for start in range(0, 9)
+                    for stop in range(start, 24, 5)]
+    for want, have in itertools.product(progressions, progressions):
+        w, h = range(want.start, want.stop, want.step), range(have.start, have.stop, have.step)
+        common = sorted(set(w) & set(h))
+        mine, theirs = intersect(want, have)
+        assert [w[i] for i in range(len(w))[mine]] == common, (want, have)
+        assert [h[i] for i in range(len(h))[theirs]] == common, (want, have)

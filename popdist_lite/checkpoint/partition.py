@@ -18,6 +18,7 @@ unchanged partition copies whole blocks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,26 +80,25 @@ class Partition:
 
 def intersect(want: slice, have: slice) -> tuple[slice, slice]:
     """Positions of the global indices two progressions share: ``(in want's local order,
-    in have's local order)``. The common indices of two arithmetic progressions form one
-    (steps ``lcm``), so both results are slices."""
-    if want.step == 1 and have.step == 1:
-        lo, hi = max(want.start, have.start), min(want.stop, have.stop)
-        if hi <= lo:
-            return slice(0, 0, 1), slice(0, 0, 1)
-        return slice(lo - want.start, hi - want.start, 1), slice(lo - have.start, hi - have.start, 1)
-    g = np.arange(want.start, want.stop, want.step, dtype=np.int64)
-    mine = np.flatnonzero((g >= have.start) & (g < have.stop) & ((g - have.start) % have.step == 0))
-    if len(mine) == 0:
-        return slice(0, 0, 1), slice(0, 0, 1)
-    if len(mine) == 1:
-        at = int((g[mine[0]] - have.start) // have.step)
-        return slice(int(mine[0]), int(mine[0]) + 1, 1), slice(at, at + 1, 1)
-    first, last = g[mine[0]], g[mine[-1]]
-    step = int(mine[1] - mine[0]) if len(mine) > 1 else 1
-    gstep = step * want.step
-    return (slice(int(mine[0]), int(mine[-1]) + 1, step),
-            slice(int((first - have.start) // have.step), int((last - have.start) // have.step) + 1,
-                  gstep // have.step))
+    in have's local order)``. The common indices of two arithmetic progressions form one,
+    with step ``lcm(want.step, have.step)``; its first index solves two congruences (the
+    Chinese remainder theorem), so the cost does not depend on the lengths."""
+    empty = slice(0, 0, 1), slice(0, 0, 1)
+    a, s, b, t = want.start, want.step, have.start, have.step
+    g = math.gcd(s, t)
+    if (b - a) % g:
+        return empty
+    lcm = s // g * t
+    # first = a + s*x with s*x = b - a (mod t): x = (b - a)/g * (s/g)^-1 (mod t/g)
+    first = a + s * ((b - a) // g * pow(s // g, -1, t // g) % (t // g))
+    lo, hi = max(a, b), min(want.stop, have.stop)
+    if first < lo:
+        first += -(-(lo - first) // lcm) * lcm
+    if first >= hi:
+        return empty
+    last = first + (hi - 1 - first) // lcm * lcm
+    return (slice((first - a) // s, (last - a) // s + 1, lcm // s),
+            slice((first - b) // t, (last - b) // t + 1, lcm // t))
 
 
 def _length(index: slice, n: int) -> int:
