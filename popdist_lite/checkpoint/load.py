@@ -6,8 +6,12 @@ changes nothing on any replica:
 1. every replica reads the manifest and matches ``state`` against it (kinds, shapes,
    dtypes; :func:`popdist_lite.checkpoint.state.bind`);
 2. every replica opens the files it needs (:func:`~.partition.plan`: the pieces of
-   each writer's file that overlap its own part) and checks their headers and crc32
-   (mapped and released one chunk at a time);
+   each writer's file that overlap its own part) and checks their sizes and headers;
+   the crc32 checks are shared out: each file is checked once, by one of the replicas
+   that read it (balanced by bytes; mapped and released one chunk at a time), so a
+   file several replicas read (a replicated array, a reshard) is checksummed once, not
+   once per reader; the agreement ending this phase carries a mismatch to every
+   replica;
 3. every replica copies its pieces from the mapped files into its arrays in place,
    one chunk at a time, then restores the rest (optimizer slots, generator states,
    values, the feed position).
@@ -104,24 +108,20 @@ def load_checkpoint(path, state: dict, *, comm=None) -> dict:
         problem = problem_of(exc)
     agree(comm, problem, what)
 
-    problem, opened, work = None, {}, []
+    problem, reads = None, []
     try:
-        for target in binding.targets:
-            saved = manifest["arrays"][target.name]
-            source = Partition.from_record(saved["partition"])
-            writers = int(saved["writers"])
-            by_replica = {f["replica"]: f for f in saved["files"]}
-            for writer in source.writers(writers):
-                piece = plan(target.shape, target.partition, r, k, source, writers, writer)
-                if piece is None:
-                    continue
-                record = by_replica.get(writer)
-                if record is None:
-                    raise CheckpointError(f"{path}: the manifest lists no file of array {target.name!r} "
-                                          f"from replica {writer}")
+        reads = _reads(binding, manifest, path, r, k)
+    except Exception as exc:  # noqa: BLE001
+        problem = problem_of(exc)
+    mine = _verification_share(comm.allgather({record["file"]: record["bytes"] for _, record, _ in reads}), k)
+    opened, work = {}, []
+    try:
+        if problem is None:
+            for target, record, piece in reads:
                 if record["file"] not in opened:
                     opened[record["file"]] = ArrayFile(path, target.name, record, target.dtype)
-                    opened[record["file"]].verify()
+                    if record["file"] in mine:
+                        opened[record["file"]].verify()
                 work.append((target, opened[record["file"]], piece))
     except Exception as exc:  # noqa: BLE001
         problem = problem_of(exc)
@@ -135,6 +135,45 @@ def load_checkpoint(path, state: dict, *, comm=None) -> dict:
     for finish in binding.finish:
         finish()
     return state
+
+
+def _reads(binding, manifest: dict, path: Path, r: int, k: int) -> list:
+    """``(target, file record, piece)`` for every piece of a file that replica ``k`` of
+    ``r`` copies into its part of a bound array (:func:`~.partition.plan`)."""
+    reads = []
+    for target in binding.targets:
+        saved = manifest["arrays"][target.name]
+        source = Partition.from_record(saved["partition"])
+        writers = int(saved["writers"])
+        by_replica = {f["replica"]: f for f in saved["files"]}
+        for writer in source.writers(writers):
+            piece = plan(target.shape, target.partition, r, k, source, writers, writer)
+            if piece is None:
+                continue
+            record = by_replica.get(writer)
+            if record is None:
+                raise CheckpointError(f"{path}: the manifest lists no file of array {target.name!r} "
+                                      f"from replica {writer}")
+            reads.append((target, record, piece))
+    return reads
+
+
+def _verification_share(needs: list[dict], k: int) -> set:
+    """The files whose crc32 replica ``k`` checks, given every replica's ``{file: bytes}``
+    it reads: each file once, by one of the replicas that read it, the largest file first
+    to the reader with the fewest bytes so far (ties: the lowest replica). Every replica
+    computes the same shares from the same gathered lists."""
+    readers: dict[str, tuple[int, list[int]]] = {}
+    for replica, files in enumerate(needs):
+        for name, size in files.items():
+            readers.setdefault(name, (size, []))[1].append(replica)
+    assigned, mine = [0] * len(needs), set()
+    for name, (size, who) in sorted(readers.items(), key=lambda item: (-item[1][0], item[0])):
+        checker = min(who, key=lambda replica: (assigned[replica], replica))
+        assigned[checker] += size
+        if checker == k:
+            mine.add(name)
+    return mine
 
 
 def _check(manifest: dict, target) -> None:

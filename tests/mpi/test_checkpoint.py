@@ -181,6 +181,29 @@ def test_corrupted_file_names_file_and_array(shared, comm):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("victim_glob,array,strategy", [("params.w.npy", "params/w", "TOKEN"),
+                                                         ("table.weights.r0.npy", "table/weights", "ENCODING")])
+def test_corrupted_shared_read_raises_on_every_replica(shared, comm, victim_glob, array, strategy):
+    """A file several replicas read (a replicated array; a TOKEN file loaded into an
+    ENCODING table) is checksummed by one of them: every replica raises all the same,
+    and none changes anything."""
+    state = _state()
+    _train(state)
+    path = pl.save_checkpoint(shared, state, step=1)
+    victim = path / victim_glob
+    if comm.rank == 0:
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 0x01
+        victim.write_bytes(bytes(data))
+    comm.Barrier()
+    fresh = _state(strategy, seed=2)
+    before = _snapshot(fresh)
+    with pytest.raises(pl.CheckpointError, match=rf"checksum mismatch in .*{victim.name} \(array '{array}'\)"):
+        pl.load_checkpoint(path, fresh)
+    _assert_same(_snapshot(fresh), before)
+
+
+@pytest.mark.mpi
 def test_missing_file(shared, comm):
     state = _state()
     path = pl.save_checkpoint(shared, state, step=1)
