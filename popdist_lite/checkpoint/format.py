@@ -42,7 +42,6 @@ MANIFEST = "manifest.json"
 #: load uses beyond the replica's own arrays.
 CHUNK_BYTES = 16 << 20
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_WRITER_FILE = re.compile(r"\.r(\d+)\.npy$")
 #: Prefix of a save in progress (``.tmp-step-00000020-<token>``) and of a replaced checkpoint.
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".old-"
@@ -83,15 +82,6 @@ def file_name(array_name: str, replica: int | None) -> str:
     replicated array): the name with characters other than ``[A-Za-z0-9_-]`` as ``.``."""
     stem = re.sub(r"[^A-Za-z0-9_-]+", ".", array_name).strip(".") or "array"
     return f"{stem}.npy" if replica is None else f"{stem}.r{replica}.npy"
-
-
-def writer_of(file: str) -> int | None:
-    """``k`` of a ``*.r<k>.npy`` name (the file replica ``k`` wrote of a partitioned
-    array; see :func:`file_name`), else ``None`` (the manifest, replicated arrays). Used
-    to share out deleting a checkpoint, where a replicated array named like ``x.r1``
-    being taken for replica 1's costs nothing."""
-    m = _WRITER_FILE.search(file)
-    return int(m.group(1)) if m else None
 
 
 def fsync_path(path: Path) -> None:

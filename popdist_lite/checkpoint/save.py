@@ -11,12 +11,9 @@ The protocol (docs/checkpoint.md), for ``save_checkpoint(DIR, state, step=N)``:
 3. Every replica reports success or its error to replica 0 (one small gather); if all
    succeeded, replica 0 writes ``manifest.json`` (fsynced), fsyncs the temporary
    directory, renames it to ``DIR/step-0000000N`` (an existing one of the same step is
-   first renamed aside) and fsyncs ``DIR``. With ``keep=K`` it then renames all but the
-   newest K checkpoints aside (``.old-*``), so none is ever seen half-deleted.
-4. Replica 0 broadcasts the outcome; every replica raises, or deletes its own files of
-   the checkpoints renamed aside (deleting a file costs about as much as writing it
-   did, so the replicas share it as they shared the writing; replica 0 then removes
-   the directories) and returns the path.
+   first renamed aside) and fsyncs ``DIR``. With ``keep=K`` it then removes all but the
+   newest K checkpoints (renamed aside first, so none is ever seen half-deleted).
+4. Replica 0 broadcasts the outcome; every replica returns the path or raises.
 
 A kill or a full disk before the rename leaves only a ``.tmp-*`` directory, which no
 reader takes for a checkpoint (it has no manifest under a ``step-*`` name).
@@ -44,7 +41,7 @@ import numpy as np
 
 from .agreement import agree, problem_of
 from .format import (FORMAT, MANIFEST, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, committed, file_name,
-                     fsync_path, step_dir_name, write_npy, writer_of)
+                     fsync_path, step_dir_name, write_npy)
 from .state import Description, describe
 
 #: Test hook: seconds to sleep after each block written (slows saves down so a test can
@@ -235,44 +232,15 @@ def _write_and_commit(comm, description: Description, tmp: Path, final: Path, st
             except Exception as exc:  # noqa: BLE001
                 problem = problem or f"fsync of {path.name} (array {name!r}): {_describe_error(exc)}"
     reports = comm.gather((problem, files, description.replica_values), root=0)
-    outcome, retired = None, []
+    outcome = None
     if k == 0:
         try:
-            outcome, retired = _commit(reports, description, tmp, final, step, keep, r)
+            outcome = _commit(reports, description, tmp, final, step, keep, r)
         except Exception as exc:  # noqa: BLE001 - the others wait in the broadcast
             outcome = f"replica 0: committing {final}: {_describe_error(exc)}"
-    outcome, retired = comm.bcast((outcome, retired), root=0)
+    outcome = comm.bcast(outcome, root=0)
     if outcome is not None:
         raise CheckpointError(f"{what} failed: {outcome}; the previous checkpoints are intact")
-    _delete(comm, retired)
-
-
-def _delete(comm, directories: list[str]) -> None:
-    """Delete checkpoint directories renamed aside at the commit: every replica unlinks
-    the files replica ``k`` wrote (``*.r<k>.npy``, written by replica ``k % r`` when the
-    checkpoint came from more replicas; replica 0 everything else), then replica 0
-    removes what is left. A replica that fails here leaves an ``.old-*`` directory,
-    which the next save removes; errors are not raised (the checkpoint is committed)."""
-    if not directories:
-        return
-    r, k = comm.Get_size(), comm.Get_rank()
-    for directory in directories:
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        for name in names:
-            writer = writer_of(name)
-            if (0 if writer is None else writer % r) == k:
-                try:
-                    os.unlink(os.path.join(directory, name))
-                except OSError:
-                    pass
-    comm.Barrier()
-    if k == 0:
-        for directory in directories:
-            shutil.rmtree(directory, ignore_errors=True)
-    comm.Barrier()
 
 
 def _describe_error(exc: BaseException) -> str:
@@ -281,13 +249,12 @@ def _describe_error(exc: BaseException) -> str:
 
 
 def _commit(reports, description: Description, tmp: Path, final: Path, step: int, keep: int | None,
-            replicas: int) -> tuple[str | None, list[str]]:
-    """Replica 0: manifest, rename, retiring old checkpoints. Returns the failure (naming
-    its replica) or None, and the directories renamed aside for :func:`_delete`."""
+            replicas: int) -> str | None:
+    """Replica 0: manifest, rename, cleanup. Returns the failure (naming its replica) or None."""
     for replica, (problem, _, _) in enumerate(reports):
         if problem is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            return f"replica {replica}: {problem}", []
+            return f"replica {replica}: {problem}"
     arrays = {}
     for entry in description.entries:
         arrays[entry.name] = {"shape": list(entry.shape), "dtype": entry.dtype.str,
@@ -315,8 +282,9 @@ def _commit(reports, description: Description, tmp: Path, final: Path, step: int
         fsync_path(directory)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        return f"replica 0: committing {final}: {problem_of(exc)[1]}", []
-    retired = [str(aside)] if aside is not None else []
+        return f"replica 0: committing {final}: {problem_of(exc)[1]}"
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     if keep is not None:
         others = [path for _, path in committed(directory) if path != final]
         for old in others[:max(0, len(others) - (keep - 1))]:
@@ -325,5 +293,5 @@ def _commit(reports, description: Description, tmp: Path, final: Path, step: int
                 os.rename(old, aside)
             except OSError:
                 continue
-            retired.append(str(aside))
-    return None, retired
+            shutil.rmtree(aside, ignore_errors=True)
+    return None
