@@ -28,6 +28,11 @@ time counts, as a save is done when every replica is):
   against ``memcpy``, copying the replica's arrays (``np.copyto``); then the background
   save is waited for (``async_total``).
 
+After the rounds, ``peak_extra_MB`` gives the most memory each load needed beyond what the
+replica held before it (the largest over replicas of the peak resident set size, reset
+through ``/proc/self/clear_refs``, minus the resident size before): a load maps one
+chunk of a file at a time (``CHUNK_BYTES``, 16 MiB), ``np.load`` reads whole files.
+
 Throughputs are the replica's bytes (what it writes / what it ends up holding) over the
 median time; ratios compare medians. The resharded load is compared with the raw reshard
 of the same files (``resharded_load_vs_raw_resharded_load``, the target's ratio) and, for
@@ -138,6 +143,18 @@ def worker(args) -> None:
         for n, a in mine.items():
             np.copyto(copies[n], a)
 
+    def peak_extra(fn):
+        """MB of resident memory ``fn`` needed beyond what was resident before (Linux)."""
+        def status(field):
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+        comm.Barrier()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak resident set size (VmHWM)
+        before = status("VmRSS")
+        fn()
+        return comm.allreduce((status("VmHWM") - before) / 1024, op=__import__("mpi4py").MPI.MAX)
+
     ckpt = base / "ckpt"
     for round_ in range(args.rounds):
         step = 10 * round_
@@ -152,6 +169,10 @@ def worker(args) -> None:
         timed("memcpy", memcpy)
         timed("async_stall", lambda: pl.save_checkpoint(ckpt, state, step=step + 2, keep=1, blocking=False))
         timed("async_total", pl.wait_checkpoint)
+    latest = pl.latest_checkpoint(ckpt)
+    peaks = {"load": peak_extra(lambda: pl.load_checkpoint(latest, state)),
+             "resharded_load": peak_extra(lambda: pl.load_checkpoint(latest, other)),
+             "raw_load": peak_extra(raw_load), "raw_resharded_load": peak_extra(raw_resharded_load)}
     np.testing.assert_array_equal(other["params"]["w"], params["w"])  # the loads did load, and alike
     for n, a in encoding.state().arrays.items():
         np.testing.assert_array_equal(by_hand[n], a, err_msg=n)
@@ -175,6 +196,7 @@ def worker(args) -> None:
         "resharded_load_vs_raw_resharded_load": round(med("raw_resharded_load") / med("resharded_load"), 3),
         "resharded_load_vs_raw_load": round((held_encoding / med("resharded_load")) / (written / med("raw_load")), 3),
         "async_stall_vs_memcpy": round(med("async_stall") / med("memcpy"), 3),
+        "peak_extra_MB": {n: round(v, 1) for n, v in peaks.items()},
         "targets": {"save_vs_raw_save": ">= 0.8", "resharded_load_vs_raw_resharded_load": ">= 0.7",
                     "async_stall_vs_memcpy": "<= 1.5"},
     }

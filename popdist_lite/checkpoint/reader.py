@@ -60,7 +60,7 @@ class ArrayFile:
         except BaseException:
             self._file.close()
             raise
-        self._released = 0
+        self._copied_to = 0  # the file offset up to which release_rows() released pages
 
     def verify(self) -> None:
         """Check the whole file's crc32 against the manifest, one chunk at a time.
@@ -89,14 +89,15 @@ class ArrayFile:
         """Release the pages of rows ``<= last_row`` (axis 0) read so far."""
         row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
         end = self.offset + (last_row + 1) * row_bytes
-        self._drop(self._released, end)
+        self._drop(self._copied_to, end)
+        self._copied_to = max(self._copied_to, end // _PAGE * _PAGE)
 
     def _drop(self, start: int, end: int) -> None:
+        """Release the whole pages in ``[start, end)`` (rounded down to pages)."""
         start = start // _PAGE * _PAGE
         end = end // _PAGE * _PAGE
         if end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
-            self._released = max(self._released, end)
 
     def close(self) -> None:
         try:
