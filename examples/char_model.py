@@ -12,7 +12,7 @@ Two label modes:
     Predict every next character: the dense layer maps each GRU output (H -> V) and the
     loss is the mean cross-entropy over all B*T positions.  ``labels`` is (B, T).
 
-``"seed"``
+``"guide"``
     The configuration of the guide's example: the GRU outputs of all T steps are flattened into one
     vector per sequence (``tf.reshape(partial, [batch, -1])``), a dense layer maps T*H ->
     V and the label is the character following the sequence.  ``labels`` is (B,).
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-MODES = ("next", "seed")
+MODES = ("next", "guide")
 
 __all__ = ["MODES", "init_params", "loss_and_grads", "forward_logits", "generate"]
 
@@ -62,7 +62,7 @@ def init_params(
     dtype=np.float32,
 ) -> dict[str, np.ndarray]:
     """Initial dense parameters (Keras defaults: Glorot kernels, orthogonal recurrent
-    kernel, zero biases).  ``seq_len`` only matters in ``"seed"`` mode, where the dense
+    kernel, zero biases).  ``seq_len`` only matters in ``"guide"`` mode, where the dense
     kernel is (seq_len * hidden, vocab)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -81,12 +81,12 @@ def init_params(
 
 def _mode_of(params: dict[str, np.ndarray], labels: np.ndarray) -> str:
     H = params["gru_recurrent_kernel"].shape[0]
-    mode = "next" if labels.ndim == 2 else "seed"
+    mode = "next" if labels.ndim == 2 else "guide"
     if labels.ndim not in (1, 2):
         raise ValueError(f"labels must be (B, T) or (B,), got shape {labels.shape}")
     if mode == "next" and params["dense_kernel"].shape[0] != H:
         raise ValueError("labels are (B, T) (next-char mode) but the dense kernel was "
-                         "initialised for seed mode (T*H inputs)")
+                         "initialised for guide mode (T*H inputs)")
     return mode
 
 
@@ -190,12 +190,12 @@ def _dense_inputs(outs_tm: np.ndarray, mode: str) -> np.ndarray:
     T, B, H = outs_tm.shape
     if mode == "next":
         return outs_tm.reshape(T * B, H)  # rows in (t, b) order
-    # seed: (B, T*H), the guide example's reshape of the batch-major GRU outputs
+    # guide: (B, T*H), the guide example's reshape of the batch-major GRU outputs
     return np.ascontiguousarray(outs_tm.transpose(1, 0, 2)).reshape(B, T * H)
 
 
 def forward_logits(params: dict[str, np.ndarray], emb: np.ndarray, mode: str = "next") -> np.ndarray:
-    """Logits: (B, T, V) in ``"next"`` mode, (B, V) in ``"seed"`` mode."""
+    """Logits: (B, T, V) in ``"next"`` mode, (B, V) in ``"guide"`` mode."""
     outs_tm, _ = _gru_forward(params, emb)
     x = _dense_inputs(outs_tm, mode)
     logits = x @ params["dense_kernel"] + params["dense_bias"]
@@ -210,7 +210,7 @@ def loss_and_grads(params: dict[str, np.ndarray], emb: np.ndarray, labels: np.nd
     """Mean cross-entropy and its gradients.
 
     emb: (B, T, E) embedded input characters.
-    labels: (B, T) ints -> next-character mode; (B,) ints -> seed mode.
+    labels: (B, T) ints -> next-character mode; (B,) ints -> guide mode.
     loss_scale: the gradients are those of ``loss_scale * loss`` (loss scaling, see
         docs/precision.md); the returned loss is not scaled.
     Returns (loss: float, grads: dict like params, d_emb: (B, T, E)).
@@ -221,8 +221,8 @@ def loss_and_grads(params: dict[str, np.ndarray], emb: np.ndarray, labels: np.nd
     if labels.shape[0] != B or (mode == "next" and labels.shape != (B, T)):
         raise ValueError(f"labels shape {labels.shape} does not match emb shape {emb.shape}")
     W = params["dense_kernel"]
-    if mode == "seed" and W.shape[0] != T * params["gru_recurrent_kernel"].shape[0]:
-        raise ValueError(f"seed mode: dense kernel expects {W.shape[0]} inputs, but "
+    if mode == "guide" and W.shape[0] != T * params["gru_recurrent_kernel"].shape[0]:
+        raise ValueError(f"guide mode: dense kernel expects {W.shape[0]} inputs, but "
                          f"T*H = {T * params['gru_recurrent_kernel'].shape[0]}")
     V = W.shape[1]
     if labels.min() < 0 or labels.max() >= V:
@@ -297,7 +297,7 @@ def generate(
     ``temperature <= 0`` means greedy.  Returns the ``n`` new ids.
 
     In next-character mode the GRU state is carried forward one character at a time.
-    In seed mode the model needs a window of exactly T characters (the dense layer sees
+    In guide mode the model needs a window of exactly T characters (the dense layer sees
     all T outputs), so each new character reruns the GRU over the last T characters
     (the prefix is left-padded with its first character if shorter than T).
     """
@@ -335,7 +335,7 @@ def generate(
     window = [window[0]] * (T - len(window)) + window
     for _ in range(n):
         emb = table[np.asarray(window)][None].astype(Wx.dtype)  # (1, T, E)
-        logits = forward_logits(params, emb, mode="seed")[0]
+        logits = forward_logits(params, emb, mode="guide")[0]
         nxt = _sample(logits, rng, temperature, num_valid)
         out.append(nxt)
         window = window[1:] + [nxt]

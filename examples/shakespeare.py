@@ -29,7 +29,7 @@ What each replica does, as in the example of the TensorFlow-IPU host-embedding g
   replica and feeder counts.
 
 By default the model predicts every next character (labels = the input shifted by one).
-``--seed-config`` reproduces the guide's example exactly: 100-character sequences whose
+``--guide-config`` reproduces the guide's example exactly: 100-character sequences whose
 last character is the label for the first 99, all GRU outputs flattened into the dense
 layer, learning rate 1e-4 and momentum 0.99 (it learns far more slowly; the guide's
 example runs 25 x 1000 steps).
@@ -78,9 +78,9 @@ DEFAULT_MOMENTUM = 0.9
 DEFAULT_EMB_LR = 10.0
 DEFAULT_EMB_ADAM_LR = 0.01
 DEFAULT_CLIP_NORM = 1.0
-# The guide example's configuration (--seed-config).
-SEED_LR = 1e-4
-SEED_MOMENTUM = 0.99
+# The guide example's configuration (--guide-config).
+GUIDE_LR = 1e-4
+GUIDE_MOMENTUM = 0.99
 
 
 # --------------------------------------------------------------------------------------
@@ -198,33 +198,33 @@ def parse_args(argv=None):
                "  poprun-lite --num-replicas 2 python examples/shakespeare.py\n"
                "  poprun-lite --num-replicas 2 python examples/shakespeare.py "
                "--partition-strategy ENCODING\n"
-               "  python examples/shakespeare.py --seed-config --steps 200\n"
+               "  python examples/shakespeare.py --guide-config --steps 200\n"
                "  poprun-lite --num-replicas 2 python examples/shakespeare.py --checkpoint-dir ckpt "
                "--checkpoint-every 100 --resume\n"
                "  mpirun -n 2 python examples/shakespeare.py --data my.txt --steps 50")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per replica per step")
     p.add_argument("--seq-len", type=int, default=100,
-                   help="characters per sequence (with --seed-config: including the label)")
+                   help="characters per sequence (with --guide-config: including the label)")
     p.add_argument("--lr", type=float, default=None,
-                   help=f"dense learning rate (default: {DEFAULT_LR}; {SEED_LR} with --seed-config)")
+                   help=f"dense learning rate (default: {DEFAULT_LR}; {GUIDE_LR} with --guide-config)")
     p.add_argument("--momentum", type=float, default=None,
-                   help=f"dense momentum (default: {DEFAULT_MOMENTUM}; {SEED_MOMENTUM} with --seed-config)")
+                   help=f"dense momentum (default: {DEFAULT_MOMENTUM}; {GUIDE_MOMENTUM} with --guide-config)")
     p.add_argument("--emb-lr", type=float, default=None,
                    help=f"host embedding learning rate (default: SGD {DEFAULT_EMB_LR}, Adam "
-                        f"{DEFAULT_EMB_ADAM_LR}; --lr with --seed-config, as the seed)")
+                        f"{DEFAULT_EMB_ADAM_LR}; --lr with --guide-config, as in the guide)")
     p.add_argument("--emb-optimizer", choices=["sgd", "adam"], default="sgd",
-                   help="host embedding optimizer: SGD (the seed's) or Adam on touched rows")
+                   help="host embedding optimizer: SGD (the guide's) or Adam on touched rows")
     p.add_argument("--clip-norm", type=float, default=None,
                    help=f"clip each replica's gradient (dense and embedding together) to this "
-                        f"global norm; 0 = off (default: {DEFAULT_CLIP_NORM}; off with --seed-config)")
+                        f"global norm; 0 = off (default: {DEFAULT_CLIP_NORM}; off with --guide-config)")
     p.add_argument("--data", type=Path, default=None,
                    help=f"text file (default: {DEFAULT_DATA.relative_to(ROOT)}, fetched if missing)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--partition-strategy", choices=["TOKEN", "ENCODING"], default="TOKEN",
                    help="how the embedding table is split across replicas")
-    p.add_argument("--seed-config", action="store_true",
-                   help="the seed's set-up: label = last character, lr 1e-4, momentum 0.99")
+    p.add_argument("--guide-config", action="store_true",
+                   help="the guide example's set-up: label = last character, lr 1e-4, momentum 0.99")
     p.add_argument("--log-every", type=int, default=None,
                    help="print the loss every N steps, averaged over those steps and over "
                         "the replicas (default: steps/30, at least 1)")
@@ -252,14 +252,14 @@ def parse_args(argv=None):
                    help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
     args = p.parse_args(argv)
     if args.lr is None:
-        args.lr = SEED_LR if args.seed_config else DEFAULT_LR
+        args.lr = GUIDE_LR if args.guide_config else DEFAULT_LR
     if args.momentum is None:
-        args.momentum = SEED_MOMENTUM if args.seed_config else DEFAULT_MOMENTUM
+        args.momentum = GUIDE_MOMENTUM if args.guide_config else DEFAULT_MOMENTUM
     if args.emb_lr is None:
-        args.emb_lr = args.lr if args.seed_config else \
+        args.emb_lr = args.lr if args.guide_config else \
             DEFAULT_EMB_ADAM_LR if args.emb_optimizer == "adam" else DEFAULT_EMB_LR
     if args.clip_norm is None:
-        args.clip_norm = 0.0 if args.seed_config else DEFAULT_CLIP_NORM
+        args.clip_norm = 0.0 if args.guide_config else DEFAULT_CLIP_NORM
     if args.log_every is None:
         args.log_every = max(1, args.steps // 30)
     if args.steps < 0 or args.log_every < 1:
@@ -268,7 +268,7 @@ def parse_args(argv=None):
         p.error("--resume and --checkpoint-every need --checkpoint-dir")
     if args.checkpoint_every is not None and args.checkpoint_every < 1 or args.checkpoint_keep < 1:
         p.error("--checkpoint-every and --checkpoint-keep must be >= 1")
-    min_len = 2 if args.seed_config else 1
+    min_len = 2 if args.guide_config else 1
     if args.seq_len < min_len:
         p.error(f"--seq-len must be >= {min_len}")
     return args
@@ -291,7 +291,7 @@ def stdout_is_terminal() -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     popdist_lite.init()
-    chunk_len = args.seq_len if args.seed_config else args.seq_len + 1
+    chunk_len = args.seq_len if args.guide_config else args.seq_len + 1
     data = args.data if args.data is not None else DEFAULT_DATA
 
     def load_batches(shard_index, num_shards):
@@ -327,9 +327,9 @@ def main(argv=None) -> int:
     char2idx = {c: i for i, c in enumerate(vocab)}
     idx2char = np.array(vocab)
 
-    mode = "seed" if args.seed_config else "next"
+    mode = "guide" if args.guide_config else "next"
     # Next-char mode: chunks of seq_len + 1 (input = first seq_len, labels = last seq_len).
-    # Seed mode: chunks of seq_len as in the guide's example (input = first seq_len - 1,
+    # Guide mode: chunks of seq_len as in the guide's example (input = first seq_len - 1,
     # label = last).
     model_len = chunk_len - 1  # T, the GRU's sequence length
 
@@ -381,7 +381,7 @@ def main(argv=None) -> int:
 
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x "
         f"batch {args.batch_size}, sequences of {model_len}, {args.partition_strategy} "
-        f"embedding, {'seed config (last-char label)' if args.seed_config else 'next-char labels'}, "
+        f"embedding, {'guide config (last-char label)' if args.guide_config else 'next-char labels'}, "
         f"lr {args.lr:g}, momentum {args.momentum:g}, embedding lr {args.emb_lr:g}, "
         f"clip norm {args.clip_norm:g}")
 

@@ -108,13 +108,13 @@ def test_loss_matches_reference_forward():
 
 def test_float32_and_logits_consistent():
     rng = np.random.default_rng(4)
-    params = char_model.init_params(rng, vocab=V, emb_dim=E, hidden=H, seq_len=T, mode="seed")
+    params = char_model.init_params(rng, vocab=V, emb_dim=E, hidden=H, seq_len=T, mode="guide")
     assert all(v.dtype == np.float32 for v in params.values())
     emb = rng.standard_normal((B, T, E)).astype(np.float32)
     labels = rng.integers(0, V, size=B)
     loss, grads, d_emb = char_model.loss_and_grads(params, emb, labels)
     assert d_emb.dtype == np.float32 and all(g.dtype == np.float32 for g in grads.values())
-    logits = char_model.forward_logits(params, emb, mode="seed").astype(np.float64)
+    logits = char_model.forward_logits(params, emb, mode="guide").astype(np.float64)
     logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
     assert loss == pytest.approx(-logp[np.arange(B), labels].mean(), rel=1e-4)
 

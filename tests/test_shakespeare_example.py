@@ -70,9 +70,9 @@ def test_single_process(tiny):
     assert "\r" not in r.stdout, "no progress bar when stdout is not a terminal"
 
 
-def test_seed_config(tiny):
+def test_guide_config(tiny):
     r = _run(["--data", str(tiny), "--steps", "2", "--seq-len", "20", "--batch-size", "4",
-              "--log-every", "1", "--sample-chars", "5", "--seed-config"])
+              "--log-every", "1", "--sample-chars", "5", "--guide-config"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert [n for n, _ in _steps(r.stdout)] == [0, 1]
     assert "sequences of 19" in r.stdout and "last-char label" in r.stdout

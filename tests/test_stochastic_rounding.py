@@ -21,7 +21,7 @@ def accumulate(n_runs, rounding, steps=10_000, addend=0.0001):
     return total
 
 
-def test_seed_swamping_with_round_to_nearest_gives_0_25():
+def test_swamping_with_round_to_nearest_gives_0_25():
     # The tutorial's own numpy code, verbatim in spirit: float16 += 0.0001, 10,000 times.
     x = np.array([0.0]).astype(F16)
     for _ in range(10000):
@@ -30,7 +30,7 @@ def test_seed_swamping_with_round_to_nearest_gives_0_25():
     assert accumulate(1, round_to_nearest)[0] == 0.25
 
 
-def test_seed_swamping_with_stochastic_rounding_averages_1():
+def test_swamping_with_stochastic_rounding_averages_1():
     rng = np.random.default_rng(2024)
     runs = accumulate(20, lambda v: stochastic_round(v, rng))  # 20 independent runs, as in the tutorial
     assert runs.dtype == F16

@@ -44,7 +44,7 @@ def test_lookup_matches_numpy(comm, rng, strategy, t, e):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_token_placement_follows_the_seed(comm, rng, strategy):
+def test_token_placement_follows_the_guide(comm, rng, strategy):
     t, e, r, k = 11, 6, comm.size, comm.rank
     full = table(rng, t, e)
     emb = make("placement", [t, e], strategy, full)
