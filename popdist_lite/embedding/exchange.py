@@ -31,7 +31,7 @@ class Exchange(Protocol):
 
         Args:
             shard: this replica's partition (the values lookups serve).
-            flat: ``int64[n]`` indices (``n`` may differ per replica, may be 0).
+            flat: C-contiguous ``int64[n]`` indices (``n`` may differ per replica, may be 0).
             problem: this replica's own :class:`Problem`, raised on every replica.
 
         Returns:
@@ -48,8 +48,8 @@ class Exchange(Protocol):
         sum of every replica's gradients for each.
 
         Args:
-            flat: ``int64[n]`` indices.
-            grads: ``(n, e)`` gradients in the lookup dtype.
+            flat: C-contiguous ``int64[n]`` indices.
+            grads: C-contiguous ``(n, e)`` gradients in the lookup dtype.
             problem: as for :meth:`lookup`.
             trainable: when False only the checks run and ``None`` is returned.
 

@@ -107,8 +107,9 @@ class HostEmbedding:
         """Look up rows of the whole table. Collective.
 
         Args:
-            indices: integer array of any shape and any integer dtype; the shape may
-                differ between replicas.
+            indices: integer array of any shape, integer dtype and memory layout
+                (strided views such as ``ids[k::r]``, negative strides, Fortran order);
+                the shape may differ between replicas.
             clip_indices: clip out-of-range indices to ``[0, t)`` (the TensorFlow-IPU API's
                 behaviour) instead of raising.
 
@@ -149,7 +150,8 @@ class HostEmbedding:
 
         Args:
             indices: as for :meth:`lookup`.
-            grads: ``indices.shape + (e,)`` floating array (cast to the lookup dtype).
+            grads: ``indices.shape + (e,)`` floating array of any memory layout (cast
+                to the lookup dtype).
             clip_indices: as for :meth:`lookup`.
             loss_scale: the factor the loss was multiplied by (see
                 :mod:`popdist_lite.loss_scaling`); the same on every replica.
@@ -411,8 +413,12 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
 def _prepare(spec: TableSpec, indices: np.ndarray, clip_indices: bool, grads=None):
     """Check this replica's arguments to a lookup or update locally (no communication).
 
-    Returns ``(flat int64[n], grads (n, e) or None, Problem or None)``; the problem
-    is raised on every replica by the exchange.
+    Indices and gradients may have any memory layout (strided views, negative strides,
+    Fortran order): what the exchanges get is C-contiguous, as MPI buffers must be,
+    copied only when the caller's array is not already C-contiguous in the right dtype.
+
+    Returns ``(flat C-contiguous int64[n], grads C-contiguous (n, e) of the lookup dtype
+    or None, Problem or None)``; the problem is raised on every replica by the exchange.
     """
     t, e = spec.shape
     problem = None
@@ -421,8 +427,10 @@ def _prepare(spec: TableSpec, indices: np.ndarray, clip_indices: bool, grads=Non
         problem = Problem(TypeError, f"host embedding {spec.name!r}: argument indices: expected an integer "
                                      f"dtype, got {indices.dtype}")
     else:
-        # no copy of int64 indices unless clipping writes to them (the exchanges only read)
-        flat = indices.reshape(-1).astype(np.int64, copy=bool(clip_indices))
+        # Indices of any layout (strided, negative strides, Fortran order) become one
+        # C-contiguous int64 array, as MPI takes them; no copy of C-contiguous int64
+        # indices unless clipping writes to them (the exchanges only read).
+        flat = indices.reshape(-1).astype(np.int64, order="C", copy=bool(clip_indices))
         if clip_indices:
             np.clip(flat, 0, t - 1, out=flat)
     if grads is not None and problem is None:
