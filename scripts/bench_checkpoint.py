@@ -73,6 +73,7 @@ def driver(args) -> int:
 
 def worker(args) -> None:
     import numpy as np
+    from mpi4py import MPI
 
     import popdist_lite as pl
 
@@ -109,7 +110,7 @@ def worker(args) -> None:
         start = time.perf_counter()
         fn()
         mine_s = time.perf_counter() - start
-        times.setdefault(name, []).append(comm.allreduce(mine_s, op=__import__("mpi4py").MPI.MAX))
+        times.setdefault(name, []).append(comm.allreduce(mine_s, op=MPI.MAX))
 
     def raw_save(sync):
         for n, a in mine.items():
@@ -153,7 +154,7 @@ def worker(args) -> None:
             f.write("5")  # reset the peak resident set size (VmHWM)
         before = status("VmRSS")
         fn()
-        return comm.allreduce((status("VmHWM") - before) / 1024, op=__import__("mpi4py").MPI.MAX)
+        return comm.allreduce((status("VmHWM") - before) / 1024, op=MPI.MAX)
 
     ckpt = base / "ckpt"
     for round_ in range(args.rounds):
