@@ -1,14 +1,20 @@
 """Per-rank supervisor: ``python -m popdist_lite_launcher.agent -- program args``.
 
 mpirun starts one agent per rank (like torchrun's per-worker agent) on the rank's host.
-The agent starts the program as its child, tees the child's stderr while keeping its
-last lines, forwards SIGTERM/SIGINT, and keeps ONE TCP connection to the launcher's
-collector (``POPRUN_LITE_COLLECTOR``) over which it sends, as newline-delimited JSON
-(:mod:`popdist_lite.records`): ``hello``, a ``heartbeat`` every second, every record the
-program sends it (its uncaught exception from ``popdist_lite``'s excepthook), and
-``exit`` with the exit code or signal and the stderr tail. The same connection
-carries the launcher's requests to this agent: :data:`REQUESTS` maps a record kind to
-its handler (``signal``: send a signal to the program; ``stack_request``: answer with
+The agent takes the job's key out of its environment (so its program never sees it),
+starts the program as its child, tees the child's stderr while keeping its last lines,
+forwards SIGTERM/SIGINT, and keeps ONE authenticated TCP connection to the launcher's
+collector (``POPRUN_LITE_COLLECTOR``; :class:`Link`, framing and handshake in
+:mod:`popdist_lite_launcher.channel`) over which it sends records
+(:mod:`popdist_lite.records`): ``hello``, a ``heartbeat`` every second, the ``error``
+record of its program (the uncaught exception from ``popdist_lite``'s excepthook,
+stamped with this agent's identity: anything else the program sends is dropped), and
+``exit`` with the exit code or signal and the stderr tail. The same connection carries
+the launcher's requests to this agent, checked like every line (a frame of this
+connection, a valid record of :data:`records.TO_AGENT
+<popdist_lite.records.TO_AGENT>`): :data:`REQUESTS` maps a record kind to its handler
+(``signal``: send one of :data:`records.REQUEST_SIGNALS
+<popdist_lite.records.REQUEST_SIGNALS>` to the program; ``stack_request``: answer with
 the program's Python stacks).
 
 With ``POPRUN_LITE_STALL_INSPECTOR=1`` the agent also gives its program a progress slot
@@ -20,6 +26,7 @@ The program reaches its agent through a host-local socket pair whose descriptor 
 
 Environment read here (set by the launcher):
     POPRUN_LITE_COLLECTOR                   the collector's host:port (no records if unset)
+    POPRUN_LITE_JOB_KEY                     the job's key (hex), removed from the environment
     POPRUN_LITE_STALL_INSPECTOR             "1": record and forward the program's progress
     POPDIST_LITE_ROLE                       "replica" (default) or "feeder"
     POPDIST_LITE_FEEDER_OF / _FEEDER_INDEX  on a feeder: the replica it feeds, its index
@@ -31,8 +38,10 @@ Environment read here (set by the launcher):
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -40,15 +49,19 @@ import sys
 import threading
 import time
 
-from . import records
+from . import channel, records
 from .rank_progress import RankProgress
 from .tee import Tee
 
 TAIL_LINES = 200
 #: Seconds between forwarding SIGTERM/SIGINT to the program and SIGKILLing it.
 PROGRAM_KILL_DELAY_SECONDS = 3.0
-#: Seconds to wait for the collector to accept the connection.
-CONNECT_TIMEOUT_SECONDS = 10.0
+#: Seconds, in all, the agent keeps trying to connect to the collector and authenticate.
+CONNECT_DEADLINE_SECONDS = 30.0
+#: First pause between two connection attempts; doubled after each, up to the maximum.
+CONNECT_BACKOFF_SECONDS = 0.05
+CONNECT_BACKOFF_MAX_SECONDS = 2.0
+
 
 def _set_pdeathsig() -> None:
     """In the child (preexec_fn): get SIGKILL when the agent dies (Linux only)."""
@@ -59,73 +72,154 @@ def _set_pdeathsig() -> None:
         pass
 
 
-class Link:
-    """The agent's connection to the launcher's collector.
+def _warn(text: str) -> None:
+    print(f"poprun-lite agent on {socket.gethostname()}: {text}", file=sys.stderr, flush=True)
 
-    ``address`` is ``host:port`` (None or unreachable: records are dropped, with one
-    warning on stderr). :meth:`send` is thread-safe; :meth:`start` sends ``hello`` and
-    starts the heartbeat and the reader of the launcher's requests, which calls
-    ``on_request(record)``.
+
+class _Lines:
+    """The lines arriving on a blocking socket, one at a time."""
+
+    def __init__(self, sock: socket.socket, max_line: int):
+        self.sock = sock
+        self.buffer = records.LineBuffer(max_line)
+        self.ready: collections.deque[bytes] = collections.deque()
+
+    def next(self, deadline: float | None = None) -> bytes | None:
+        """The next line, or None at the end of the stream.
+
+        Raises:
+            OSError: including ``TimeoutError`` once ``deadline`` (monotonic) has passed.
+            channel.ChannelError: a line over the buffer's limit.
+        """
+        while not self.ready:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no answer in time")
+                self.sock.settimeout(left)
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return None
+            self.ready.extend(self.buffer.feed(chunk))
+            if self.buffer.overlong:
+                raise channel.ChannelError(f"a line over {self.buffer.max_line} bytes")
+        return self.ready.popleft()
+
+
+class Link:
+    """The agent's authenticated connection to the launcher's collector.
+
+    ``address`` is ``host:port`` and ``key`` the job's key (either None: no records are
+    sent). :meth:`start` connects in a thread: TCP connection, ``challenge``, ``hello``,
+    ``welcome`` (:mod:`popdist_lite_launcher.channel`), trying again with exponential
+    back-off while the collector cannot be reached or closes the connection before its
+    welcome (a flood of strangers' connections may have pushed this one out), for up to
+    :data:`CONNECT_DEADLINE_SECONDS`; then it starts the heartbeat and the reader of the
+    launcher's requests, which calls ``on_request(record)`` for every authentic, valid
+    request. :meth:`send` is thread-safe and waits for the handshake.
     """
 
-    def __init__(self, address: str | None):
-        self.sock = None
+    def __init__(self, address: str | None, key: bytes | None):
+        self.address, self.key = address, key
+        self.sock: socket.socket | None = None
+        self.session: channel.Session | None = None
         self.lock = threading.Lock()
+        self.ready = threading.Event()  # authenticated, or given up
         self.closed = threading.Event()
-        if not address:
-            return
-        host, _, port = address.rpartition(":")
-        try:
-            self.sock = socket.create_connection((host.strip("[]"), int(port)),
-                                                 timeout=CONNECT_TIMEOUT_SECONDS)
-            self.sock.settimeout(None)
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except (OSError, ValueError) as exc:
-            print(f"poprun-lite agent on {socket.gethostname()}: cannot reach the launcher's "
-                  f"collector at {address}: {exc}; this rank's failures will not be reported",
-                  file=sys.stderr, flush=True)
-            self.sock = None
+        if address and key is None:
+            _warn(f"no job key in ${channel.KEY_ENV}; this rank's failures will not be reported")
+        if not address or key is None:
+            self.ready.set()
 
-    def send(self, record: dict | bytes) -> bool:
-        """Send a record (a dict, or an already encoded line); False if not sent."""
-        if self.sock is None:
+    def start(self, ident: dict, on_request) -> None:
+        """Connect and authenticate as ``ident`` (identity fields) in a thread."""
+        if not self.ready.is_set():
+            threading.Thread(target=self._run, args=(dict(ident), on_request),
+                             name="poprun-lite link", daemon=True).start()
+
+    def _run(self, ident: dict, on_request) -> None:
+        deadline = time.monotonic() + CONNECT_DEADLINE_SECONDS
+        pause = CONNECT_BACKOFF_SECONDS
+        while True:
+            try:
+                lines = self._handshake(ident, deadline)
+                break
+            except (OSError, ValueError) as exc:  # ValueError: bad address, ChannelError
+                problem = exc
+            if self.closed.is_set() or time.monotonic() + pause > deadline:
+                _warn(f"cannot reach the launcher's collector at {self.address}: {problem}; "
+                      f"this rank's failures will not be reported")
+                self.ready.set()
+                return
+            time.sleep(pause * random.uniform(0.5, 1.0))
+            pause = min(2 * pause, CONNECT_BACKOFF_MAX_SECONDS)
+        self.ready.set()
+        threading.Thread(target=self._heartbeat, daemon=True).start()
+        threading.Thread(target=self._requests, args=(lines, on_request), daemon=True).start()
+
+    def _handshake(self, ident: dict, deadline: float) -> _Lines:
+        """One attempt; returns the reader of the connection's later lines.
+
+        Raises:
+            OSError: cannot connect, closed or no answer before the welcome.
+            ValueError: a bad address, or a refused challenge or welcome (ChannelError).
+        """
+        host, _, port = self.address.rpartition(":")
+        sock = socket.create_connection((host.strip("[]"), int(port)),
+                                        timeout=max(0.1, deadline - time.monotonic()))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            lines = _Lines(sock, channel.MAX_HELLO_BYTES)
+            session, hello = channel.answer(self.key, _line(lines, deadline), ident)
+            sock.sendall(hello)
+            channel.check_welcome(session, _line(lines, deadline))
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        lines.buffer.max_line = records.MAX_LINE_BYTES
+        self.sock, self.session = sock, session
+        return lines
+
+    def send(self, record: dict) -> bool:
+        """Send ``record`` (cut to the schema's limits, :func:`records.fit`); False if
+        not sent (no link, or it broke)."""
+        self.ready.wait(CONNECT_DEADLINE_SECONDS + 5.0)
+        if self.session is None:
             return False
-        line = record if isinstance(record, bytes) else records.encode(record)
         with self.lock:
             try:
-                self.sock.sendall(line)
+                self.sock.sendall(self.session.seal(records.fit(record)))
                 return True
             except OSError:
                 return False
 
-    def start(self, hello: dict, on_request) -> None:
-        if self.sock is None:
-            return
-        self.send(records.make("hello", hello))
-        threading.Thread(target=self._heartbeat, daemon=True).start()
-        threading.Thread(target=self._requests, args=(on_request,), daemon=True).start()
-
     def _heartbeat(self) -> None:
-        beat = records.encode(records.make("heartbeat"))
         while not self.closed.wait(records.HEARTBEAT_SECONDS):
-            if not self.send(beat):
+            if not self.send(records.make("heartbeat")):
                 return
 
-    def _requests(self, on_request) -> None:
-        lines = records.LineBuffer()
+    def _requests(self, lines: _Lines, on_request) -> None:
         while True:
             try:
-                chunk = self.sock.recv(65536)
+                line = lines.next()
             except OSError:
                 return
-            if not chunk:
+            except channel.ChannelError as exc:  # one over-long line: drop it, read on
+                lines.buffer.overlong = 0
+                _warn(f"dropped a line from the launcher ({exc.reason})")
+                continue
+            if line is None:
                 return
-            for line in lines.feed(chunk):
-                try:
-                    on_request(records.decode(line))
-                except Exception as exc:  # noqa: BLE001 - a bad request must not kill the agent
-                    print(f"poprun-lite agent: ignored request {line[:200]!r}: {exc}",
-                          file=sys.stderr, flush=True)
+            try:
+                request = self.session.open(line, records.TO_AGENT)
+            except channel.ChannelError as exc:
+                _warn(f"dropped a line from the launcher ({exc.reason})")
+                continue
+            try:
+                on_request(request)
+            except Exception as exc:  # noqa: BLE001 - a failing request must not kill the agent
+                _warn(f"request {request['kind']!r} failed: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         """Stop the heartbeat and close the connection (after the last record)."""
@@ -139,9 +233,23 @@ class Link:
                 self.sock.close()
 
 
-def _relay(sock: socket.socket, link: Link) -> None:
-    """Pass every record line from the program to the launcher and acknowledge it with
-    one byte (the program may wait for that before aborting the job)."""
+def _line(lines: _Lines, deadline: float) -> bytes:
+    """The next handshake line.
+
+    Raises:
+        ConnectionError: the collector closed the connection first.
+    """
+    line = lines.next(deadline)
+    if line is None:
+        raise ConnectionError("the collector closed the connection before the welcome")
+    return line
+
+
+def _relay(sock: socket.socket, link: Link, ident: dict) -> None:
+    """Pass the program's ``error`` records to the launcher, stamped with this agent's
+    identity (``ident``; the program's own ``time`` is kept), and acknowledge every line
+    with one byte (the program may wait for that before aborting the job). Anything
+    else the program sends is dropped."""
     lines = records.LineBuffer()
     while True:
         try:
@@ -150,17 +258,25 @@ def _relay(sock: socket.socket, link: Link) -> None:
             break
         if not chunk:
             break
+        overlong = lines.overlong
         for line in lines.feed(chunk):
             try:
-                records.decode(line)
-            except ValueError:
-                continue
-            link.send(line + b"\n")
-            try:
-                sock.sendall(b"\x06")
-            except OSError:
-                pass
+                record = records.decode(line, records.FROM_PROGRAM)
+            except ValueError as exc:
+                _warn(f"dropped a record from the program: {exc}")
+            else:
+                link.send({**record, **ident, "time": record["time"]})
+            _acknowledge(sock, 1)
+        _acknowledge(sock, lines.overlong - overlong)
     sock.close()
+
+
+def _acknowledge(sock: socket.socket, lines: int) -> None:
+    if lines:
+        try:
+            sock.sendall(b"\x06" * lines)
+        except OSError:
+            pass
 
 
 def _signal_program(state: dict, request: dict) -> None:
@@ -180,7 +296,7 @@ def _dump_stack(state: dict, request: dict) -> None:
     def answer():
         text = watched.dump_stack(proc.pid) if proc.poll() is None else ""
         link.send(records.make("stack", {**state["ident"], "time": time.time()},
-                               request=request.get("request"), text=text))
+                               request=request["request"], text=text))
     threading.Thread(target=answer, daemon=True).start()
 
 
@@ -212,6 +328,7 @@ def run(program: list[str]) -> int:
     docstring. Does not raise for failures of the program.
     """
     environ = os.environ
+    key = channel.take_key(environ)  # out of our environment before anything is started
     ident = records.env_identity(environ)
     shown = _is_shown(environ)
     ours, theirs = socket.socketpair()
@@ -230,7 +347,7 @@ def run(program: list[str]) -> int:
             child_env.update(stop["progress"].env())
             pass_fds += stop["progress"].fds()
         except OSError as exc:
-            print(f"poprun-lite agent: no stall inspection for this rank: {exc}", file=sys.stderr)
+            _warn(f"no stall inspection for this rank: {exc}")
 
     def forward(signum, _frame):
         if stop["signal"] is None:
@@ -249,7 +366,7 @@ def run(program: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    link = Link(environ.get(records.COLLECTOR_ENV))
+    link = Link(environ.get(records.COLLECTOR_ENV), key)
     stop["link"] = link
 
     read_fd, write_fd = os.pipe()
@@ -272,7 +389,7 @@ def run(program: list[str]) -> int:
         theirs.close()
         tail_reader = Tee(read_fd, sys.stderr.fileno() if shown else None, TAIL_LINES)
         ident["pid"] = child.pid
-        relay = threading.Thread(target=_relay, args=(ours, link), daemon=True)
+        relay = threading.Thread(target=_relay, args=(ours, link, ident), daemon=True)
         relay.start()
         stop["child"] = child
         link.start(ident, on_request)

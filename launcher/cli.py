@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 import time
 
-from . import __version__, job, network, records, report
+from . import __version__, channel, hosts, job, network, records, report
 from .collector import Collector
 from .inspector import StallInspector
 from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,
@@ -72,22 +73,11 @@ _non_negative_int = _number(int, 0, "0 or more")
 _non_negative_float = _number(float, 0, "0 or more")
 
 
-def _host_slots(text: str) -> tuple[str, int | None]:
-    """``host`` or ``host:slots`` -> (host, slots or None)."""
-    name, sep, slots = text.strip().partition(":")
-    if not name or (sep and not slots.isdigit()) or (sep and int(slots) < 1):
-        raise ValueError(f"expected HOST or HOST:SLOTS, got {text.strip()!r}")
-    return name, int(slots) if sep else None
-
-
 def _host_list(text: str) -> list[tuple[str, int | None]]:
     try:
-        hosts = [_host_slots(h) for h in text.split(",") if h.strip()]
+        return hosts.parse_host_list(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if not hosts:
-        raise argparse.ArgumentTypeError("expected host0,host1,... (or host0:slots,...)")
-    return hosts
 
 
 def _instance_args(text: str) -> tuple[int, list[str]]:
@@ -119,11 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "replica (default 0: the replica reads its data in a thread)")
     topo.add_argument("--ipus-per-replica", type=_positive_int, default=1, metavar="N",
                       help="exported as POPDIST_NUM_IPUS_PER_REPLICA (default 1)")
-    hosts = topo.add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--host", type=_host_list, default=None, metavar="HOST0,HOST1",
+    placement = topo.add_mutually_exclusive_group()
+    placement.add_argument("-H", "--host", type=_host_list, default=None, metavar="HOST0,HOST1",
                        help="hosts, optionally with slots (h0:2,h1:2); instances are divided "
                             "evenly among them, at most SLOTS ranks on a host")
-    hosts.add_argument("--hostfile", default=None, metavar="FILE",
+    placement.add_argument("--hostfile", default=None, metavar="FILE",
                        help="hostfile in Open MPI (`host slots=N`) or MPICH (`host:N`) format; "
                             "its hosts are used like --host")
 
@@ -215,11 +205,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--only-output-from-instance {opts.only_output_from_instance} is out "
                      f"of range (0..{opts.num_instances - 1})")
     try:
-        hosts = opts.host or (read_hostfile_slots(opts.hostfile) if opts.hostfile else None)
+        listed = opts.host or (hosts.read_hostfile(opts.hostfile) if opts.hostfile else None)
     except (OSError, LauncherError) as exc:
         parser.error(str(exc))
-    opts.hosts = [name for name, _ in hosts] if hosts else None
-    opts.slots = {name: slots for name, slots in hosts or () if slots is not None}
+    opts.hosts = [name for name, _ in listed] if listed else None
+    opts.slots = {name: slots for name, slots in listed or () if slots is not None}
     if opts.hosts and len(set(opts.hosts)) != len(opts.hosts):
         parser.error(f"hosts named more than once: {', '.join(opts.hosts)}")
     if opts.hosts and opts.num_instances % len(opts.hosts):
@@ -235,49 +225,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return opts
 
 
-def read_hostfile(path: str) -> list[str]:
-    """Host names of an Open MPI (``host slots=N``) or MPICH (``host:N``) hostfile.
-
-    Raises:
-        OSError: the file cannot be read.
-        LauncherError: it names no hosts, or a line is malformed.
-    """
-    return [name for name, _ in read_hostfile_slots(path)]
-
-
-def read_hostfile_slots(path: str) -> list[tuple[str, int | None]]:
-    """(host, slots or None) for every line of an Open MPI (``host slots=N``, other
-    ``key=value`` fields ignored) or MPICH (``host:N``) hostfile; ``#`` starts a comment.
-
-    Raises:
-        OSError: the file cannot be read.
-        LauncherError: it names no hosts, or a line is malformed.
-    """
-    hosts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            fields = line.split("#", 1)[0].split()
-            if not fields:
-                continue
-            try:
-                name, slots = _host_slots(fields[0])
-                for field in fields[1:]:
-                    key, _, value = field.partition("=")
-                    if key == "slots":
-                        if not value.isdigit() or int(value) < 1:
-                            raise ValueError(f"bad slots value {value!r}")
-                        slots = int(value)
-            except ValueError as exc:
-                raise LauncherError(f"hostfile {path}, line {number}: {exc}") from None
-            hosts.append((name, slots))
-    if not hosts:
-        raise LauncherError(f"hostfile {path} names no hosts")
-    return hosts
-
-
-def plan_ranks(opts: argparse.Namespace, collector: str, attempt: int = 0) -> list[RankSpec]:
-    """One :class:`RankSpec` per MPI rank, in rank order, with its PopDist environment
-    and ``POPRUN_LITE_COLLECTOR=collector`` (the launcher's ``host:port``).
+def plan_ranks(opts: argparse.Namespace, attempt: int = 0) -> list[RankSpec]:
+    """One :class:`RankSpec` per MPI rank, in rank order, with its PopDist environment.
+    (The collector's address and the job's key, the same for every rank, are not in the
+    specs: :func:`job_environment` puts them in mpirun's environment, forwarded by name.)
 
     Instance ``i`` drives replica ``i``; with hosts, instances are divided evenly
     (consecutive blocks) among them and ``POPDIST_LOCAL_INSTANCE_INDEX`` counts
@@ -301,7 +252,6 @@ def plan_ranks(opts: argparse.Namespace, collector: str, attempt: int = 0) -> li
         "POPDIST_NUM_IPUS_PER_REPLICA": str(opts.ipus_per_replica),
         "POPDIST_NUM_LOCAL_REPLICAS": "1",
         "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE": "1",
-        records.COLLECTOR_ENV: collector,
         # Open MPI gives every rank a pty, so ranks can't tell a terminal from a pipe.
         "POPDIST_LITE_STDOUT_ISATTY": "1" if sys.stdout.isatty() else "0",
         "POPDIST_LITE_FEEDERS_PER_REPLICA": str(opts.feeders_per_replica),
@@ -355,9 +305,12 @@ def format_topology(ranks: list[RankSpec]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run ``poprun-lite`` and exit with the job's exit code (0 on success, the root
-    cause's code or 128+signal on failure, 1 for a stall, 124 on --timeout, 2 on usage
-    errors). With ``--max-restarts N`` a failed attempt is reported and the job launched
-    again, up to N times; the last attempt's outcome decides the exit code."""
+    cause's code or 128+signal on failure, 1 for a stall or an internal error, 124 on
+    --timeout, 2 on usage errors). With ``--max-restarts N`` a failed attempt is reported
+    and the job launched again, up to N times; the last attempt's outcome decides the
+    exit code. Whatever happens, no mpirun session is left running (a ``finally``
+    SIGKILLs what is left of one) and connections or records the collectors did not
+    believe are counted in one line at the end."""
     opts = parse_args(argv)
     try:
         mpirun = find_mpirun(opts.mpirun)
@@ -366,15 +319,38 @@ def main(argv: list[str] | None = None) -> None:
         print(f"poprun-lite: error: {exc}", file=sys.stderr)
         sys.exit(2)
 
+    seen = {"history": [], "result": None, "refused": {}, "dropped": {}}
+    try:
+        code = _run_attempts(opts, mpirun, implementation, seen)
+    except Exception as exc:  # noqa: BLE001 - a bug in the launcher: report, never orphan
+        code = 1
+        _print_internal_error(exc, seen)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    finally:
+        job.kill_sessions()
+    line = report.format_ignored(seen["refused"], seen["dropped"])
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _run_attempts(opts: argparse.Namespace, mpirun: str, implementation: str, seen: dict) -> int:
+    """Run the job's attempts, print their reports, and return the exit code; every
+    attempt's result and its collector's counts go into ``seen``."""
     attempts = opts.max_restarts + 1
     deadline = time.monotonic() + opts.timeout if opts.timeout else None
-    history: list[str] = []  # one line per failed attempt
+    history: list[str] = seen["history"]  # one line per failed attempt
     for attempt in range(attempts):
         left = opts.timeout or None  # --timeout covers all attempts together
         if deadline is not None and attempt:
             left = max(0.001, deadline - time.monotonic())
-        result = _run_attempt(opts, mpirun, implementation, attempt, left)
-        if result.returncode == 0 and not result.stop_reason and not result.failures:
+        result = seen["result"] = _run_attempt(opts, mpirun, implementation, attempt, left)
+        for total, counts in ((seen["refused"], result.refused), (seen["dropped"], result.dropped)):
+            for reason, count in counts.items():
+                total[reason] = total.get(reason, 0) + count
+        if result.returncode == 0 and not result.stop_reason and not result.failures \
+                and not result.internal_error:
             if opts.timeline:
                 path = os.path.abspath(opts.timeline)
                 state = "written to" if os.path.exists(path) else "not written (did the program call popdist_lite.init()?):"
@@ -382,26 +358,52 @@ def main(argv: list[str] | None = None) -> None:
             if history:
                 print(f"poprun-lite: job succeeded on attempt {attempt + 1} of {attempts}; "
                       f"earlier attempts:", *history, sep="\n", file=sys.stderr, flush=True)
-            sys.exit(0)
+            return 0
         code = _exit_code(result)
         summary = report.summary(result.failures, reason=result.stop_reason,
                                  stalled=result.stall is not None)
         history.append(f"  attempt {attempt + 1}: {summary} (exit code {code})")
-        final = attempt + 1 == attempts or result.stop_signal is not None or result.timed_out
+        final = attempt + 1 == attempts or result.stop_signal is not None or result.timed_out \
+            or result.internal_error is not None
         reason = result.stop_reason if final else f"attempt {attempt + 1} of {attempts} failed"
+        if result.internal_error:
+            reason = "job stopped after an internal error in poprun-lite"
         text = report.format_report(result.failures, code, reason=reason,
                                     mpirun_tail=result.mpirun_tail, cause=result.stall)
         if final and len(history) > 1:
             text += "\nattempts:\n" + "\n".join(history)
+        if result.internal_error:
+            text += f"\npoprun-lite: internal error: {result.internal_error}"
         print(text, file=sys.stderr, flush=True)
         if final:
-            sys.exit(code)
+            return code
         print(f"poprun-lite: restarting the job: attempt {attempt + 2} of {attempts} "
               f"({RESTART_COUNT_ENV}={attempt + 1})", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable: the last attempt is final")
+
+
+def _print_internal_error(exc: Exception, seen: dict) -> None:
+    """What is known when the launcher itself failed outside :func:`job.run_job`: the
+    attempts so far, the failures of the last one, and the error."""
+    lines = ["poprun-lite: job ended by an internal error in poprun-lite (exit code 1)"]
+    result = seen["result"]
+    if result is not None:
+        for failure in result.failures:
+            try:
+                lines.append(f"  {failure.title()}: {failure.status()}")
+            except Exception:  # noqa: BLE001 - print what can be printed
+                lines.append(f"  rank {getattr(failure, 'rank', '?')}: failed")
+    if seen["history"]:
+        lines += ["attempts:", *seen["history"]]
+    lines.append(f"poprun-lite: internal error: {job.describe(exc)}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _exit_code(result: job.JobResult) -> int:
     """The exit code of a failed attempt."""
+    if result.internal_error:
+        cause = report.root_cause(result.failures)
+        return cause.launcher_exit_code() if cause is not None else 1
     if result.timed_out:
         return 124
     if result.stop_signal is not None:
@@ -423,23 +425,31 @@ def processes_of(ranks: list[RankSpec]) -> dict[int, list[tuple[str, int]]]:
     return processes
 
 
+def job_environment(collector: Collector) -> dict[str, str]:
+    """mpirun's environment: the launcher's, plus the collector's address and the job's
+    key, which mpirun forwards to every rank by name (never on a command line)."""
+    return {**os.environ, records.COLLECTOR_ENV: collector.address,
+            channel.KEY_ENV: collector.key.hex()}
+
+
 def _run_attempt(opts: argparse.Namespace, mpirun: str, implementation: str, attempt: int,
                  timeout: float | None) -> job.JobResult:
     """Launch the job once (attempt ``attempt``, counted from 0; each with its own
-    collector and stall inspector) and return its result. Exits with code 2 when the
-    collector or mpirun cannot be started."""
+    collector, key and stall inspector) and return its result, with the collector's
+    counts of what it refused. Exits with code 2 when the collector or mpirun cannot be
+    started."""
     remote = [host for host in opts.hosts or () if not is_local_host(host)]
+    ranks = plan_ranks(opts, attempt)
     try:
         address = network.launcher_address(opts.network_interface, remote) if remote \
             else "127.0.0.1"
         if remote and opts.host_check:
             network.check_hosts(opts.launch_agent, remote)
-        collector = Collector(address)
+        collector = Collector(address, ranks=len(ranks))
     except (OSError, LauncherError) as exc:
         print(f"poprun-lite: error: {exc}", file=sys.stderr)
         sys.exit(2)
     with collector:
-        ranks = plan_ranks(opts, collector.address, attempt)
         inspector = None
         if opts.stall_warning or opts.stall_timeout:
             inspector = StallInspector(
@@ -456,7 +466,7 @@ def _run_attempt(opts: argparse.Namespace, mpirun: str, implementation: str, att
             tag_output=opts.tag_output,
             oversubscribe=not remote or len(ranks) > (os.cpu_count() or 1),
             allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
-            export=export,
+            export=[*export, records.COLLECTOR_ENV, channel.KEY_ENV],
             launch_agent=opts.launch_agent if remote and opts.launch_agent != "ssh" else None,
             network=opts.network_interface if remote else None,
             launcher_address=address if remote else None)
@@ -466,10 +476,13 @@ def _run_attempt(opts: argparse.Namespace, mpirun: str, implementation: str, att
             print(shlex.join(cmd), file=sys.stderr, flush=True)
         sys.stdout.flush()
         try:
-            return job.run_job(cmd, collector, timeout=timeout, inspector=inspector)
+            result = job.run_job(cmd, collector, timeout=timeout, inspector=inspector,
+                                 env=job_environment(collector))
         except OSError as exc:
             print(f"poprun-lite: error: cannot run {mpirun}: {exc}", file=sys.stderr)
             sys.exit(2)
+    result.refused, result.dropped = collector.ignored()
+    return result
 
 
 if __name__ == "__main__":

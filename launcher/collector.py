@@ -1,21 +1,41 @@
 """The launcher's collector: a TCP server receiving the records of every rank's agent.
 
 The launcher starts a :class:`Collector` before mpirun and gives every rank its address
-in ``POPRUN_LITE_COLLECTOR=host:port``; each agent opens one connection and sends
-newline-delimited JSON records (format: :mod:`popdist_lite.records`). The collector
+(``POPRUN_LITE_COLLECTOR=host:port``) and the job's key (:data:`channel.KEY_ENV
+<popdist_lite_launcher.channel.KEY_ENV>`), both in the environment. Each agent opens one
+connection, authenticates with the key (:mod:`popdist_lite_launcher.channel`: challenge,
+hello, welcome) and sends framed records (format: :mod:`popdist_lite.records`). Anyone
+else who reaches the port (a local user, a host on the job's network) is a stranger:
+the collector never raises for what a connection sends, believes nothing before the
+handshake, and drops and counts what is not a valid frame and record
+(:meth:`Collector.ignored`). The collector
 
-* keeps every record except heartbeats (:meth:`Collector.records`, by kind), and calls
-  the callbacks registered with :meth:`Collector.subscribe` for the kinds they asked for
-  (e.g. the stall inspector for ``"progress"``);
-* sends requests to one agent (:meth:`Collector.send`, e.g. ``{"kind": "signal",
-  "signal": "SIGUSR1"}``);
-* turns an agent that disappears into a ``"lost"`` record: its connection ended without
-  an ``exit`` record (the agent was killed, its host went down), nothing came for
-  ``silence_timeout`` seconds although heartbeats come every second (the host or its
-  link is down), or it was still connected without an ``exit`` record when mpirun
-  ended (:meth:`Collector.finish`). A loss is marked ``terminated`` (a consequence, not
-  a cause) unless the agent fell silent before the first failure or
+* keeps every record of an authenticated agent except heartbeats
+  (:meth:`Collector.records`, by kind), and calls the callbacks registered with
+  :meth:`Collector.subscribe` for the kinds they asked for (e.g. the stall inspector for
+  ``"progress"``); a record must carry its connection's rank, and only the kinds of
+  :data:`records.FROM_AGENT <popdist_lite.records.FROM_AGENT>` are accepted (``lost`` is
+  made here, never read);
+* sends requests to one authenticated agent (:meth:`Collector.send`, e.g.
+  ``{"kind": "signal", "signal": "SIGUSR1"}``);
+* turns an authenticated agent that disappears into a ``"lost"`` record: its connection
+  ended without an ``exit`` record (the agent was killed, its host went down), nothing
+  came for ``silence_timeout`` seconds although heartbeats come every second (the host
+  or its link is down), or it was still connected without an ``exit`` record when mpirun
+  ended (:meth:`Collector.finish`). A loss is marked ``terminated`` (a consequence, not a
+  cause) unless the agent fell silent before the first failure or
   :meth:`Collector.stopping`.
+
+Limits: a connection must authenticate within
+:data:`~popdist_lite_launcher.channel.HELLO_DEADLINE_SECONDS` with a first line of at
+most :data:`~popdist_lite_launcher.channel.MAX_HELLO_BYTES`; at most
+:data:`MAX_PENDING_CONNECTIONS` connections wait for that at once (a new one closes the
+oldest, so a flood of strangers delays an agent by one retry, never keeps it out); at
+most ``ranks + CONNECTION_MARGIN`` agents; lines of at most
+:data:`records.MAX_LINE_BYTES <popdist_lite.records.MAX_LINE_BYTES>`; a connection is
+closed at its end of file; when ``accept()`` fails for lack of file descriptors the
+collector closes the oldest unauthenticated connection and stops accepting for
+:data:`ACCEPT_BACKOFF_SECONDS` (the loop does not spin).
 
 One thread runs a ``selectors`` loop over the listening socket and the connections;
 callbacks run in that thread and must be quick.
@@ -23,25 +43,43 @@ callbacks run in that thread and must be quick.
 
 from __future__ import annotations
 
+import collections
+import errno
 import select
 import selectors
 import socket
 import threading
 import time
 
-from . import records
+from . import channel, records
 
 #: Seconds without any line from a connected agent before it is declared lost.
 AGENT_SILENCE_SECONDS = 10.0
+#: Authenticated agents allowed beyond the job's ranks.
+CONNECTION_MARGIN = 4
+#: Connections waiting to authenticate, at most; a new one beyond closes the oldest.
+MAX_PENDING_CONNECTIONS = 32
+#: Seconds without accepting after ``accept()`` failed for lack of file descriptors.
+ACCEPT_BACKOFF_SECONDS = 0.5
+#: Seconds a send to an agent may take before the agent counts as unreachable.
+SEND_TIMEOUT_SECONDS = 2.0
+
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
-class _Agent:
-    """One agent's connection."""
+class _Connection:
+    """One connection: unauthenticated until ``session`` is set by a valid hello."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, nonce: bytes):
         self.sock = sock
-        self.lines = records.LineBuffer()
+        self.nonce = nonce
+        self.started = time.monotonic()
+        self.lines = records.LineBuffer(channel.MAX_HELLO_BYTES)
+        self.overlong = 0  # lines.overlong already counted
+        self.session: channel.Session | None = None
+        self.send_lock = threading.Lock()  # frames leave in the order they were sealed
         self.hello: dict | None = None
+        self.rank: int | None = None
         self.last_heard = time.time()
         self.exited = False
         self.closed = False
@@ -51,23 +89,36 @@ class _Agent:
 class Collector:
     """TCP server for the agents' records (see the module docstring).
 
-    ``host`` is the address to listen on (``127.0.0.1`` for a single-host job, the
-    launcher's address on the job's network otherwise); ``port`` 0 picks a free one.
+    Args:
+        host: the address to listen on (``127.0.0.1`` for a single-host job, the
+            launcher's address on the job's network otherwise).
+        port: 0 picks a free one.
+        key: the job's key (default: a new one, :func:`channel.new_key`); agents get it
+            as :attr:`key`.
+        ranks: the job's MPI ranks (agents); ``ranks + CONNECTION_MARGIN`` agents may
+            authenticate.
+        silence_timeout: seconds without a line before an agent is lost.
 
     Raises:
         OSError: the address cannot be bound.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 silence_timeout: float = AGENT_SILENCE_SECONDS):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, key: bytes | None = None,
+                 ranks: int = 1, silence_timeout: float = AGENT_SILENCE_SECONDS):
+        self.key = key or channel.new_key()
         self.silence_timeout = silence_timeout
+        self.max_agents = ranks + CONNECTION_MARGIN
         self._server = socket.create_server((host, port))
         self._server.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._server, selectors.EVENT_READ)
-        self._agents: list[_Agent] = []
+        self._accept_paused_until: float | None = None
+        self._pending: list[_Connection] = []  # oldest first
+        self._agents: list[_Connection] = []   # authenticated
         self._records: list[dict] = []
         self._subscribers: dict[str, list] = {}
+        self._refused: collections.Counter = collections.Counter()
+        self._dropped: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
         self._failed = False
         self._failed_at: float | None = None  # when the first failure or the stop came
@@ -94,6 +145,13 @@ class Collector:
         with self._lock:
             return [r for r in self._records if r["kind"] in records.FAILURE_KINDS]
 
+    def ignored(self) -> tuple[dict[str, int], dict[str, int]]:
+        """What was not believed so far: ``(refused, dropped)``, counts by reason of the
+        connections closed without authenticating and of the lines dropped on
+        authenticated connections."""
+        with self._lock:
+            return dict(self._refused), dict(self._dropped)
+
     def subscribe(self, kind: str, callback) -> None:
         """Call ``callback(record)`` (in the collector's thread) for every later record
         of ``kind``."""
@@ -101,13 +159,13 @@ class Collector:
             self._subscribers.setdefault(kind, []).append(callback)
 
     def send(self, rank: int, record: dict) -> bool:
-        """Send ``record`` to the agent of ``rank``; False if it is not connected."""
-        line = records.encode(record)
+        """Send ``record`` to the authenticated agent of ``rank``; False if there is none
+        or it cannot be reached within :data:`SEND_TIMEOUT_SECONDS`."""
         with self._lock:
-            agents = [a for a in self._agents
-                      if a.hello is not None and a.hello.get("rank") == rank and not a.closed]
+            agents = [a for a in self._agents if a.rank == rank and not a.closed]
         for agent in agents:
-            return _send_all(agent.sock, line, timeout=2.0)
+            with agent.send_lock:
+                return _send_all(agent.sock, agent.session.seal(record), SEND_TIMEOUT_SECONDS)
         return False
 
     def has_failure(self) -> bool:
@@ -115,6 +173,11 @@ class Collector:
         not a consequence of stopping)."""
         with self._lock:
             return self._failed
+
+    def lost_cause(self) -> bool:
+        """True once an agent was lost before the job was failing or stopping."""
+        with self._lock:
+            return any(r["kind"] == "lost" and not r["terminated"] for r in self._records)
 
     def stopping(self) -> None:
         """Mark the job as being stopped: agents lost from now on are consequences."""
@@ -132,8 +195,8 @@ class Collector:
                               "killed or host down)")
 
     def wait_closed(self, timeout: float) -> bool:
-        """Wait until every connected agent has closed its connection (their last records
-        are then in), at most ``timeout`` s. True if all closed."""
+        """Wait until every authenticated agent has closed its connection (their last
+        records are then in), at most ``timeout`` s. True if all closed."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
@@ -143,14 +206,18 @@ class Collector:
         return False
 
     def close(self) -> None:
-        """Stop the thread and close every socket (idempotent)."""
+        """Stop the thread and close every socket (idempotent). Connections still not
+        authenticated count as refused."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._thread.join(2.0)
-        for agent in self._agents:
-            agent.sock.close()
+        with self._lock:
+            if self._pending:
+                self._refused["not authenticated when the job ended"] += len(self._pending)
+        for conn in self._pending + self._agents:
+            conn.sock.close()
         self._server.close()
         self._selector.close()
 
@@ -165,58 +232,134 @@ class Collector:
     def _loop(self) -> None:
         while not self._closed:
             for key, _ in self._selector.select(timeout=0.2):
-                if key.fileobj is self._server:
-                    self._accept()
-                else:
-                    self._read(key.data)
-            self._check_silence()
+                conn = key.data
+                try:
+                    if conn is None:
+                        self._accept()
+                    elif not conn.closed:
+                        self._read(conn)
+                except Exception as exc:  # noqa: BLE001 - a bug must not end the collector
+                    reason = f"collector error ({type(exc).__name__})"
+                    if conn is not None and conn in self._pending:
+                        self._refuse(conn, reason)
+                    else:
+                        with self._lock:
+                            self._dropped[reason] += 1
+            self._check_deadlines()
 
     def _accept(self) -> None:
         try:
             sock, _ = self._server.accept()
-        except OSError:
+        except (BlockingIOError, InterruptedError):
             return
-        sock.setblocking(False)
-        agent = _Agent(sock)
-        with self._lock:
-            self._agents.append(agent)
-        self._selector.register(sock, selectors.EVENT_READ, agent)
-
-    def _read(self, agent: _Agent) -> None:
+        except OSError as exc:
+            if exc.errno in _OUT_OF_DESCRIPTORS:
+                # the backlog keeps the connection; free a descriptor and wait, not spin
+                self._selector.unregister(self._server)
+                self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF_SECONDS
+                if self._pending:
+                    self._refuse(self._pending[0], "closed to free a file descriptor")
+            return
+        if len(self._pending) >= MAX_PENDING_CONNECTIONS:
+            self._refuse(self._pending[0], "closed for a newer unauthenticated connection")
+        nonce, line = channel.challenge()
+        conn = _Connection(sock, nonce)
         try:
-            chunk = agent.sock.recv(65536)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sent = sock.send(line)  # a new socket's buffer is empty: all of it goes
+        except OSError:
+            sent = 0
+        if sent != len(line):
+            sock.close()
+            with self._lock:
+                self._refused["challenge not delivered"] += 1
+            return
+        self._pending.append(conn)
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            chunk = conn.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             chunk = b""
         if not chunk:
-            self._selector.unregister(agent.sock)
-            if not agent.exited:
-                self._lose(agent, "its agent's connection closed without an exit record "
-                                  "(agent killed or host down)")
-            agent.closed = True
+            if conn.session is None:
+                self._refuse(conn, "closed before authenticating")
+            else:
+                self._end(conn)
+                if not conn.exited:
+                    self._lose(conn, "its agent's connection closed without an exit record "
+                                     "(agent killed or host down)")
             return
-        agent.last_heard = time.time()
-        for line in agent.lines.feed(chunk):
-            try:
-                record = records.decode(line)
-            except ValueError:
-                continue
-            self._add(agent, record)
+        conn.last_heard = time.time()
+        for line in conn.lines.feed(chunk):
+            if conn.closed:
+                return
+            if conn.session is None:
+                self._authenticate(conn, line)
+            else:
+                self._receive(conn, line)
+        if conn.lines.overlong > conn.overlong and not conn.closed:
+            if conn.session is None:
+                self._refuse(conn, f"first line over {channel.MAX_HELLO_BYTES} bytes")
+                return
+            with self._lock:
+                self._dropped[f"line over {records.MAX_LINE_BYTES} bytes"] += \
+                    conn.lines.overlong - conn.overlong
+            conn.overlong = conn.lines.overlong
 
-    def _add(self, agent: _Agent, record: dict) -> None:
+    def _authenticate(self, conn: _Connection, line: bytes) -> None:
+        try:
+            session, hello = channel.accept(self.key, conn.nonce, line)
+        except channel.ChannelError as exc:
+            self._refuse(conn, f"hello: {exc.reason}")
+            return
+        with self._lock:
+            live = [a for a in self._agents if not a.closed]
+        if any(a.rank == hello["rank"] for a in live):
+            self._refuse(conn, "hello for a rank already connected")
+            return
+        if len(live) >= self.max_agents:
+            self._refuse(conn, "more agents than the job's ranks")
+            return
+        with conn.send_lock:
+            welcomed = _send_all(conn.sock, channel.welcome(session), SEND_TIMEOUT_SECONDS)
+        if not welcomed:  # gone already: the agent tries again
+            self._refuse(conn, "welcome not delivered")
+            return
+        self._pending.remove(conn)
+        conn.session, conn.hello, conn.rank = session, hello, hello["rank"]
+        conn.lines.max_line = records.MAX_LINE_BYTES
+        with self._lock:
+            self._agents.append(conn)
+        self._add(conn, hello)
+
+    def _receive(self, conn: _Connection, line: bytes) -> None:
+        try:
+            record = conn.session.open(line, records.FROM_AGENT)
+        except channel.ChannelError as exc:
+            with self._lock:
+                self._dropped[exc.reason] += 1
+            return
+        if "rank" in record and record["rank"] != conn.rank:
+            with self._lock:
+                self._dropped["record for another rank than its connection's"] += 1
+            return
+        self._add(conn, record)
+
+    def _add(self, conn: _Connection, record: dict) -> None:
         kind = record["kind"]
         if kind == "heartbeat":
             return
-        if kind == "hello":
-            agent.hello = record
-        elif kind == "exit":
-            agent.exited = True
+        if kind == "exit":
+            conn.exited = True
         with self._lock:
             self._records.append(record)
-            if kind == "error" or (kind == "exit" and (record.get("exitcode") or
-                                                       record.get("signal"))
-                                   and not record.get("terminated")):
+            if kind == "error" or (kind == "exit" and (record["exitcode"] or record["signal"])
+                                   and not record["terminated"]):
                 self._mark_failed()
             callbacks = list(self._subscribers.get(kind, ()))
         for callback in callbacks:
@@ -225,31 +368,50 @@ class Collector:
             except Exception:  # noqa: BLE001 - a subscriber must not stop the collector
                 pass
 
-    def _check_silence(self) -> None:
-        now = time.time()
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        while self._pending and now - self._pending[0].started > channel.HELLO_DEADLINE_SECONDS:
+            self._refuse(self._pending[0], f"no hello within {channel.HELLO_DEADLINE_SECONDS:g} s")
+        if self._accept_paused_until is not None and now >= self._accept_paused_until:
+            self._accept_paused_until = None
+            self._selector.register(self._server, selectors.EVENT_READ)
+        wall = time.time()
         for agent in list(self._agents):
-            if not agent.closed and not agent.exited and agent.hello is not None \
-                    and now - agent.last_heard > self.silence_timeout:
-                self._selector.unregister(agent.sock)
-                agent.sock.close()
-                agent.closed = True
+            if not agent.closed and not agent.exited \
+                    and wall - agent.last_heard > self.silence_timeout:
+                self._end(agent)
                 self._lose(agent, f"nothing from its agent for {self.silence_timeout:g} s "
                                   "(host down or unreachable)")
 
-    def _lose(self, agent: _Agent, reason: str) -> None:
+    def _end(self, conn: _Connection) -> None:
+        """Close ``conn`` (loop thread only)."""
+        conn.closed = True
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def _refuse(self, conn: _Connection, reason: str) -> None:
+        """Close an unauthenticated connection and count it."""
+        self._end(conn)
+        self._pending.remove(conn)
+        with self._lock:
+            self._refused[reason] += 1
+
+    def _lose(self, agent: _Connection, reason: str) -> None:
         """Record ``agent`` as lost. The loss is a consequence (``terminated``) unless the
         agent fell silent at least two heartbeats before the first failure or the stop."""
-        ident = dict(agent.hello or {})
-        ident.pop("kind", None)
-        if not ident or agent.lost:  # never said hello: nothing to name
-            return
-        agent.lost = True
         with self._lock:
+            if agent.lost:
+                return
+            agent.lost = True
             terminated = self._failed_at is not None and \
                 agent.last_heard > self._failed_at - 2 * records.HEARTBEAT_SECONDS
-            record = records.make("lost", {**ident, "time": agent.last_heard},
-                                  reason=reason, terminated=terminated)
-            self._records.append(record)
+            ident = {name: agent.hello[name] for name in records.IDENTITY_FIELDS}
+            ident["time"] = agent.last_heard
+            self._records.append(records.make("lost", ident, reason=reason,
+                                              terminated=terminated))
             if not terminated:
                 self._mark_failed()
 
@@ -268,6 +430,6 @@ def _send_all(sock: socket.socket, data: bytes, timeout: float) -> bool:
             if left <= 0 or not select.select([], [sock], [], left)[1]:
                 return False
             view = view[sock.send(view):]
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a socket closed meanwhile (fileno -1)
         return False
     return True

@@ -7,7 +7,10 @@ for it for minutes) or when mpirun is still running
 ``FAILED_JOB_STOP_DELAY_SECONDS`` after a rank failed, and if the job is not gone
 ``SESSION_KILL_DELAY_SECONDS`` after being told to stop, SIGKILLs every process of
 mpirun's session (mpirun gives each rank its own process group, so killing one group
-is not enough). The failures come from the collector's records.
+is not enough). The failures come from the collector's records. Whatever goes wrong in
+the launcher itself, the session is killed in a ``finally`` (here, and in ``main`` for
+anything outside :func:`run_job`: :func:`kill_sessions`), so a job is never left
+running without its supervisor.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from . import report
@@ -41,6 +44,9 @@ class JobResult:
     stall: str | None = None             # the stall inspector's block when it ended the job
     mpirun_tail: str = ""
     failures: list = field(default_factory=list)
+    internal_error: str | None = None    # a bug in the launcher that ended the job
+    refused: dict = field(default_factory=dict)  # connections the collector refused, by reason
+    dropped: dict = field(default_factory=dict)  # lines it dropped, by reason
 
 
 def session_pids(sid: int) -> list[int]:
@@ -78,6 +84,17 @@ def kill_session(sid: int) -> None:
         pass
 
 
+def kill_sessions() -> None:
+    """SIGKILL what is left of every session :func:`run_job` started and has not seen
+    end (the launcher's last resort, in ``main``'s ``finally``)."""
+    for sid in list(_sessions):
+        kill_session(sid)
+        _sessions.discard(sid)
+
+
+_sessions: set[int] = set()  # mpirun sessions started by run_job and not yet over
+
+
 def run_job(cmd: list[str], collector, *, timeout: float | None = None,
             env: dict[str, str] | None = None, inspector=None) -> JobResult:
     """Run ``cmd`` (an mpirun command) to completion; failures come from ``collector``
@@ -90,7 +107,10 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     (a :class:`~popdist_lite_launcher.inspector.StallInspector`) is polled every 0.1 s;
     when it returns a block (stall timeout) the job is stopped too and the block is kept
     in :attr:`JobResult.stall`. In every case the whole session is SIGKILLed if still
-    alive ``SESSION_KILL_DELAY_SECONDS`` later.
+    alive ``SESSION_KILL_DELAY_SECONDS`` later. An exception while supervising (a bug
+    in the launcher) SIGKILLs the session at once (in a ``finally``: the job is never
+    left running unsupervised) and is returned in :attr:`JobResult.internal_error`,
+    with the failures recorded so far.
     Must be called from the main thread (it installs signal handlers).
 
     Raises:
@@ -121,6 +141,12 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 start_new_session=True, env=env)
+    except BaseException:
+        _restore(previous)
+        raise
+    _sessions.add(proc.pid)
+    tail = None
+    try:
         state["proc"] = proc
         if result.stop_signal is not None:
             stop(result.stop_signal)
@@ -130,43 +156,66 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
             err_fd = 2
         tail = Tee(os.dup(proc.stderr.fileno()), err_fd, MPIRUN_TAIL_LINES, drop=b"\0")
         proc.stderr.close()
-        start = time.monotonic()
-        failed_at = None
-        killed = False
-        while True:
-            try:
-                result.returncode = proc.wait(timeout=0.1)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            now = time.monotonic()
-            if timeout and state["stop_at"] is None and now - start > timeout:
-                result.timed_out = True
-                result.stop_reason = f"job timed out after {timeout:g} s"
-                stop(signal.SIGTERM)
-            if failed_at is None and collector.has_failure():
-                failed_at = now
-            if failed_at is not None and state["stop_at"] is None and (
-                    any(not r["terminated"] for r in collector.records("lost"))
-                    or now - failed_at > FAILED_JOB_STOP_DELAY_SECONDS):
-                stop(signal.SIGTERM)
-            if inspector is not None and state["stop_at"] is None:
-                block = inspector.poll()
-                if block is not None:
-                    result.stall = block
-                    result.stop_reason = "job stalled"
-                    stop(signal.SIGTERM)
-            if state["stop_at"] is not None and not killed \
-                    and now - state["stop_at"] > SESSION_KILL_DELAY_SECONDS:
-                kill_session(proc.pid)
-                killed = True
+        _supervise(proc, collector, timeout, inspector, result, state, stop)
+    except Exception as exc:  # noqa: BLE001 - reported; the finally below ends the job
+        result.internal_error = describe(exc)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if killed or state["stop_at"] is not None:
-        kill_session(proc.pid)  # leftovers that ignored the stop request
-    result.mpirun_tail = tail.text(timeout=2.0)
-    collector.wait_closed(2.0)
-    collector.finish()
-    result.failures = report.merge_records(collector.failure_records())
+        _restore(previous)
+        if result.internal_error or state["stop_at"] is not None or proc.poll() is None:
+            kill_session(proc.pid)  # leftovers that ignored the stop request, or no supervisor
+        _sessions.discard(proc.pid)
+    try:
+        result.returncode = proc.wait(timeout=SESSION_KILL_DELAY_SECONDS)
+        result.mpirun_tail = tail.text(timeout=2.0) if tail is not None else ""
+        collector.wait_closed(2.0)
+        collector.finish()
+        result.failures = report.merge_records(collector.failure_records())
+    except Exception as exc:  # noqa: BLE001 - report what is known
+        result.internal_error = result.internal_error or describe(exc)
     return result
+
+
+def _supervise(proc, collector, timeout, inspector, result: JobResult, state: dict, stop) -> None:
+    """The loop of :func:`run_job`, until mpirun has ended."""
+    start = time.monotonic()
+    failed_at = None
+    killed = False
+    while True:
+        try:
+            result.returncode = proc.wait(timeout=0.1)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if timeout and state["stop_at"] is None and now - start > timeout:
+            result.timed_out = True
+            result.stop_reason = f"job timed out after {timeout:g} s"
+            stop(signal.SIGTERM)
+        if failed_at is None and collector.has_failure():
+            failed_at = now
+        if failed_at is not None and state["stop_at"] is None and (
+                collector.lost_cause() or now - failed_at > FAILED_JOB_STOP_DELAY_SECONDS):
+            stop(signal.SIGTERM)
+        if inspector is not None and state["stop_at"] is None:
+            block = inspector.poll()
+            if block is not None:
+                result.stall = block
+                result.stop_reason = "job stalled"
+                stop(signal.SIGTERM)
+        if state["stop_at"] is not None and not killed \
+                and now - state["stop_at"] > SESSION_KILL_DELAY_SECONDS:
+            kill_session(proc.pid)
+            killed = True
+
+
+def _restore(handlers: dict) -> None:
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` and where it was raised (the innermost frame)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in " \
+            f"{frames[-1].name})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"

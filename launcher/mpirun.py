@@ -128,8 +128,7 @@ def is_local_host(host: str | None) -> bool:
     """True when ``host`` is None or names this machine."""
     if host is None:
         return True
-    name = host.split(":")[0]
-    return name in _LOCAL_HOSTS or name in {socket.gethostname(), socket.getfqdn()}
+    return host in _LOCAL_HOSTS or host in {socket.gethostname(), socket.getfqdn()}
 
 
 def default_rank_env(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -155,8 +154,9 @@ def build_command(mpirun: str, implementation: str, ranks: list[RankSpec],
 
     Every context is ``-np 1`` (Open MPI) / ``-n 1`` (MPICH), with the rank's host,
     its ``env`` and ``mpi_args``, then the agent command wrapping ``program``.
-    ``export`` names variables of the launcher's environment to forward (Open MPI
-    ``-x NAME``; MPICH forwards the environment by default). Hosts are given as
+    ``export`` names variables of mpirun's environment to forward by name (Open MPI
+    ``-x NAME``; MPICH forwards the environment by default): their values, such as the
+    job's key, never appear on the command line, which every local user can read. Hosts are given as
     ``host:slots`` to Open MPI, with slots = number of ranks on that host; MPICH's
     hydra takes hosts only globally, as ``-hosts h0:2,h1:2,...`` (runs of the ranks'
     hosts in rank order; a hostfile is then not passed).

@@ -1,5 +1,6 @@
 """The job's network: the launcher's address on it, and checking that every host is
-reachable with the launch agent before mpirun starts.
+reachable with the launch agent before mpirun starts (host names are checked earlier,
+by :mod:`popdist_lite_launcher.hosts`).
 
 ``--network-interface`` takes an interface name (``eth1``) or a CIDR (``10.1.0.0/16``),
 as horovodrun's option of that name and Open MPI's ``*_if_include`` parameters do.
@@ -76,12 +77,13 @@ def launcher_address(network: str | None, hosts: list[str]) -> str:
 
 
 def check_command(launch_agent: str, host: str) -> list[str]:
-    """The command that checks ``host``: ``AGENT HOST true`` (ssh gets ``-o BatchMode=yes``
-    and a connect timeout so that a password prompt or a dead host fails at once)."""
+    """The command that checks ``host``: ``AGENT -- HOST true`` (``--``: nothing after it
+    is an option, whatever the host's name; ssh also gets ``-o BatchMode=yes`` and a
+    connect timeout so that a password prompt or a dead host fails at once)."""
     agent = shlex.split(launch_agent)
     if agent and agent[0].rsplit("/", 1)[-1] == "ssh":
         agent += ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
-    return [*agent, host, "true"]
+    return [*agent, "--", host, "true"]
 
 
 def check_hosts(launch_agent: str, hosts: list[str],

@@ -260,3 +260,23 @@ def exit_code_for(failures: list[Failure], mpirun_code: int) -> int:
     if mpirun_code < 0:
         return 128 - mpirun_code
     return mpirun_code or 1
+
+
+def format_ignored(refused: dict[str, int], dropped: dict[str, int]) -> str | None:
+    """One line counting what the collector did not believe, by reason (never the
+    content): ``refused`` unauthenticated connections and ``dropped`` malformed lines
+    of authenticated ones. None when both are empty."""
+    refused = {reason: n for reason, n in refused.items() if n}
+    dropped = {reason: n for reason, n in dropped.items() if n}
+
+    def counted(counts: dict[str, int], what: str) -> str:
+        reasons = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+        details = ", ".join(f"{count} {reason}" for reason, count in reasons)
+        return f"{sum(counts.values())} {what} ({details})"
+
+    parts = []
+    if refused:
+        parts.append(counted(refused, "unauthenticated connection(s) to the collector"))
+    if dropped:
+        parts.append(counted(dropped, "malformed line(s) from the agents"))
+    return f"poprun-lite: ignored {' and '.join(parts)}" if parts else None

@@ -1,24 +1,38 @@
 """Records between a rank, its agent and the launcher: the one definition of their format.
 
 A record is a JSON object with a ``"kind"`` field, sent as one line of UTF-8 JSON
-(newline-delimited JSON). Records travel in two legs:
+(newline-delimited JSON, at most :data:`MAX_LINE_BYTES` per line). Records travel in two
+legs:
 
 * **rank -> agent**, on the rank's own host: the poprun-lite agent gives its program a
   connected stream socket (a ``socketpair``) whose descriptor is in
   ``POPDIST_LITE_RECORD_FD``; :func:`send` writes a record there. The agent answers every
   line with one byte once it has passed the record on, so a rank that is about to abort
-  the job (the excepthook) knows its record has left the host.
+  the job (the excepthook) knows its record has left the host. A program may send only
+  ``error`` records (:data:`FROM_PROGRAM`); the agent replaces their identity fields with
+  its own, so a program cannot speak for another rank.
 * **agent <-> launcher**, over the network: every agent opens ONE TCP connection to the
-  launcher's collector, whose address is in ``POPRUN_LITE_COLLECTOR=host:port``. The agent
-  sends ``hello`` first, then ``heartbeat`` every :data:`HEARTBEAT_SECONDS`, the rank's
-  records as they come (and, for the stall inspector, ``progress`` whenever the rank
-  enters another collective call), and ``exit`` last. The launcher may send requests the
-  other way (``signal``, ``stack_request``).
+  launcher's collector, whose address is in ``POPRUN_LITE_COLLECTOR=host:port``. The
+  connection is authenticated with the job's secret key and every line on it carries a
+  sequence number and a MAC (the framing and the handshake are the launcher's
+  ``channel`` module): the collector sends ``challenge``, the agent ``hello``, the
+  collector ``welcome``. The agent then sends ``heartbeat`` every
+  :data:`HEARTBEAT_SECONDS`, its rank's records as they come (and, for the stall
+  inspector, ``progress`` whenever the rank enters another collective call), and
+  ``exit`` last (:data:`FROM_AGENT`). The launcher may send requests the other way
+  (:data:`TO_AGENT`: ``signal``, ``stack_request``).
 
-Kinds (fields besides ``kind``):
+Every record that crosses a process boundary is checked against :data:`SCHEMA` (its
+kind's fields, exactly, with their types; strings bounded) by :func:`decode`; the
+receiver drops what does not match. Kinds (fields besides ``kind``):
 
+``challenge`` (launcher -> agent, first line, not authenticated)
+    ``nonce``: 32 random bytes in hex.
 ``hello`` (agent -> launcher, first line)
-    the identity fields below; ``pid`` is the program's.
+    the identity fields below (``pid`` is the program's) and ``nonce``, the agent's own
+    32 random bytes in hex.
+``welcome`` (launcher -> agent, answering a valid ``hello``)
+    none.
 ``heartbeat`` (agent -> launcher)
     none.
 ``error`` (rank -> agent -> launcher; ``popdist_lite._excepthook`` on an uncaught exception)
@@ -27,11 +41,11 @@ Kinds (fields besides ``kind``):
     identity + ``exitcode`` (None when killed by a signal), ``signal`` (``"SIGKILL"`` or
     None), ``stderr_tail`` (last lines of the program's stderr), ``terminated`` (the agent
     had been told to stop: a consequence of another failure, not a cause).
-``lost`` (made by the launcher's collector, never sent)
+``lost`` (made by the launcher's collector, never accepted from a connection)
     identity + ``reason``; ``time`` is when the agent was last heard from; ``terminated``
     as for ``exit`` (the job was already failing or stopping when the loss was seen).
 ``signal`` (launcher -> agent)
-    ``signal``: a signal name (``"SIGUSR1"``) the agent sends to its program.
+    ``signal``: one of :data:`REQUEST_SIGNALS`, which the agent sends to its program.
 ``progress`` (agent -> launcher; only with ``POPRUN_LITE_STALL_INSPECTOR=1``)
     identity + ``call`` (the collective call number the rank last entered), ``op`` (its
     operation, e.g. ``"all_reduce"``), ``since`` (``time.time()`` when it entered it).
@@ -54,6 +68,7 @@ without starting MPI.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -71,20 +86,132 @@ HEARTBEAT_SECONDS = 1.0
 #: Variables holding the MPI rank, first set wins (Open MPI, MPICH/hydra, PMIx).
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
-IDENTITY_FIELDS = ("rank", "replica", "role", "feeder", "host", "pid", "time")
-FIELDS = {
-    "hello": IDENTITY_FIELDS,
-    "heartbeat": (),
-    "error": IDENTITY_FIELDS + ("exception", "message", "traceback"),
-    "exit": IDENTITY_FIELDS + ("exitcode", "signal", "stderr_tail", "terminated"),
-    "lost": IDENTITY_FIELDS + ("reason", "terminated"),
-    "signal": ("signal",),
-    "progress": IDENTITY_FIELDS + ("call", "op", "since"),
-    "stack_request": ("request",),
-    "stack": IDENTITY_FIELDS + ("request", "text"),
+#: Longest line (bytes, newline excluded) a reader accepts; longer lines are dropped.
+MAX_LINE_BYTES = 1 << 20
+#: Longest short string (names: host, exception class, operation, signal, role).
+MAX_NAME_CHARS = 255
+#: Longest ``message`` / ``reason``.
+MAX_MESSAGE_CHARS = 8192
+#: Longest multi-line text (``traceback``, ``stderr_tail``, a stack dump). Even escaped
+#: as ``\uXXXX`` pairs, one record with its longest text and message stays below
+#: :data:`MAX_LINE_BYTES`.
+MAX_TEXT_CHARS = 65536
+#: Signals the launcher may ask an agent to send to its program.
+REQUEST_SIGNALS = ("SIGINT", "SIGTERM", "SIGKILL", "SIGUSR1", "SIGUSR2")
+
+IDENTITY = {"rank": "count?", "replica": "count", "role": "name", "feeder": "count?",
+            "host": "name", "pid": "count?", "time": "number"}
+#: Every kind's fields (all required, no others) and their types: ``count`` an int >= 0,
+#: ``number`` a finite int or float, ``flag`` a bool, ``name`` / ``message`` / ``text``
+#: strings of at most :data:`MAX_NAME_CHARS` / :data:`MAX_MESSAGE_CHARS` /
+#: :data:`MAX_TEXT_CHARS` characters, ``nonce`` 64 lowercase hex digits, ``signal`` one of
+#: :data:`REQUEST_SIGNALS`; a ``?`` also allows None (JSON null).
+SCHEMA = {
+    "challenge": {"nonce": "nonce"},
+    "hello": {**IDENTITY, "nonce": "nonce"},
+    "welcome": {},
+    "heartbeat": {},
+    "error": {**IDENTITY, "exception": "name", "message": "message", "traceback": "text"},
+    "exit": {**IDENTITY, "exitcode": "count?", "signal": "name?", "stderr_tail": "text",
+             "terminated": "flag"},
+    "lost": {**IDENTITY, "reason": "message", "terminated": "flag"},
+    "signal": {"signal": "signal"},
+    "progress": {**IDENTITY, "call": "count", "op": "name", "since": "number"},
+    "stack_request": {"request": "count"},
+    "stack": {**IDENTITY, "request": "count", "text": "text"},
 }
+IDENTITY_FIELDS = tuple(IDENTITY)
+FIELDS = {kind: tuple(fields) for kind, fields in SCHEMA.items()}
+#: Kinds an agent may send the launcher after its ``hello``.
+FROM_AGENT = ("heartbeat", "error", "exit", "progress", "stack")
+#: Kinds the launcher may send an agent after its ``welcome`` (requests).
+TO_AGENT = ("signal", "stack_request")
+#: Kinds a program may send its agent.
+FROM_PROGRAM = ("error",)
 #: Kinds that describe how a rank failed (read by the launcher's failure report).
 FAILURE_KINDS = ("error", "exit", "lost")
+
+_LIMITS = {"name": MAX_NAME_CHARS, "message": MAX_MESSAGE_CHARS, "text": MAX_TEXT_CHARS}
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_count(value) -> bool:
+    return type(value) is int and 0 <= value < 1 << 63
+
+
+def _is_text(value, limit: int) -> bool:
+    if type(value) is not str or len(value) > limit:
+        return False
+    try:
+        value.encode("utf-8")  # no lone surrogates: every string can be printed
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _conforms(value, kind: str) -> bool:
+    """Does ``value`` have the schema type ``kind`` (see :data:`SCHEMA`)?"""
+    if kind.endswith("?"):
+        return value is None or _conforms(value, kind[:-1])
+    if kind == "count":
+        return _is_count(value)
+    if kind == "number":
+        return type(value) in (int, float) and math.isfinite(value)
+    if kind == "flag":
+        return type(value) is bool
+    if kind == "nonce":
+        return type(value) is str and len(value) == 64 and _HEX.issuperset(value)
+    if kind == "signal":
+        return type(value) is str and value in REQUEST_SIGNALS
+    return _is_text(value, _LIMITS[kind])
+
+
+def validate(record, kinds=None) -> dict:
+    """``record`` itself if it is a record of one of ``kinds`` (any kind if None) whose
+    fields are exactly those of its kind in :data:`SCHEMA`, with their types. A kind not
+    in :data:`SCHEMA` passes only when ``kinds`` is None (nothing is checked then).
+
+    Raises:
+        ValueError: naming the kind and field at fault, never echoing the content.
+    """
+    if not isinstance(record, dict) or type(record.get("kind")) is not str:
+        raise ValueError("not a record (a JSON object with a string 'kind')")
+    kind = record["kind"]
+    schema = SCHEMA.get(kind)
+    if kinds is not None and (schema is None or kind not in kinds):
+        raise ValueError(f"a record of a kind not accepted here "
+                         f"(expected one of {', '.join(kinds)})")
+    if schema is None:
+        return record
+    missing = [name for name in schema if name not in record]
+    if missing:
+        raise ValueError(f"{kind} record without field(s) {', '.join(missing)}")
+    if len(record) != len(schema) + 1:
+        raise ValueError(f"{kind} record with {len(record) - len(schema) - 1} unknown field(s)")
+    for name, expected in schema.items():
+        if not _conforms(record[name], expected):
+            raise ValueError(f"{kind} record: field {name!r} is not {expected} "
+                             f"(got {type(record[name]).__name__})")
+    return record
+
+
+def fit(record: dict) -> dict:
+    """``record`` with its string fields cut to their schema limits (a ``text`` keeps its
+    end, where a traceback or an output's last lines are; other strings their start), so
+    that what an agent reports always passes :func:`validate`. Kinds not in
+    :data:`SCHEMA` are returned unchanged."""
+    kind = record.get("kind")
+    schema = SCHEMA.get(kind, {}) if isinstance(kind, str) else {}
+    out = dict(record)
+    for name, expected in schema.items():
+        value = out.get(name)
+        limit = _LIMITS.get(expected.rstrip("?"))
+        if isinstance(value, str) and limit is not None:
+            value = value.encode("utf-8", "replace").decode("utf-8")  # lone surrogates -> "?"
+            if len(value) > limit:
+                value = value[-limit:] if expected.startswith("text") else value[:limit]
+            out[name] = value
+    return out
 
 
 def env_rank(environ=None) -> int | None:
@@ -147,31 +274,68 @@ def encode(record: dict) -> bytes:
     return json.dumps(record, separators=(",", ":"), default=str).encode("utf-8") + b"\n"
 
 
-def decode(line: bytes | str) -> dict:
-    """The record in one line.
+def decode(line: bytes | str, kinds=None) -> dict:
+    """The record in one line, checked by :func:`validate` (with ``kinds``).
 
     Raises:
-        ValueError: not a JSON object with a string ``"kind"``.
+        ValueError: longer than :data:`MAX_LINE_BYTES`, not UTF-8 JSON, not a record, or
+            not a valid record of one of ``kinds`` (never echoing the line).
     """
-    record = json.loads(line)
-    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
-        raise ValueError(f"not a record (a JSON object with a 'kind'): {line!r:.200}")
-    return record
+    if len(line) > MAX_LINE_BYTES:
+        raise ValueError(f"a line longer than {MAX_LINE_BYTES} bytes")
+    try:
+        record = json.loads(line)
+    except RecursionError:  # deeply nested arrays: the parser's recursion limit
+        raise ValueError("JSON nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int too long
+        raise ValueError(f"not JSON ({type(exc).__name__})") from None
+    return validate(record, kinds)
 
 
 class LineBuffer:
-    """Split a byte stream into lines: ``feed(chunk)`` returns the complete lines."""
+    """Split a byte stream into lines: ``feed(chunk)`` returns the complete lines.
 
-    def __init__(self, max_line: int = 1 << 24):
-        self._partial = b""
-        self._max = max_line
+    Linear time: each byte is searched for a newline once and copied once (the pieces
+    of a partial line are kept in a list and joined when its newline comes). A line
+    longer than ``max_line`` bytes is dropped up to its newline and counted in
+    :attr:`overlong`; nothing of it is kept beyond ``max_line`` bytes.
+    """
+
+    def __init__(self, max_line: int = MAX_LINE_BYTES):
+        self.max_line = max_line
+        self.overlong = 0
+        self._pieces: list[bytes] = []
+        self._size = 0
+        self._skipping = False  # inside an over-long line, until its newline
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        parts = (self._partial + chunk).split(b"\n")
-        self._partial = parts.pop()
-        if len(self._partial) > self._max:  # a runaway line: drop it rather than grow
-            self._partial = b""
-        return parts
+        lines = []
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            piece = chunk[start:end]
+            if self._skipping:
+                self._skipping = False
+            elif self._size + len(piece) > self.max_line:
+                self.overlong += 1
+            else:
+                lines.append(b"".join((*self._pieces, piece)) if self._pieces else piece)
+            self._pieces, self._size = [], 0
+            start = end + 1
+        rest = chunk[start:]
+        if rest and not self._skipping:
+            if self._size + len(rest) > self.max_line:
+                self.overlong += 1
+                self._skipping = True
+                self._pieces, self._size = [], 0
+            else:
+                self._pieces.append(rest)
+                self._size += len(rest)
+        return lines
+
+    @property
+    def pending(self) -> int:
+        """Bytes of the partial line kept so far."""
+        return self._size
 
 
 # ---------------------------------------------------------------- rank side
@@ -203,10 +367,13 @@ def send(record: dict, timeout: float = 0.0) -> bool:
         True if sent (and, with a timeout, confirmed); False without an agent (not
         started by poprun-lite), when the agent is gone, or not confirmed in time.
 
+    String fields longer than the schema allows are cut (:func:`fit`), so the record
+    still reaches the launcher.
+
     Raises:
         ValueError: ``record`` has no string ``"kind"``.
     """
-    line = encode(record)
+    line = encode(fit(record))
     with _channel["lock"]:
         sock = _agent_socket()
         if sock is None:

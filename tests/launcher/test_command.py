@@ -9,17 +9,14 @@ import sys
 
 import pytest
 
-from popdist_lite_launcher import agent, cli, records
+from popdist_lite_launcher import agent, channel, cli, hosts, network, records
 from popdist_lite_launcher.mpirun import (MPICH, OPENMPI, LauncherError, RankSpec,
                                           agent_command, build_command, default_rank_env,
                                           find_mpirun, parse_implementation)
 
-COLLECTOR = "10.0.0.1:4567"
-
-
 def plan(argv):
     opts = cli.parse_args([*argv, "python3", "train.py"])
-    return opts, cli.plan_ranks(opts, COLLECTOR)
+    return opts, cli.plan_ranks(opts)
 
 
 def contexts(cmd):
@@ -158,8 +155,9 @@ def test_plan_env_per_instance():
         assert env["POPDIST_REPLICA_INDEX_OFFSET"] == str(i)
         assert env["POPDIST_LOCAL_INSTANCE_INDEX"] == str(i)
         assert env["POPDIST_LITE_ROLE"] == "replica"
-        assert env["POPRUN_LITE_COLLECTOR"] == COLLECTOR
         assert "POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE" not in env
+        # the same for every rank: forwarded by name from mpirun's environment instead
+        assert records.COLLECTOR_ENV not in env and channel.KEY_ENV not in env
 
 
 def test_plan_hosts_divided_evenly():
@@ -171,7 +169,7 @@ def test_plan_hosts_divided_evenly():
 def test_plan_hostfile(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# comment\nnodeA slots=4\n\nnodeB:2  # mpich style\n")
-    assert cli.read_hostfile(str(hostfile)) == ["nodeA", "nodeB"]
+    assert hosts.read_hostfile(str(hostfile)) == [("nodeA", 4), ("nodeB", 2)]
     opts, ranks = plan(["--num-replicas", "2", "--hostfile", str(hostfile)])
     assert [r.host for r in ranks] == ["nodeA", "nodeB"] and opts.hostfile == str(hostfile)
 

@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from popdist_lite_launcher import agent, records, report
+from popdist_lite_launcher import agent, channel, records, report
 from popdist_lite_launcher.collector import Collector
+from peers import AgentConnection, wait_for
 
 TB = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    1 / 0\n' \
      "ZeroDivisionError: division by zero\n"
@@ -166,51 +167,39 @@ def test_records_contract():
     assert (ident["rank"], ident["replica"], ident["role"], ident["feeder"]) == (4, 1, "feeder", 2)
 
 
-def test_collector_skips_bad_lines_and_reports_lost_agents():
-    with Collector(silence_timeout=1.0) as collector:
-        host, port = collector.address.rsplit(":", 1)
-        hello = records.make("hello", records.identity(rank=0, replica=0, pid=1))
+def test_collector_drops_bad_lines_and_reports_lost_agents():
+    with Collector(silence_timeout=1.0, ranks=2) as collector:
+        seen = []
+        collector.subscribe("progress", seen.append)
         # agent 0: a bad line, a progress record, then it vanishes without an exit record
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(records.encode(hello) + b"not json\n" +
-                         records.encode({"kind": "progress", "rank": 0, "step": 3}))
-            seen = []
-            collector.subscribe("progress", seen.append)
-            time.sleep(0.3)
+        agent0 = AgentConnection(collector, 0)
+        agent0.sock.sendall(b"not json\n")
+        agent0.send("progress", call=3, op="all_reduce", since=1.0)
+        wait_for(lambda: seen, what="the progress record")
+        agent0.close()
         assert collector.wait_closed(5)
         assert [r["kind"] for r in collector.records()] == ["hello", "progress", "lost"]
+        assert seen[0]["call"] == 3 and collector.ignored() == ({}, {"not a frame": 1})
         lost = collector.records("lost")[0]
         assert lost["rank"] == 0 and lost["terminated"] is False and "closed" in lost["reason"]
-        assert collector.has_failure()
+        assert collector.has_failure() and collector.lost_cause()
         # agent 1: says hello, then goes silent: lost after silence_timeout, a consequence now
-        sock = socket.create_connection((host, int(port)))
-        sock.sendall(records.encode({**hello, "rank": 1}))
-        deadline = time.monotonic() + 10
-        while len(collector.records("lost")) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        agent1 = AgentConnection(collector, 1)
+        wait_for(lambda: len(collector.records("lost")) == 2, what="agent 1's loss")
         lost = collector.records("lost")[1]
         assert lost["rank"] == 1 and lost["terminated"] is True and "nothing" in lost["reason"]
-        sock.close()
+        agent1.close()
 
 
 def test_collector_sends_requests_to_one_agent():
-    with Collector() as collector:
-        host, port = collector.address.rsplit(":", 1)
-        socks = [socket.create_connection((host, int(port))) for _ in range(2)]
-        for rank, sock in enumerate(socks):
-            sock.sendall(records.encode(records.make(
-                "hello", records.identity(rank=rank, replica=rank, pid=1))))
-        deadline = time.monotonic() + 5
-        while len(collector.records("hello")) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+    with Collector(ranks=2) as collector:
+        agents = [AgentConnection(collector, rank) for rank in range(2)]
+        wait_for(lambda: len(collector.records("hello")) == 2, what="two hellos")
         assert collector.send(1, {"kind": "signal", "signal": "SIGUSR1"})
         assert not collector.send(5, {"kind": "signal", "signal": "SIGUSR1"})
-        socks[1].settimeout(5)
-        assert records.decode(socks[1].recv(1000)) == {"kind": "signal", "signal": "SIGUSR1"}
-        for sock in socks:
-            sock.close()
+        assert agents[1].receive() == {"kind": "signal", "signal": "SIGUSR1"}
+        for agent_connection in agents:
+            agent_connection.close()
 
 
 # ---------------------------------------------------------------- record writers
@@ -297,15 +286,21 @@ def test_excepthook_without_agent(tmp_path):
 
 def run_agent(collector, code, env, **kw):
     """The agent supervising ``python -c code``, sending to ``collector``."""
-    env = {**os.environ, records.COLLECTOR_ENV: collector.address, **env}
+    env = {**os.environ, records.COLLECTOR_ENV: collector.address,
+           channel.KEY_ENV: collector.key.hex(), **env}
     return subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
                              sys.executable, "-c", code], env=env, text=True, **kw)
 
 
 def test_agent_sends_exit_record(tmp_path):
+    """... and of the program's records only its error, stamped with the agent's identity
+    (a program cannot speak for another rank, nor send other kinds)."""
     code = ("import sys\nprint('out')\nprint('err line', file=sys.stderr)\n"
             "from popdist_lite import records\n"
-            "print(records.send({'kind': 'progress', 'step': 1}, timeout=5))\nsys.exit(3)\n")
+            "print(records.send({'kind': 'progress', 'step': 1}, timeout=5))\n"
+            "forged = records.identity(rank=7, replica=7, role='feeder', feeder=3, host='elsewhere', pid=1)\n"
+            "print(records.send(records.make('error', forged, exception='E', message='m',\n"
+            "                                traceback='t'), timeout=5))\nsys.exit(3)\n")
     with Collector() as collector:
         proc = run_agent(collector, code, {"PMI_RANK": "2", "POPDIST_REPLICA_INDEX_OFFSET": "2",
                                            "POPDIST_LITE_ROLE": "replica"},
@@ -314,9 +309,13 @@ def test_agent_sends_exit_record(tmp_path):
         assert collector.wait_closed(5)
         recs = collector.records()
     assert proc.returncode == 3
-    assert out.splitlines() == ["out", "True"]
+    assert out.splitlines() == ["out", "True", "True"]  # both acknowledged
     assert "err line" in err  # teed
-    assert [r["kind"] for r in recs] == ["hello", "progress", "exit"]
+    assert [r["kind"] for r in recs] == ["hello", "error", "exit"]
+    error = recs[1]
+    assert (error["rank"], error["replica"], error["role"], error["feeder"]) == (2, 2, "replica", None)
+    assert error["host"] == recs[0]["host"] != "elsewhere" and error["pid"] == recs[0]["pid"]
+    assert (error["exception"], error["message"], error["traceback"]) == ("E", "m", "t")
     record = recs[-1]
     assert set(record) == {"kind", *records.FIELDS["exit"]}
     assert record["rank"] == 2 and record["replica"] == 2 and record["exitcode"] == 3
