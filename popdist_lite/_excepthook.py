@@ -85,6 +85,14 @@ def _handle(exc_type, exc_value, exc_tb, where: str = "") -> None:
         world.Abort(1)
 
 
+def report_and_abort(exc: BaseException) -> None:
+    """Treat ``exc`` as this process's uncaught exception (print it, send the ``error``
+    record, abort the job), for a ``BaseException`` the hooks never see because the
+    caller catches it: a feeder's ``SystemExit`` or ``KeyboardInterrupt``, which would
+    otherwise end the feeder quietly and leave its replica waiting."""
+    _handle(type(exc), exc, exc.__traceback__)
+
+
 def _excepthook(exc_type, exc_value, exc_tb) -> None:
     _handle(exc_type, exc_value, exc_tb)
 

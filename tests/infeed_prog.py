@@ -1,7 +1,8 @@
 """A program for the infeed tests, run on every rank by poprun-lite or mpirun.
 
     python tests/infeed_prog.py N [--depth D] [--slow-ms MS] [--log DIR]
-           [--fail-at REPLICA:FEEDER:BATCH] [--kill-at REPLICA:FEEDER:BATCH] [--mixed]
+           [--fail-at REPLICA:FEEDER:BATCH] [--kill-at REPLICA:FEEDER:BATCH]
+           [--exit-at REPLICA:FEEDER:BATCH] [--mixed]
 
 The dataset has N batches of known items: batch b is ``{"item": int64 [4b..4b+3],
 "b": float32 (2, 3) filled with b}``; ``make_dataset(i, n)`` yields batches i, i+n, ...
@@ -27,6 +28,7 @@ parser.add_argument("--slow-ms", type=float, default=0.0)
 parser.add_argument("--log")
 parser.add_argument("--fail-at")
 parser.add_argument("--kill-at")
+parser.add_argument("--exit-at", help="make_dataset calls sys.exit(0) there")
 parser.add_argument("--mixed", action="store_true", help="feeder 1 yields float64 items")
 args = parser.parse_args()
 
@@ -44,6 +46,8 @@ def make_dataset(shard_index, num_shards):
     for count, b in enumerate(range(shard_index, args.n, num_shards)):
         if at(args.fail_at) == (*me, count):
             raise RuntimeError(f"dataset failure in shard {shard_index} at batch {b}")
+        if at(args.exit_at) == (*me, count):
+            sys.exit(0)
         if at(args.kill_at) == (*me, count):
             print("feeder about to be killed", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

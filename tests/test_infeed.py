@@ -123,6 +123,24 @@ def test_feeder_exception_names_the_feeder():
     assert "in make_dataset" in report  # the feeder's traceback
 
 
+@pytest.mark.parametrize("feeders", [1, 0])
+def test_sys_exit_in_make_dataset_ends_the_job_naming_its_process(feeders):
+    """sys.exit(0) in one replica's dataset: a feeder that ended quietly (or a replica
+    that exited 0) would leave the other replica waiting until --timeout; the job ends
+    at once, naming the feeder (or, without feeders, the replica whose thread it was)."""
+    proc = launch(2, feeders, 40, "--exit-at", "1:0:3", job_timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    report = proc.stderr[proc.stderr.index("poprun-lite: job failed"):]
+    if feeders:
+        assert "root cause: feeder 0 of replica 1 (rank 3" in report
+        assert "  SystemExit: 0\n" in report
+    else:
+        assert "root cause: replica 1 (rank 1" in report
+        assert "RuntimeError: infeed: the dataset of replica 1 raised SystemExit(0) in its feed thread" in report
+    assert "in make_dataset" in report and "sys.exit(0)" in report  # where it came from
+    assert "timed out" not in proc.stderr
+
+
 def test_killed_feeder_names_the_feeder():
     proc = launch(2, 2, 40, "--kill-at", "0:1:2", job_timeout=30)
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr

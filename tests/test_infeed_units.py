@@ -6,6 +6,7 @@ import pytest
 
 from popdist_lite.infeed import feed_shard
 from popdist_lite.infeed.buffers import BufferPool, shared_pool
+from popdist_lite.infeed.local import ThreadSource
 from popdist_lite.infeed.structure import (check_same, describe, empty_arrays, encode_shapes, flatten,
                                            layout, unflatten)
 from popdist_lite.topology import _feed_layout
@@ -126,3 +127,25 @@ def test_report_names_the_feeder():
               "terminated": False}
     text = report.format_report(report.merge_records([record]), 137)
     assert "root cause: feeder 1 of replica 1 (rank 5, host h, pid 9): signal SIGKILL" in text
+
+
+@pytest.mark.parametrize("raised", [SystemExit(0), KeyboardInterrupt(), ValueError("bad batch")])
+def test_thread_source_hands_every_base_exception_to_the_training_loop(raised):
+    """F = 0: what the dataset raises in the feed thread reaches the loop; an Exception
+    as it is, SystemExit/KeyboardInterrupt as the cause of a RuntimeError (which the
+    failure hook reports, where a SystemExit would end the replica quietly)."""
+    def make_dataset(shard, shards):
+        yield np.zeros(2)
+        raise raised
+    source = ThreadSource(make_dataset, 1, 2, depth=2, replica=1)
+    source.start()
+    assert np.array_equal(source.fetch(), np.zeros(2))
+    if isinstance(raised, Exception):
+        with pytest.raises(ValueError, match="bad batch"):
+            source.fetch()
+    else:
+        with pytest.raises(RuntimeError, match=f"dataset of replica 1 raised {type(raised).__name__}") as info:
+            source.fetch()
+        assert info.value.__cause__ is raised
+    assert source.fetch() is None  # ended
+    source.finish()

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, NoReturn
 import numpy as np
 from mpi4py import MPI
 
+from .. import _excepthook
 from . import protocol
 from .position import feeder_skip, open_dataset
 from .structure import check_same, encode_shapes, flatten
@@ -89,8 +90,10 @@ def serve(make_dataset: Callable[[int, int], Iterable[Any]], comm, shard_index: 
           num_shards: int, name: str) -> NoReturn:
     """Serve feed sessions to rank 0 of ``comm`` until it shuts down, then finalize MPI
     and end the process with exit code 0 (``os._exit``: the training code after the
-    ``infeed`` call never runs on a feeder). Exceptions of ``make_dataset`` propagate
-    (the failure hook then aborts the job and names this feeder).
+    ``infeed`` call never runs on a feeder). Anything ``make_dataset`` raises, any
+    ``BaseException`` (``SystemExit`` and ``KeyboardInterrupt`` included: a feeder that
+    ended quietly would leave its replica waiting for batches), aborts the job through
+    the failure hook, which names this feeder (``feeder K of replica N``) to the launcher.
     """
     try:
         while True:
@@ -102,6 +105,9 @@ def serve(make_dataset: Callable[[int, int], Iterable[Any]], comm, shard_index: 
             _session(make_dataset, comm, shard_index, num_shards, name, max(first_step, 0))
     except _Shutdown:
         pass
+    except BaseException as exc:  # noqa: BLE001 - see the docstring
+        _excepthook.report_and_abort(exc)
+        os._exit(1)  # only reached if MPI could not abort
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -2,8 +2,12 @@
 replica, with the same prefetch bound as feeders (credits are a semaphore here).
 
 The thread computes a batch, takes a credit, hands it over, and computes the next;
-asking for the next batch returns the previous batch's credit. An exception in the
-dataset is re-raised in the training loop by :meth:`ThreadSource.fetch`.
+asking for the next batch returns the previous batch's credit. Anything the dataset
+raises is handed to the training loop by :meth:`ThreadSource.fetch`: an ``Exception``
+as it is, any other ``BaseException`` (``SystemExit``, ``KeyboardInterrupt``) as the
+cause of a ``RuntimeError``, so that it reaches the failure hook like a feeder's
+(which aborts the job naming the replica) instead of ending this replica quietly
+while the others wait for it in a collective.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class ThreadSource:
 
         Raises:
             Exception: whatever the dataset raised, with its traceback.
+            RuntimeError: the dataset raised a ``BaseException`` that is not an
+                ``Exception`` (e.g. ``SystemExit`` from ``sys.exit()``), its cause.
         """
         if self.ended:
             return None
@@ -78,7 +84,10 @@ class ThreadSource:
             return None
         if isinstance(item, _Failed):
             self.ended = True
-            raise item.error
+            if isinstance(item.error, Exception):
+                raise item.error
+            raise RuntimeError(f"infeed: the dataset of replica {self.replica} raised "
+                               f"{item.error!r} in its feed thread") from item.error
         self.fetched += 1
         return item
 
