@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import tempfile
 import time
 
 import numpy as np
@@ -81,11 +82,24 @@ def merge(parts: list[list[dict]]) -> dict:
 
 
 def write(path: str, trace: dict) -> None:
-    """Write ``trace`` as JSON to ``path`` atomically."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(trace, f)
-    os.replace(tmp, path)
+    """Write ``trace`` as JSON to ``path`` atomically: into a new temporary file in the
+    same directory (``tempfile.mkstemp``: an unpredictable name, created exclusively, so
+    no symlink planted by another user is followed), then ``os.replace`` onto ``path``
+    (which replaces a symlink at ``path`` rather than writing through it). The file is
+    readable by its owner only, as ``mkstemp`` makes it.
+
+    Raises:
+        OSError: the directory is not writable (the temporary file is removed).
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(trace, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _write_at_exit(comm) -> None:

@@ -2,6 +2,7 @@
 POPDIST_LITE_TIMELINE and through ``poprun-lite --timeline``; the counters in one process."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -100,3 +101,31 @@ def test_merge_shifts_time_and_keeps_tracks():
     assert [e["pid"] for e in spans] == [0, 1] and min(e["ts"] for e in spans) == 0
     assert spans[0]["dur"] == 0.5e6 and spans[1]["ts"] == 1e6
     json.dumps(trace)
+
+
+def test_write_follows_no_symlink(tmp_path):
+    """A neighbour who plants symlinks at the temporary name the writer used to take
+    (``<path>.<pid>.tmp``) and at the path itself changes nothing but the path: the
+    trace lands in a new file, the symlinks' targets are untouched."""
+    from popdist_lite import timeline
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    path = tmp_path / "trace.json"
+    os.symlink(victim, f"{path}.{os.getpid()}.tmp")
+    trace = timeline.merge([timeline.chrome_events([("all_reduce", "collective", 1.0, 0.5, 8, 8, None)],
+                                                   0, (0.0, 0.0))])
+    timeline.write(str(path), trace)
+    assert victim.read_text() == "precious" and json.loads(path.read_text()) == trace
+    os.unlink(path)
+    os.symlink(victim, path)  # a symlink at the path itself is replaced, not written through
+    timeline.write(str(path), trace)
+    assert victim.read_text() == "precious" and not path.is_symlink()
+    assert json.loads(path.read_text()) == trace
+    assert sorted(os.listdir(tmp_path)) == sorted(["victim", "trace.json", f"trace.json.{os.getpid()}.tmp"])
+
+
+def test_write_leaves_no_temporary_file_on_failure(tmp_path):
+    from popdist_lite import timeline
+    with pytest.raises(TypeError):
+        timeline.write(str(tmp_path / "trace.json"), {"not json": object()})
+    assert os.listdir(tmp_path) == []
