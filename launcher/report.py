@@ -76,7 +76,8 @@ class Failure:
         return "exit code 1" if self.exception else "failed"
 
     def launcher_exit_code(self) -> int:
-        """The exit code the launcher should use for this failure."""
+        """The exit code the launcher should use for this failure (1 to 255: a process
+        exit status keeps only 8 bits, and 256 would read as success)."""
         if self.raised:
             return 1
         if self.signal:
@@ -84,7 +85,7 @@ class Failure:
                 return 128 + int(_signal.Signals[self.signal])
             except KeyError:
                 return 1
-        return self.exitcode if self.exitcode else 1
+        return self.exitcode if self.exitcode and self.exitcode < 256 else 1
 
     def title(self) -> str:
         """``replica 1 (rank 1, host h, pid 123)``, naming the role if not a replica
@@ -253,13 +254,12 @@ def summary(failures: list[Failure], *, reason: str | None = None, stalled: bool
 
 def exit_code_for(failures: list[Failure], mpirun_code: int) -> int:
     """The launcher's exit code: the root cause's code (128+signal for signals),
-    else mpirun's own code, never 0 for a failed job."""
+    else mpirun's own code; 1 to 255, never 0 for a failed job."""
     cause = root_cause(failures)
     if cause is not None:
         return cause.launcher_exit_code()
-    if mpirun_code < 0:
-        return 128 - mpirun_code
-    return mpirun_code or 1
+    code = 128 - mpirun_code if mpirun_code < 0 else mpirun_code
+    return code if 0 < code < 256 else 1
 
 
 def format_ignored(refused: dict[str, int], dropped: dict[str, int]) -> str | None:
