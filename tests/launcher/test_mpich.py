@@ -44,6 +44,10 @@ def test_job_runs_under_mpich(tmp_path):
     proc = poprun(tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "mpiexec" in proc.stderr + proc.stdout and "-env POPDIST_REPLICA_INDEX_OFFSET 2" in proc.stderr + proc.stdout
+    # the collector's address and the job's key reach the agents through hydra's
+    # forwarding of mpiexec's environment, never on its command line
+    assert "POPRUN_LITE_COLLECTOR" not in proc.stderr + proc.stdout
+    assert "POPRUN_LITE_JOB_KEY" not in proc.stderr + proc.stdout
     for k in range(3):
         assert f"replica {k} of 3 ok" in proc.stdout
 

@@ -1,7 +1,7 @@
 """The program the multi-host launcher tests run on every rank (a file in the project,
 since /tmp is private to each test host).
 
-    python tests/multihost/prog.py topology | feed | raise R | sigkill R | loop
+    python tests/multihost/prog.py topology | feed | raise R | sigkill R | loop | wait DIR
 """
 
 import json
@@ -49,3 +49,11 @@ elif what == "loop":
     while True:
         pl.all_reduce(np.ones(4))
         time.sleep(0.05)
+elif what == "wait":  # until DIR/go exists (DIR in the project: the hosts share it), 60 s at most
+    go = os.path.join(sys.argv[2], "go")
+    pl.all_reduce(np.ones(4))
+    print(f"READY {me} {host} {os.getpid()}", flush=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pl.all_reduce(np.ones(4))

@@ -5,10 +5,15 @@ filesystem. Every launch runs under a subprocess timeout and the launcher's --ti
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -147,3 +152,85 @@ def test_loss_of_a_whole_host(hosts, kill):
     assert launcher.returncode == 1, err
     report = err[err.index("poprun-lite: job failed"):]
     assert re.search(r"root cause: replica [23] \(rank [23], host pdlh2, pid \d+\): lost: ", report), report
+
+
+# ---------------------------------------------------------------- the control plane
+
+STRANGER = """
+import json, os, socket, sys
+host, port = os.environ["TARGET"].rsplit(":", 1)
+forged = {"kind": "error", "rank": 3, "replica": 3, "role": "replica", "feeder": None, "host": "FORGED",
+          "pid": 1, "time": 1.0, "exception": "FORGED", "message": "FORGED", "traceback": "FORGED"}
+for line in (json.dumps(forged), json.dumps({"kind": "lost"}), "0" * 64 + " 0 " + json.dumps(forged)):
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.recv(1000)
+        sock.sendall(line.encode() + b"\\n")
+print("sent from", socket.gethostname())
+"""
+
+
+def test_control_plane_across_hosts(hosts):
+    """Agents on both hosts authenticate across the job network; the job's key is on no
+    command line on any host (mpirun's daemons included: the hosts share this machine's
+    process table) and not in the programs' environments; a stranger on a test host
+    who sends a forged error and `lost` changes nothing: the job exits 0."""
+    base = ROOT / ".test-multihost"
+    base.mkdir(exist_ok=True)
+    go = Path(tempfile.mkdtemp(dir=base))
+    launcher = subprocess.Popen(poprun_command(hosts, "--num-replicas", "4", *prog("wait", str(go))),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=ROOT, stdin=subprocess.DEVNULL)
+    ready = []
+    reader = threading.Thread(target=lambda: ready.extend(
+        line.split() for line in launcher.stdout if line.startswith("READY")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(ready) < 4:
+            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
+            time.sleep(0.1)
+        pids = {int(me): int(pid) for _, me, _, pid in ready}
+        assert {host for _, _, host, _ in ready} == {"pdlh1", "pdlh2"}
+        environs = {me: _environ(pid) for me, pid in pids.items()}
+        collector = environs[3]["POPRUN_LITE_COLLECTOR"]
+        assert collector.startswith(testhosts.LAUNCHER_ADDRESS + ":")
+        assert not [me for me, env in environs.items() if "POPRUN_LITE_JOB_KEY" in env]
+        [mpirun] = [p for p in _pids() if _ppid(p) == launcher.pid]
+        key = _environ(mpirun)["POPRUN_LITE_JOB_KEY"]
+        assert not [p for p in _pids() if key.encode() in _read(f"/proc/{p}/cmdline")
+                    or collector.encode() in _read(f"/proc/{p}/cmdline")]
+        sent = hosts.run("pdlh2", f"TARGET={collector} {sys.executable} -c '{STRANGER}'")
+        assert sent.returncode == 0 and "sent from pdlh2" in sent.stdout, sent.stderr
+        (go / "go").touch()
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        (go / "go").touch()
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+        shutil.rmtree(go, ignore_errors=True)
+    assert launcher.returncode == 0, err
+    assert "FORGED" not in err and "root cause" not in err
+    assert "poprun-lite: ignored 3 unauthenticated connection(s) to the collector" in err
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _ppid(pid: int) -> int | None:
+    stat = _read(f"/proc/{pid}/stat")
+    return int(stat.rsplit(b")", 1)[1].split()[1]) if stat else None
+
+
+def _environ(pid: int) -> dict[str, str]:
+    return dict(e.decode(errors="replace").partition("=")[::2]
+                for e in _read(f"/proc/{pid}/environ").split(b"\0") if e)
