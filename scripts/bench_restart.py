@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""What a restart costs: the time from a replica's failure to the first step of the next
-attempt, for examples/shakespeare.py under ``poprun-lite --max-restarts 1``.
+"""Launch costs: what a restart costs, the time from a replica's failure to the first step
+of the next attempt, for examples/shakespeare.py under ``poprun-lite --max-restarts 1``;
+and what the authenticated control plane costs (``control_plane``).
 
     python scripts/bench_restart.py [--replicas 2] [--runs 3] [--timeout 200]
+    python scripts/bench_restart.py --control-plane-only     # seconds: the control plane alone
 
 prints one JSON object on stdout. Method: each run trains the example on a small text
 (60 steps, sequences of 20, batch 4, a checkpoint every 10 steps, ``--resume``) and
@@ -13,6 +15,17 @@ failed`` report (the job noticed the failure, stopped the other ranks and report
 attempt (which starts again at step 20, the newest checkpoint). For comparison,
 ``cold_start_s`` is a fresh launch's time to its first step. Every job runs under a
 timeout. Medians over ``--runs``.
+
+``control_plane`` is measured against a real collector in this process and the agents'
+own code (``popdist_lite_launcher.agent.Link``) in another: ``handshake_ms`` is the
+median over ``--agents`` agents, one after the other, of the time from starting a link
+to its welcome (TCP connection, challenge, hello with its HMAC-SHA256, the collector's
+check, welcome and the agent's check), what each agent adds to a launch;
+``records_per_s`` is the collector's throughput with authentication on: ``--records``
+``progress`` records sent as fast as the agent can through one authenticated connection
+(each framed with its sequence number and MAC by the agent; MAC, sequence and schema
+checked by the collector), counted from the first to the last arrival at a subscriber.
+The load average before and after is recorded.
 """
 
 from __future__ import annotations
@@ -104,12 +117,81 @@ def run(replicas: int, timeout: float, kill_at: int | None) -> dict:
         return {name: t - start for name, t in events.items()}
 
 
+# The agents' side of control_plane(), in its own process as agents are: N handshakes,
+# one after the other, then records through the first connection. The key comes in the
+# environment, as poprun-lite gives it.
+AGENTS = """
+import json, os, sys, time
+from popdist_lite_launcher import agent, channel, records
+key, agents, count = channel.take_key(), int(sys.argv[1]), int(sys.argv[2])
+links, handshakes = [], []
+for rank in range(agents):
+    link = agent.Link(os.environ[records.COLLECTOR_ENV], key)
+    start = time.perf_counter()
+    link.start(records.identity(rank=rank, replica=rank, pid=os.getpid()), lambda request: None)
+    if not link.ready.wait(60) or link.session is None:
+        sys.exit(f"agent {rank} did not authenticate")
+    handshakes.append(time.perf_counter() - start)
+    links.append(link)
+print(json.dumps(handshakes), flush=True)
+ident = records.identity(rank=0, replica=0, pid=os.getpid())
+for call in range(count):
+    links[0].send(records.make("progress", ident, call=call, op="all_reduce", since=1.0))
+sys.stdin.read()  # until the launcher has counted them
+"""
+
+
+def control_plane(agents: int, count: int, timeout: float) -> dict:
+    """The handshake's cost per agent and the collector's throughput (module docstring)."""
+    from popdist_lite_launcher import channel, records
+    from popdist_lite_launcher.collector import Collector
+
+    arrivals: list[float] = []
+    done = threading.Event()
+
+    def arrived(record):
+        arrivals.append(time.perf_counter())
+        if len(arrivals) == count:
+            done.set()
+
+    with Collector(ranks=agents) as collector:
+        collector.subscribe("progress", arrived)
+        env = {**os.environ, records.COLLECTOR_ENV: collector.address,
+               channel.KEY_ENV: collector.key.hex()}
+        proc = subprocess.Popen([sys.executable, "-c", AGENTS, str(agents), str(count)], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            handshakes = json.loads(proc.stdout.readline() or "null")
+            counted = done.wait(timeout)
+        finally:
+            proc.communicate(timeout=30)
+        refused, dropped = collector.ignored()
+    if not handshakes or not counted or refused or dropped:
+        raise RuntimeError(f"control plane: handshakes {handshakes}, {len(arrivals)} of {count} "
+                           f"records counted, refused {refused}, dropped {dropped}")
+    return {"agents": agents, "handshake_ms": round(1e3 * statistics.median(handshakes), 3),
+            "handshake_ms_all": [round(1e3 * t, 3) for t in handshakes], "records": count,
+            "records_per_s": round((count - 1) / (arrivals[-1] - arrivals[0]))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=200)
+    parser.add_argument("--agents", type=int, default=32, help="handshakes measured (default 32)")
+    parser.add_argument("--records", type=int, default=20000,
+                        help="records through one authenticated connection (default 20000)")
+    parser.add_argument("--control-plane-only", action="store_true",
+                        help="measure the control plane only (no restarts)")
     opts = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    plane = control_plane(opts.agents, opts.records, opts.timeout)
+    if opts.control_plane_only:
+        print(json.dumps({"benchmark": "restart", "control_plane": plane,
+                          "load_avg_1min_before": round(load_before, 2),
+                          "load_avg_1min_after": round(os.getloadavg()[0], 2)}, indent=1))
+        return
     cold, detect, restart = [], [], []
     for _ in range(opts.runs):
         cold.append(run(opts.replicas, opts.timeout, None)["first_step"])
@@ -121,7 +203,9 @@ def main() -> None:
     med = lambda xs: round(statistics.median(xs), 2)  # noqa: E731
     print(json.dumps({"benchmark": "restart", "replicas": opts.replicas, "runs": opts.runs,
                       "cold_start_s": med(cold), "detect_s": med(detect),
-                      "restart_to_first_step_s": med(restart),
+                      "restart_to_first_step_s": med(restart), "control_plane": plane,
+                      "load_avg_1min_before": round(load_before, 2),
+                      "load_avg_1min_after": round(os.getloadavg()[0], 2),
                       "all": {"cold_start_s": [round(x, 2) for x in cold], "detect_s": [round(x, 2) for x in detect],
                               "restart_to_first_step_s": [round(x, 2) for x in restart]}}, indent=1))
 
