@@ -393,11 +393,11 @@ class Collector:
         conn.sock.close()
 
     def _refuse(self, conn: _Connection, reason: str) -> None:
-        """Close an unauthenticated connection and count it."""
-        self._end(conn)
-        self._pending.remove(conn)
+        """Count an unauthenticated connection as refused and close it."""
         with self._lock:
             self._refused[reason] += 1
+        self._pending.remove(conn)
+        self._end(conn)
 
     def _lose(self, agent: _Connection, reason: str) -> None:
         """Record ``agent`` as lost. The loss is a consequence (``terminated``) unless the
