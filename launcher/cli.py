@@ -37,13 +37,15 @@ examples:
       2 replicas, each fed by 2 host feed processes (popdist_lite.infeed)
   poprun-lite --num-replicas 8 -H node0:4,node1:4 --network-interface 10.1.0.0/16 python3 train.py
       4 replicas on each host, traffic on 10.1.0.0/16; every host is checked with
-      `ssh HOST true` first (--launch-agent replaces ssh, --no-host-check skips the check)
+      `ssh -- HOST true` first (--launch-agent replaces ssh, --no-host-check skips the check)
 
 Each rank gets POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_IPUS_PER_REPLICA,
 POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
 POPDIST_REPLICA_INDEX_OFFSET, POPDIST_LOCAL_INSTANCE_INDEX, POPDIST_LITE_ROLE,
-POPRUN_LITE_COLLECTOR (where its agent sends records), POPDIST_LITE_FEEDERS_PER_REPLICA (and POPDIST_LITE_TIMELINE with
---timeline). Feeders (ranks after the replicas, on their replica's host) get their
+POPRUN_LITE_COLLECTOR (where its agent sends records), POPDIST_LITE_FEEDERS_PER_REPLICA (and
+POPDIST_LITE_TIMELINE with --timeline). The agents also get the job's key (a new one for
+every attempt) in POPRUN_LITE_JOB_KEY, forwarded by name from mpirun's environment like
+POPRUN_LITE_COLLECTOR, never on a command line; the program does not see it. Feeders (ranks after the replicas, on their replica's host) get their
 replica's variables plus POPDIST_LITE_ROLE=feeder, POPDIST_LITE_FEEDER_OF and
 POPDIST_LITE_FEEDER_INDEX. OMP_NUM_THREADS and the BLAS thread variables default to 1.
 mpirun: --mpirun, $POPRUN_LITE_MPIRUN, mpirun/mpiexec on PATH, or next to Python.
@@ -111,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="exported as POPDIST_NUM_IPUS_PER_REPLICA (default 1)")
     placement = topo.add_mutually_exclusive_group()
     placement.add_argument("-H", "--host", type=_host_list, default=None, metavar="HOST0,HOST1",
-                       help="hosts, optionally with slots (h0:2,h1:2); instances are divided "
-                            "evenly among them, at most SLOTS ranks on a host")
+                       help="hosts, optionally with slots (h0:2,h1:2): hostnames or IP addresses "
+                            "([IPv6]:2); instances are divided evenly among them, at most SLOTS "
+                            "ranks on a host")
     placement.add_argument("--hostfile", default=None, metavar="FILE",
                        help="hostfile in Open MPI (`host slots=N`) or MPICH (`host:N`) format; "
                             "its hosts are used like --host")
@@ -120,14 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     net = parser.add_argument_group("hosts and network")
     net.add_argument("--launch-agent", default="ssh", metavar="AGENT",
                      help="program that runs a command on another host, called as "
-                          "`AGENT HOST COMMAND` like ssh (default ssh; Open MPI's "
-                          "plm_ssh_agent, MPICH's -launcher-exec)")
+                          "`AGENT [OPTIONS] [--] HOST COMMAND` like ssh (default ssh; Open "
+                          "MPI's plm_ssh_agent, MPICH's -launcher-exec)")
     net.add_argument("--network-interface", default=None, metavar="IFACE|CIDR",
                      help="network for the job's control and data traffic: an interface "
                           "name (eth1) or a CIDR (10.1.0.0/16) (Open MPI oob_tcp_if_include "
                           "and btl_tcp_if_include; MPICH -iface for a name)")
     net.add_argument("--no-host-check", dest="host_check", action="store_false",
-                     help="skip running `AGENT HOST true` on every remote host before the "
+                     help="skip running `AGENT -- HOST true` on every remote host before the "
                           "launch (the check fails fast naming the host and the agent's error)")
 
     mpi = parser.add_argument_group("mpirun")
