@@ -328,8 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - a bug in the launcher: report, never orphan
         code = 1
         _print_internal_error(exc, seen)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # outside run_job, which handles SIGINT itself
         code = 128 + signal.SIGINT
+        print("poprun-lite: interrupted by SIGINT", file=sys.stderr, flush=True)
     finally:
         job.kill_sessions()
     line = report.format_ignored(seen["refused"], seen["dropped"])

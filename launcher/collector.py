@@ -325,16 +325,19 @@ class Collector:
         if len(live) >= self.max_agents:
             self._refuse(conn, "more agents than the job's ranks")
             return
-        with conn.send_lock:
+        conn.session, conn.hello, conn.rank = session, hello, hello["rank"]
+        with conn.send_lock:  # the welcome is frame 0: no request may be sealed before it
+            with self._lock:  # send() finds the agent as soon as its welcome can arrive
+                self._agents.append(conn)
             welcomed = _send_all(conn.sock, channel.welcome(session), SEND_TIMEOUT_SECONDS)
-        if not welcomed:  # gone already: the agent tries again
+            if not welcomed:  # gone already: the agent tries again
+                with self._lock:
+                    self._agents.remove(conn)
+        if not welcomed:
             self._refuse(conn, "welcome not delivered")
             return
         self._pending.remove(conn)
-        conn.session, conn.hello, conn.rank = session, hello, hello["rank"]
         conn.lines.max_line = records.MAX_LINE_BYTES
-        with self._lock:
-            self._agents.append(conn)
         self._add(conn, hello)
 
     def _receive(self, conn: _Connection, line: bytes) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from popdist_lite_launcher import channel, job, records
 from popdist_lite_launcher.collector import Collector
-from peers import wait_for
+from peers import alive, wait_for
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 FORGED = "FORGED-BY-A-STRANGER"
@@ -56,8 +56,10 @@ def start(tmp_path, *args):
 
 
 def ranks_started(tmp_path, launcher) -> list[dict]:
-    wait_for(lambda: launcher.poll() is None and all((tmp_path / f"rank-{r}").exists() for r in range(2)),
-             timeout=60, what="both ranks")
+    def started():
+        assert launcher.poll() is None, f"the launcher ended: {launcher.communicate()[1][-3000:]}"
+        return all((tmp_path / f"rank-{r}").exists() for r in range(2))
+    wait_for(started, timeout=60, what="both ranks")
     return [json.loads((tmp_path / f"rank-{r}").read_text()) for r in range(2)]
 
 
@@ -80,14 +82,6 @@ def stop(tmp_path, launcher):
 def environ_of(pid: int) -> dict[str, str]:
     entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def stranger(host: str, port: int, first: bytes = b"", *, close: bool = True) -> socket.socket:
@@ -240,9 +234,10 @@ def test_launcher_crash_never_orphans_the_job(tmp_path, where):
     the launcher prints what it knows and the internal error, exits non-zero, and no
     rank survives it."""
     patch = {
-        "supervision": "from popdist_lite_launcher import collector\n"
+        "supervision": "import os\n"
+                       "from popdist_lite_launcher import collector\n"
                        "def broken(self):\n"
-                       "    if self.records('hello'): raise KeyError('terminated')\n"
+                       "    if os.path.exists(os.environ['CRASH']): raise KeyError('terminated')\n"
                        "    return False\n"
                        "collector.Collector.has_failure = broken\n",
         "main": "from popdist_lite_launcher import report\n"
@@ -255,11 +250,14 @@ def test_launcher_crash_never_orphans_the_job(tmp_path, where):
                     "main(sys.argv[1:])\n")
     args = ["--timeout", "60", "--num-replicas", "2", sys.executable, str(prog), str(tmp_path)]
     launcher = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "CRASH": str(tmp_path / "crash")})
     try:
         ranks = ranks_started(tmp_path, launcher)
         if where == "main":  # the job fails (a rank is killed), then the report breaks
             os.kill(ranks[1]["pid"], signal.SIGKILL)
+        else:  # the collector's bug shows from now on
+            (tmp_path / "crash").touch()
         _, err = launcher.communicate(timeout=40)
     finally:
         stop(tmp_path, launcher)

@@ -18,6 +18,7 @@ import pytest
 
 from popdist_lite_launcher import __version__, job
 from popdist_lite_launcher.collector import Collector
+from peers import alive
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 
@@ -33,15 +34,6 @@ def program(tmp_path, name, code):
     path = tmp_path / name
     path.write_text(textwrap.dedent(code))
     return [sys.executable, str(path)]
-
-
-def alive(pid):
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # ---------------------------------------------------------------- topology

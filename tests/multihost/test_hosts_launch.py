@@ -121,24 +121,32 @@ def test_sigkill_on_remote_host(hosts):
                      r"  about to die on pdlh2", report_of(proc)), proc.stderr
 
 
+def launch_until_ready(hosts, *args: str) -> tuple[subprocess.Popen, list[list[str]]]:
+    """poprun-lite running tests/multihost/prog.py ``args`` on 4 replicas over the test
+    hosts, once every replica has printed its READY line: (launcher, READY lines split)."""
+    launcher = subprocess.Popen(poprun_command(hosts, "--num-replicas", "4", *prog(*args), job_timeout=90),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=ROOT, stdin=subprocess.DEVNULL)
+    ready = []
+    threading.Thread(target=lambda: ready.extend(
+        line.split() for line in launcher.stdout if line.startswith("READY")), daemon=True).start()
+    deadline = time.monotonic() + 60
+    while len(ready) < 4:
+        if time.monotonic() > deadline or launcher.poll() is not None:
+            launcher.kill()
+            _, err = launcher.communicate()
+            raise AssertionError(f"ranks did not start: {err[-2000:]}")
+        time.sleep(0.1)
+    return launcher, ready
+
+
 @pytest.mark.parametrize("kill", [True, False], ids=["link-down-and-killed", "link-down"])
 def test_loss_of_a_whole_host(hosts, kill):
     """pdlh2's link goes down (and all its processes are killed): the launcher notices
     that its agents fell silent (or mpirun that its daemon died) and ends the job,
     naming a replica on pdlh2."""
-    launcher = subprocess.Popen(poprun_command(hosts, "--num-replicas", "4", *prog("loop"),
-                                               job_timeout=90),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=ROOT, stdin=subprocess.DEVNULL)
-    ready = []
-    reader = threading.Thread(target=lambda: ready.extend(
-        line for line in launcher.stdout if line.startswith("READY")), daemon=True)
-    reader.start()
+    launcher, _ = launch_until_ready(hosts, "loop")
     try:
-        deadline = time.monotonic() + 60
-        while len(ready) < 4:
-            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
-            time.sleep(0.1)
         hosts.kill_host("pdlh2", kill_processes=kill)
         start = time.monotonic()
         _, err = launcher.communicate(timeout=60)
@@ -177,18 +185,8 @@ def test_control_plane_across_hosts(hosts):
     base = ROOT / ".test-multihost"
     base.mkdir(exist_ok=True)
     go = Path(tempfile.mkdtemp(dir=base))
-    launcher = subprocess.Popen(poprun_command(hosts, "--num-replicas", "4", *prog("wait", str(go))),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=ROOT, stdin=subprocess.DEVNULL)
-    ready = []
-    reader = threading.Thread(target=lambda: ready.extend(
-        line.split() for line in launcher.stdout if line.startswith("READY")), daemon=True)
-    reader.start()
+    launcher, ready = launch_until_ready(hosts, "wait", str(go))
     try:
-        deadline = time.monotonic() + 60
-        while len(ready) < 4:
-            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
-            time.sleep(0.1)
         pids = {int(me): int(pid) for _, me, _, pid in ready}
         assert {host for _, _, host, _ in ready} == {"pdlh1", "pdlh2"}
         environs = {me: _environ(pid) for me, pid in pids.items()}
