@@ -104,7 +104,7 @@ def test_feed_layout_checks():
 def test_plan_with_feeders_and_topology_table():
     opts = cli.parse_args(["--num-replicas", "2", "--feeders-per-replica", "2", "-H", "h0,h1",
                            "--instance-mpi-local-args", '1:-x A=1', "python3", "train.py"])
-    ranks = cli.plan_ranks(opts, "/tmp/run")
+    ranks = cli.plan_ranks(opts)
     assert [(r.role, r.replica, r.host) for r in ranks] == [
         ("replica", 0, "h0"), ("replica", 1, "h1"), ("feeder", 0, "h0"), ("feeder", 0, "h0"),
         ("feeder", 1, "h1"), ("feeder", 1, "h1")]
