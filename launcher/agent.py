@@ -144,7 +144,7 @@ class Link:
             try:
                 lines = self._handshake(ident, deadline)
                 break
-            except (OSError, ValueError) as exc:  # ValueError: bad address, ChannelError
+            except Exception as exc:  # noqa: BLE001 - OSError, ChannelError, a bad address
                 problem = exc
             if self.closed.is_set() or time.monotonic() + pause > deadline:
                 _warn(f"cannot reach the launcher's collector at {self.address}: {problem}; "
