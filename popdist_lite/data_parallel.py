@@ -12,9 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import topology
-from .collectives import all_gather, all_reduce, broadcast
-from .collectives.fingerprint import Problem, agree
-from .collectives.reduce_scatter import reduce_scatter
+from .collectives import Problem, agree, all_gather, all_reduce, broadcast, reduce_scatter
 from .dense_optimizers import DenseOptimizer
 from .stochastic_rounding import as_stochastic_rounding
 

@@ -108,7 +108,7 @@ def measure(op: str, n_bytes: int, comm, blocks: int) -> dict:
     from popdist_lite import progress
 
     ours, raw = calls(op, n_bytes, comm)
-    from popdist_lite.collectives.fingerprint import SIGNATURE
+    from popdist_lite.collectives.agreement import SIGNATURE
 
     sig, table = np.zeros(1, SIGNATURE).view(np.int64), np.zeros(comm.size, SIGNATURE).view(np.int64)  # one row each
 

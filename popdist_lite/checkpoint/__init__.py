@@ -12,9 +12,10 @@
 Modules: ``format`` (directory layout, ``.npy`` files, manifest), ``partition`` (how
 arrays are split and resharded), ``state`` (what is saved of each kind of state),
 ``save`` (parallel writes and the atomic commit, background saves), ``load``
-(verified, memory-mapped, resharded loads), ``reader`` (one mapped file),
-``agreement`` (errors raised on every replica); ``python -m popdist_lite.checkpoint``
-inspects and exports checkpoints.
+(verified, memory-mapped, resharded loads), ``reader`` (one mapped file); each step
+ends with :func:`popdist_lite.collectives.agree_objects`, so an error on one replica
+is raised on every replica. ``python -m popdist_lite.checkpoint`` inspects and exports
+checkpoints.
 """
 
 from .format import CheckpointError

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..collectives import Problem
+
 FORMAT = "popdist-lite-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -49,6 +51,14 @@ TRASH_PREFIX = ".old-"
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read (raised on every replica)."""
+
+
+def problem_of(exc: BaseException) -> Problem:
+    """What a checkpoint step reports to the agreement for an exception caught on this
+    replica: ``TypeError``, ``ValueError`` and :class:`CheckpointError` keep their class,
+    anything else becomes a :class:`CheckpointError` naming its type (an ``OSError``
+    reads ``"strerror: filename"``)."""
+    return Problem.of(exc, keep=(TypeError, ValueError, CheckpointError), otherwise=CheckpointError)
 
 
 def step_dir_name(step: int) -> str:

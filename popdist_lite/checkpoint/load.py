@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .agreement import agree, problem_of
-from .format import CHUNK_BYTES, CheckpointError, committed, read_manifest
+from ..collectives import agree_objects
+from .format import CHUNK_BYTES, CheckpointError, committed, problem_of, read_manifest
 from .partition import Partition, plan, copy_piece
 from .reader import ArrayFile
 from .save import wait
@@ -104,29 +104,30 @@ def load_checkpoint(path, state: dict, *, comm=None) -> dict:
         binding = bind(state, manifest, path, r, k)
         for target in binding.targets:
             _check(manifest, target)
-    except Exception as exc:  # noqa: BLE001 - raised on every replica by agree()
+    except Exception as exc:  # noqa: BLE001 - raised on every replica by agree_objects()
         problem = problem_of(exc)
-    agree(comm, problem, what)
+    agree_objects(what, None, comm, problem=problem)
 
     problem, reads = None, []
     try:
         reads = _reads(binding, manifest, path, r, k)
     except Exception as exc:  # noqa: BLE001
         problem = problem_of(exc)
-    mine = _verification_share(comm.allgather({record["file"]: record["bytes"] for _, record, _ in reads}), k)
+    needs = agree_objects(what, {record["file"]: record["bytes"] for _, record, _ in reads}, comm, problem=problem)
+    mine = _verification_share(needs, k)
     opened, work = {}, []
+    problem = None
     try:
-        if problem is None:
-            for target, record, piece in reads:
-                if record["file"] not in opened:
-                    opened[record["file"]] = ArrayFile(path, target.name, record, target.dtype)
-                    if record["file"] in mine:
-                        opened[record["file"]].verify()
-                work.append((target, opened[record["file"]], piece))
+        for target, record, piece in reads:
+            if record["file"] not in opened:
+                opened[record["file"]] = ArrayFile(path, target.name, record, target.dtype)
+                if record["file"] in mine:
+                    opened[record["file"]].verify()
+            work.append((target, opened[record["file"]], piece))
     except Exception as exc:  # noqa: BLE001
         problem = problem_of(exc)
     try:
-        agree(comm, problem, what)
+        agree_objects(what, None, comm, problem=problem)
         for target, file, piece in work:
             copy_piece(target.local, file.array(), piece, CHUNK_BYTES, file.release_rows)
     finally:

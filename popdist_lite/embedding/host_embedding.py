@@ -17,8 +17,7 @@ from typing import Callable
 import numpy as np
 
 from .. import counters, topology
-from ..collectives.all_gather import all_gather
-from ..collectives.fingerprint import Problem
+from ..collectives import Problem, agree_objects, all_gather
 from . import combiners
 from .encoding import EncodingPartition
 from .exchange import DenseExchange, Exchange
@@ -396,17 +395,15 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
             max_unique_ids_per_partition=max_unique_ids_per_partition, allow_id_dropping=allow_id_dropping,
             enable_minibatching=enable_minibatching, track_id_stats=track_id_stats)
     except (ValueError, TypeError) as exc:
-        problem = exc
-    # Creation is rare: a pickled all-gather keeps the check simple.
-    gathered = comm.allgather((type(problem), str(problem)) if problem else (None, spec.signature()))
-    for r, (error, message) in enumerate(gathered):
-        if error is not None:
-            raise error(f"create_host_embedding({name!r}): replica {r}: {message}")
-    for r, (_, item) in enumerate(gathered):
-        if item != gathered[0][1]:
+        problem = Problem.of(exc)
+    # Creation is rare: a pickled agreement keeps the check simple.
+    signature = None if spec is None else spec.signature()
+    gathered = agree_objects(f"create_host_embedding({name!r})", signature, comm, problem=problem)
+    for r, item in enumerate(gathered):
+        if item != gathered[0]:
             raise ValueError(f"create_host_embedding({name!r}): replica {r} passed (name, shape, dtype, "
                              f"strategy, optimizer, seed, master weights, stochastic rounding, exchange, id limits) = "
-                             f"{item}, expected {gathered[0][1]} as on replica 0")
+                             f"{item}, expected {gathered[0]} as on replica 0")
     return HostEmbedding(spec, initializer, comm)
 
 
@@ -478,15 +475,12 @@ def _initialize(shard: np.ndarray, partition, spec: TableSpec, initializer, comm
         return
     table = initializer(spec.shape, dtype) if callable(initializer) else initializer
     table = np.asarray(table)
-    problem = None
+    problem, crc = None, None
     if table.shape != spec.shape:
-        problem = f"initializer: expected a table of shape {spec.shape}, got {table.shape}"
-    crc = zlib.crc32(np.ascontiguousarray(table, dtype=dtype).tobytes()) if problem is None else -1
-    problems = comm.allgather((problem, crc))  # creation is rare: pickling is fine
-    for r, (p, _) in enumerate(problems):
-        if p:
-            raise ValueError(f"host embedding {spec.name!r}: replica {r}: {p}")
-    crcs = [c for _, c in problems]
+        problem = Problem(ValueError, f"initializer: expected a table of shape {spec.shape}, got {table.shape}")
+    else:
+        crc = zlib.crc32(np.ascontiguousarray(table, dtype=dtype).tobytes())
+    crcs = agree_objects(f"host embedding {spec.name!r}", crc, comm, problem=problem)  # creation is rare
     if len(set(crcs)) > 1:
         r = next(i for i, c in enumerate(crcs) if c != crcs[0])
         raise ValueError(f"host embedding {spec.name!r}: initializer: replica {r} has a different initial "
