@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 
-from . import records
+from popdist_lite import records
 from .rank_progress import RankProgress
 from .tee import Tee
 

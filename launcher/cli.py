@@ -14,7 +14,9 @@ import shlex
 import sys
 import time
 
-from . import __version__, job, network, records, report
+from popdist_lite import records
+
+from . import __version__, job, network, report
 from .collector import Collector
 from .inspector import StallInspector
 from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,

@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 
-from . import records
+from popdist_lite import records
 
 #: Seconds without any line from a connected agent before it is declared lost.
 AGENT_SILENCE_SECONDS = 10.0

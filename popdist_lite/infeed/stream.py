@@ -10,14 +10,11 @@ to stop.
 
 from __future__ import annotations
 
-import atexit
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import topology
-from ..collectives.fingerprint import next_call_number
 from . import protocol
 
 _active: "Infeed | None" = None  # the open session of this replica, if any
@@ -47,6 +44,12 @@ class Infeed:
         self._closed = False
         comm = topology.replica_comm()
         self._replicas = comm if comm.Get_size() > 1 else None  # None: nobody to agree with
+        from mpi4py import MPI
+
+        from ..collectives import next_call_number
+
+        self._agree_args = (MPI.IN_PLACE, MPI.MIN)
+        self._next_call_number = next_call_number
 
     def start(self) -> "Infeed":
         """Start prefetching now (feeders call ``make_dataset``). Idempotent."""
@@ -93,9 +96,10 @@ class Infeed:
         batch = self._source.fetch()
         have = batch is not None
         if self._replicas is not None:  # every replica has a batch, or all stop here
-            next_call_number(self._replicas, "infeed")  # numbered for the stall inspector
+            self._next_call_number(self._replicas, "infeed")  # numbered for the stall inspector
             flag = np.array([have], dtype=np.int32)
-            self._replicas.Allreduce(MPI.IN_PLACE, flag, op=MPI.MIN)
+            in_place, minimum = self._agree_args
+            self._replicas.Allreduce(in_place, flag, op=minimum)
             have = bool(flag[0])
         if not have:
             self.close()
@@ -124,7 +128,10 @@ class Infeed:
 
 def shutdown_feeders() -> None:
     """At a replica's exit: close the open session and tell this replica's feeders to
-    exit (nothing to do on a rank without feeders or before :func:`popdist_lite.init`)."""
+    exit (nothing to do on a rank without feeders or before :func:`popdist_lite.init`).
+    Registered by :func:`popdist_lite.services.start` (at exit, before MPI is finalised)."""
+    from mpi4py import MPI
+
     if not MPI.Is_initialized() or MPI.Is_finalized() or not topology.is_initialized():
         return
     topo = topology.current()
@@ -136,5 +143,3 @@ def shutdown_feeders() -> None:
     for k in range(1, comm.Get_size()):
         comm.Send(protocol.control(protocol.SHUTDOWN), dest=k, tag=protocol.CONTROL)
 
-
-atexit.register(shutdown_feeders)  # at import, after mpi4py.MPI: runs before mpi4py's MPI_Finalize

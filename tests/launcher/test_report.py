@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from popdist_lite_launcher import agent, records, report
+from popdist_lite import records
+from popdist_lite_launcher import agent, report
 from popdist_lite_launcher.collector import Collector
 
 TB = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    1 / 0\n' \
