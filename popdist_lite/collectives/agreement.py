@@ -138,8 +138,7 @@ def agree_objects(what: str, value, comm, *, problem: Problem | None = None) -> 
     one pickled ``allgather``. Hot paths use the buffer-based :func:`agree`.
 
     Args:
-        what: names the call in errors (e.g. ``"load_checkpoint('ckpt/step-00000020')"``);
-            replicas passing different ``what`` called different agreements.
+        what: names the call in errors (e.g. ``"load_checkpoint('ckpt/step-00000020')"``).
         value: this replica's contribution (ignored when ``problem`` is given).
         comm: the communicator.
         problem: this replica's :class:`Problem`, if it has one.
@@ -150,17 +149,12 @@ def agree_objects(what: str, value, comm, *, problem: Problem | None = None) -> 
     Raises:
         the lowest replica's problem, on every replica, as ``error(f"{what}: replica k:
         {message}")``.
-        RuntimeError: replicas called different agreements at the same point.
     """
-    gathered = comm.allgather((what, problem, None if problem is not None else value))
-    for replica, (theirs, _, _) in enumerate(gathered):
-        if theirs != what:
-            raise RuntimeError(f"collective mismatch: replica 0 called {gathered[0][0]} but replica {replica} "
-                               f"called {theirs}; every replica must make the same calls in the same order")
-    for replica, (_, found, _) in enumerate(gathered):
+    gathered = comm.allgather((problem, None if problem is not None else value))
+    for replica, (found, _) in enumerate(gathered):
         if found is not None:
             found.raise_as(what, replica)
-    return [v for _, _, v in gathered]
+    return [v for _, v in gathered]
 
 
 def register_op(name: str) -> str:
