@@ -26,7 +26,6 @@ The manifest (``MANIFEST``) is a JSON object::
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import zlib
@@ -73,8 +72,8 @@ def parse_step(name: str) -> int | None:
 
 
 def committed(directory: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of the complete checkpoints in ``directory`` (those with a
-    manifest), oldest first."""
+    """``(step, path)`` of the complete checkpoints in ``directory`` (directories, not
+    symbolic links, with a manifest), oldest first."""
     found = []
     try:
         names = os.listdir(directory)
@@ -82,7 +81,7 @@ def committed(directory: Path) -> list[tuple[int, Path]]:
         return []
     for name in names:
         step = parse_step(name)
-        if step is not None and (directory / name / MANIFEST).is_file():
+        if step is not None and not (directory / name).is_symlink() and (directory / name / MANIFEST).is_file():
             found.append((step, directory / name))
     return sorted(found)
 
@@ -161,27 +160,3 @@ def write_npy(path: Path, array: np.ndarray, replica: int, slow: float = 0.0, sy
         if sync:
             os.fsync(f.fileno())
     return Written(path.name, replica, tuple(array.shape), total, crc)
-
-
-def read_manifest(path: Path) -> dict:
-    """The manifest of the checkpoint at ``path``.
-
-    Raises:
-        CheckpointError: ``path`` is not a directory with a readable manifest of this format.
-    """
-    manifest = path / MANIFEST
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is not a checkpoint: not a directory")
-    if not manifest.is_file():
-        raise CheckpointError(f"{path} is not a checkpoint: it has no {MANIFEST} (an incomplete save, "
-                              f"or not a popdist-lite checkpoint)")
-    try:
-        data = json.loads(manifest.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not a checkpoint: {MANIFEST} is unreadable: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a checkpoint: {MANIFEST} is not a {FORMAT} manifest")
-    if data.get("version") != VERSION:
-        raise CheckpointError(f"{path}: manifest version {data.get('version')!r}, this popdist-lite "
-                              f"reads version {VERSION}")
-    return data

@@ -305,6 +305,54 @@ class HostEmbedding:
         if self._serving is not self.local_shard:
             np.copyto(self._serving, self.local_shard, casting="unsafe")
 
+    # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -----------------
+    def checkpoint_info(self) -> dict:
+        """What a checkpoint's manifest says of the table."""
+        arrays = self.state().arrays
+        return {"shape": list(self.shape), "dtype": str(np.dtype(self.dtype)),
+                "master_dtype": str(np.dtype(self.master_dtype)), "partition_strategy": self.partition_strategy,
+                "arrays": sorted(arrays)}
+
+    def state_dict(self) -> dict:
+        """The table's state for a checkpoint (:meth:`TableState.state_dict`): live
+        references to this replica's partition of the master weights and optimizer
+        state, the stochastic-rounding generator states. Local."""
+        return self.state().state_dict()
+
+    def validate_state_dict(self, state_dict: dict, saved) -> None:
+        """Refuse a checkpoint of a table of another shape, or with generator states this
+        table cannot take (before anything changes).
+
+        Raises:
+            ValueError: naming the table, what the checkpoint holds and what this table is.
+        """
+        shape = saved.info.get("shape")
+        if shape is not None and tuple(shape) != tuple(self.shape):
+            raise ValueError(f"table {saved.name!r} has shape {tuple(shape)}, the table being loaded has "
+                             f"{tuple(self.shape)}")
+        try:
+            self.stochastic_rounding.check_generator_states(state_dict.get("generators", {}))
+        except ValueError as exc:
+            raise ValueError(f"table {saved.name!r}: {exc}") from None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Finish a load: the arrays of :meth:`state_dict` were filled in place (others
+        given are copied in), then the generator states are restored and the float16
+        serving copy refreshed. Local.
+
+        Raises:
+            ValueError: as :meth:`load_state`.
+        """
+        live = self.state().arrays
+        given = {"weights": state_dict.get("weights"),
+                 **{f"optimizer/{slot}": v for slot, v in state_dict.get("optimizer", {}).items()}}
+        copies = {}
+        for key, value in given.items():
+            array = value.local if hasattr(value, "local") else value
+            if array is not None and array is not live.get(key):
+                copies[key] = array
+        self.load_state(copies, state_dict.get("generators") or None)
+
     def get_embedding_tensor(self, master: bool = False) -> np.ndarray:
         """The full ``(t, e)`` table, on every replica. Collective (an all-gather).
 

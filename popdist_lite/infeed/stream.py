@@ -119,6 +119,35 @@ class Infeed:
         if _active is self:
             _active = None
 
+    # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -----------------
+    def state_dict(self) -> dict:
+        """The feed position: ``{"steps": batches taken, "replicas": R, "feeders": F}``."""
+        return {"steps": self.steps, "replicas": topology.num_replicas(), "feeders": topology.feeders_per_replica()}
+
+    def validate_state_dict(self, state_dict: dict, saved) -> None:
+        """Refuse a position that is not one (non-negative counts), or a load into a feed
+        that has started.
+
+        Raises:
+            ValueError: naming the state and the field.
+        """
+        if self._started:
+            raise ValueError(f"state {saved.name!r}: the Infeed has started; load the checkpoint before taking "
+                             f"its first batch")
+        for field, low in (("steps", 0), ("replicas", 1), ("feeders", 0)):
+            value = state_dict.get(field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"state {saved.name!r}: {field} must be an integer >= {low}, got {value!r}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume after the batches already taken (:meth:`seek`). At the same replica count
+        the session continues at the same step; at another, at the first step whose
+        batches follow every batch already taken, ``ceil(steps * R / R')`` (no batch
+        repeated, fewer than ``R'`` skipped; docs/checkpoint.md)."""
+        steps, replicas = state_dict["steps"], state_dict["replicas"]
+        now = topology.num_replicas()
+        self.seek(steps if replicas == now else -(-steps * replicas // now))
+
     def __enter__(self) -> "Infeed":
         return self
 
