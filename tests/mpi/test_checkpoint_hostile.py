@@ -9,7 +9,6 @@ it into a state whose snapshot is compared before and after, with numpy.
 import json
 import os
 import shutil
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import pytest
 
 import popdist_lite as pl
 
-ROOT = Path(__file__).resolve().parents[2]
 T, E = 13, 4
 
 
@@ -43,20 +41,6 @@ def _snapshot(state):
 def _same(a, b) -> bool:
     return a.keys() == b.keys() and all(
         a[k] == b[k] if k == "scalars" else a[k].tobytes() == b[k].tobytes() and a[k].dtype == b[k].dtype for k in a)
-
-
-@pytest.fixture
-def shared(comm):
-    path = None
-    if comm.rank == 0:
-        base = ROOT / ".test-checkpoints"
-        base.mkdir(exist_ok=True)
-        path = tempfile.mkdtemp(dir=base)
-    path = Path(comm.bcast(path, root=0))
-    yield path
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _manifest(path: Path, change) -> None:

@@ -7,9 +7,6 @@ The reference is plain numpy: the object's whole table is a known function of th
 row index, so each replica's part can be written down independently of the code.
 """
 
-import shutil
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +14,6 @@ import pytest
 import popdist_lite as pl
 from popdist_lite.checkpoint import Partition, Partitioned, PerReplica
 
-ROOT = Path(__file__).resolve().parents[2]
 N, W = 11, 3  # the object's table: N rows of W values, row i on replica i % r
 
 
@@ -45,20 +41,6 @@ class Counter:
     def load_state_dict(self, state_dict):
         self.count = state_dict["count"]
         self.replica_seed = state_dict.get("replica_seed", self.replica_seed)
-
-
-@pytest.fixture
-def shared(comm):
-    path = None
-    if comm.rank == 0:
-        base = ROOT / ".test-checkpoints"
-        base.mkdir(exist_ok=True)
-        path = tempfile.mkdtemp(dir=base)
-    path = Path(comm.bcast(path, root=0))
-    yield path
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.mpi
