@@ -349,6 +349,7 @@ def main(argv=None) -> int:
     optimizer = popdist_lite.CrossReplicaOptimizer(
         popdist_lite.MomentumSGD(args.lr, momentum=args.momentum),
         stochastic_rounding=rounding, seed=args.seed)  # replica-identical for dense weights
+    optimizer.init(params)  # its state's shapes come from the parameters (a checkpoint must match them)
     embedding = popdist_lite.create_host_embedding(
         "char_embedding", shape=list(TABLE_SHAPE), dtype=np.float16 if half else np.float32,
         master_weights=np.float32 if args.precision == "mixed" else None,

@@ -6,32 +6,9 @@ command), ``job`` (running it), ``collector`` (the records of the ranks' agents)
 ``stall`` (the stall analysis), ``inspector`` (the stall inspector), ``rank_progress``
 (the agent's side of the stall inspector).
 
-``records`` here is :mod:`popdist_lite.records`, the record format shared with the
-ranks, and ``progress`` is :mod:`popdist_lite.progress` (a rank's progress slot), both
-loaded from their files: importing the ``popdist_lite`` package would start MPI (its
-collectives import ``mpi4py.MPI``), which the launcher and the agents must not do.
+The record format shared with the ranks is :mod:`popdist_lite.records`, and a rank's
+progress slot :mod:`popdist_lite.progress`; importing them starts no MPI (importing
+``popdist_lite`` starts nothing), which the launcher and the agents must not do.
 """
 
-import importlib.util
-import os
-import sys
-
 __version__ = "0.1.0"
-
-
-def _load(module: str):
-    """``popdist_lite.<module>`` loaded from its file, without importing the package."""
-    name = f"popdist_lite.{module}"
-    if name in sys.modules:
-        return sys.modules[name]
-    package = importlib.util.find_spec("popdist_lite")  # finds, does not import
-    path = os.path.join(os.path.dirname(package.origin), f"{module}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    loaded = importlib.util.module_from_spec(spec)
-    sys.modules[name] = loaded  # `import popdist_lite.<module>` later gets this same module
-    spec.loader.exec_module(loaded)
-    return loaded
-
-
-records = _load("records")
-progress = _load("progress")

@@ -49,7 +49,9 @@ import sys
 import threading
 import time
 
-from . import channel, records
+from popdist_lite import records
+
+from . import channel
 from .rank_progress import RankProgress
 from .tee import Tee
 

@@ -40,7 +40,7 @@ import hmac
 import os
 import secrets
 
-from . import records
+from popdist_lite import records
 
 #: The environment variable carrying the job's key (hex) from the launcher to its agents.
 KEY_ENV = "POPRUN_LITE_JOB_KEY"

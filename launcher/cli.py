@@ -15,7 +15,9 @@ import signal
 import sys
 import time
 
-from . import __version__, channel, hosts, job, network, records, report
+from popdist_lite import records
+
+from . import __version__, channel, hosts, job, network, report
 from .collector import Collector
 from .inspector import StallInspector
 from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,

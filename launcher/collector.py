@@ -51,7 +51,9 @@ import socket
 import threading
 import time
 
-from . import channel, records
+from popdist_lite import records
+
+from . import channel
 
 #: Seconds without any line from a connected agent before it is declared lost.
 AGENT_SILENCE_SECONDS = 10.0

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 
-from . import progress
+from popdist_lite import progress
 
 #: Seconds between two reads of the rank's slot.
 POLL_SECONDS = 0.2

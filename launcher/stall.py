@@ -4,9 +4,9 @@ block poprun-lite prints (pure functions on plain values: no processes, no socke
 Every replica records the collective call it last entered (operation, call number and
 entry time; :mod:`popdist_lite.progress`) and its agent forwards that to the launcher.
 A job stalls when some replicas have entered call ``#N`` and wait there while others
-have not entered it: :func:`find_stall` names the call, the waiting replicas (longest
-wait first) and the missing ones (furthest behind first, each with what it last
-entered); :func:`format_stall` adds the missing replicas' Python stacks. Like
+have not entered it: :func:`find_stall` names the call, the waiting replicas and the
+missing ones (each with what it last entered), in ascending replica order;
+:func:`format_stall` adds the missing replicas' Python stacks. Like
 Horovod's stall inspector (which names the ranks that did not submit a tensor after
 ``HOROVOD_STALL_CHECK_TIME_SECONDS``), with the missing replica's own stack.
 """
@@ -32,9 +32,9 @@ class Progress:
 
 @dataclass
 class Stall:
-    """Replicas ``waiting`` in call ``call`` (``op``) for ``(replica, seconds)``, longest
-    first, and the ``missing`` replicas that have not entered it: ``(replica, last
-    Progress or None)``, furthest behind first. ``waited`` is the longest wait."""
+    """Replicas ``waiting`` in call ``call`` (``op``) for ``(replica, seconds)``, and the
+    ``missing`` replicas that have not entered it: ``(replica, last Progress or None)``,
+    both in ascending replica order. ``waited`` is the longest wait."""
 
     op: str
     call: int
@@ -44,7 +44,7 @@ class Stall:
 
     @property
     def waited(self) -> float:
-        return self.waiting[0][1]
+        return max(seconds for _, seconds in self.waiting)
 
     @property
     def key(self) -> tuple:
@@ -78,13 +78,11 @@ def find_stall(progress: dict[int, Progress], num_replicas: int, now: float) -> 
     # replicas that entered call #top as different operations (one skipped or added a
     # collective): the largest group (ties: the one with the lowest replica) waits
     op = max(at_top, key=lambda name: (len(at_top[name]), -at_top[name][0]))
-    waiting = sorted(((r, max(0.0, now - progress[r].since)) for r in at_top[op]),
-                     key=lambda item: (-item[1], item[0]))
+    waiting = sorted((r, max(0.0, now - progress[r].since)) for r in at_top[op])
     inside = set(at_top[op])
     missing = [(r, progress.get(r)) for r in range(num_replicas) if r not in inside]
     if not missing:
         return None
-    missing.sort(key=lambda item: (-1 if item[1] is None else item[1].call, item[0]))
     return Stall(op=op, call=top, waiting=waiting, missing=missing, where=dict(progress))
 
 

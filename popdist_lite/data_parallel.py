@@ -12,9 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import topology
-from .collectives import all_gather, all_reduce, broadcast
-from .collectives.fingerprint import Problem, agree
-from .collectives.reduce_scatter import reduce_scatter
+from .collectives import Problem, agree, all_gather, all_reduce, broadcast, reduce_scatter
 from .dense_optimizers import DenseOptimizer
 from .stochastic_rounding import as_stochastic_rounding
 
@@ -161,10 +159,8 @@ class CrossReplicaOptimizer:
     def _sharded_step(self, params, grads, loss_scale) -> None:
         comm = self._comm if self._comm is not None else topology.replica_comm()
         r, k = comm.size, comm.rank
-        names = sorted(params)
         groups, wshards, gshards = [], {}, {}
-        for dtype in sorted({params[n].dtype for n in names}, key=str):
-            group = [n for n in names if params[n].dtype == dtype]
+        for dtype, group in _dtype_groups(params):
             total = int(sum(params[n].size for n in group))
             c = -(-total // r)
             gdtype = np.result_type(*(np.asarray(grads[n]).dtype for n in group))
@@ -191,6 +187,92 @@ class CrossReplicaOptimizer:
         figure with ``shard_optimizer_state=True``)."""
         fn = getattr(self.optimizer, "state_bytes", None)
         return int(fn()) if fn else 0
+
+    def init(self, params: dict[str, np.ndarray]) -> None:
+        """Create the optimizer state for ``params`` now (Optax's ``init``; the first
+        :meth:`step` does it otherwise), so that a checkpoint loads into arrays whose
+        shapes and dtypes come from the parameters. Local (no communication)."""
+        if not isinstance(self.optimizer, DenseOptimizer):
+            return
+        if not self.shard_optimizer_state:
+            self.optimizer.init(params)
+            return
+        r = self._comm.size if self._comm is not None else topology.replica_comm().size
+        shards = {}
+        for dtype, group in _dtype_groups(params):
+            total = int(sum(params[n].size for n in group))
+            key = f"shard:{dtype}"
+            self.shard_sizes[key] = total
+            shards[key] = np.empty(-(-total // r), dtype)
+        self.optimizer.init(shards)
+
+    # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -----------------
+    def checkpoint_info(self) -> dict:
+        return {"optimizer": type(self.optimizer).__name__, "shard_optimizer_state": self.shard_optimizer_state}
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's slots (replicated, or with ``shard_optimizer_state`` the
+        ``block`` partition of each flat state buffer) and step counter, and the
+        stochastic-rounding generator states. Live references; local.
+
+        Raises:
+            TypeError: the wrapped optimizer is not a popdist-lite ``DenseOptimizer``.
+        """
+        from .checkpoint.partition import Partition
+        from .checkpoint.stateful import Partitioned, PerReplica
+
+        inner = self.optimizer
+        if not isinstance(inner, DenseOptimizer):
+            raise TypeError(f"the CrossReplicaOptimizer wraps a {type(inner).__name__}; only popdist_lite "
+                            f"DenseOptimizers (SGD, MomentumSGD, Adam) can be saved")
+        block = Partition("block", 0)
+        tree = inner.state_dict(block if self.shard_optimizer_state else None)
+        if self.shard_optimizer_state and inner.state:
+            tree["state"] = {key: {slot: Partitioned(a, (self.shard_sizes[key],), block) for slot, a in slots.items()}
+                             for key, slots in inner.state.items()}
+        states = self.stochastic_rounding.generator_states()
+        tree["generators"] = {"replica_identical": states["replica_identical"],
+                              "per_replica": PerReplica(states["per_replica"])}
+        return tree
+
+    def validate_state_dict(self, state_dict: dict, saved) -> None:
+        """Refuse a checkpoint of another optimizer, or of unsharded state into sharded
+        (and back), or with bad generator states or step counter."""
+        kind = type(self.optimizer).__name__
+        if saved.info.get("optimizer", kind) != kind:
+            raise ValueError(f"optimizer {saved.name!r} was a {saved.info['optimizer']}, the one being loaded is "
+                             f"a {kind}")
+        if bool(saved.info.get("shard_optimizer_state", self.shard_optimizer_state)) != self.shard_optimizer_state:
+            raise ValueError(f"optimizer {saved.name!r} was saved with shard_optimizer_state="
+                             f"{saved.info['shard_optimizer_state']}, the one being loaded has "
+                             f"{self.shard_optimizer_state}")
+        self.optimizer.validate_state_dict(state_dict, saved)
+        try:
+            self.stochastic_rounding.check_generator_states(state_dict.get("generators", {}))
+        except ValueError as exc:
+            raise ValueError(f"optimizer {saved.name!r}: {exc}") from None
+        if self.shard_optimizer_state:
+            for key, slots in state_dict.get("state", {}).items():
+                if not key.startswith("shard:"):
+                    raise ValueError(f"optimizer {saved.name!r}: sharded state {key!r} is not a flat buffer "
+                                     f"'shard:<dtype>'")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take the state of :meth:`state_dict` (see :meth:`DenseOptimizer.load_state_dict`)."""
+        if self.shard_optimizer_state:
+            for key, slots in state_dict.get("state", {}).items():
+                for array in slots.values():
+                    self.shard_sizes[key] = int(array.shape[0])
+        self.optimizer.load_state_dict(state_dict)
+        self.stochastic_rounding.set_generator_states(state_dict.get("generators", {}))
+
+
+def _dtype_groups(params: dict[str, np.ndarray]):
+    """``(dtype, sorted names)`` of the parameters of each dtype, dtypes in name order:
+    the flat buffers of replicated tensor sharding."""
+    names = sorted(params)
+    for dtype in sorted({params[n].dtype for n in names}, key=str):
+        yield dtype, [n for n in names if params[n].dtype == dtype]
 
 
 def _unscale(g: np.ndarray, loss_scale: float) -> np.ndarray:

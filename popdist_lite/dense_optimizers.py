@@ -25,11 +25,85 @@ class DenseOptimizer:
 
     ``update(params, grads)`` changes ``params`` in place; state is kept per parameter
     name in :attr:`state` (float32 arrays of the parameter's shape, or float64 for
-    float64 parameters).
+    float64 parameters), one array per name in :attr:`slot_names`, created by
+    :meth:`init` (Optax's ``init(params)``) or at the first update.
+
+    Checkpoints (the ``Stateful`` protocol of :mod:`popdist_lite.checkpoint`): the slots
+    (replicated) and the step counter. An optimizer that has state (after :meth:`init`
+    or an update) loads into its own arrays, whose shapes and dtypes come from the
+    parameters; one without takes the checkpoint's slots, each checked to be a slot of
+    this optimizer in a float dtype, and compared with the parameters at the next update.
     """
+
+    #: The names of the arrays kept per parameter.
+    slot_names: tuple[str, ...] = ()
 
     def __init__(self):
         self.state: dict[str, dict[str, np.ndarray]] = {}
+        self._check_next = False  # state came from a checkpoint: compare it with the parameters first
+
+    def init(self, params: dict[str, np.ndarray]) -> None:
+        """Create the (zero) state of every parameter in ``params`` that has none yet,
+        shaped as the parameter, in float32 (float64 for float64 parameters)."""
+        for name, w in params.items():
+            like = np.empty(np.shape(w), np.result_type(np.asarray(w).dtype, np.float32))
+            for slot in self.slot_names:
+                self._slot(name, slot, like)
+
+    def check_state(self, params: dict[str, np.ndarray]) -> None:
+        """Raise ``ValueError`` unless every slot of :attr:`state` has the shape and
+        dtype the parameter of its name needs (state loaded into a fresh optimizer is
+        checked here, before its first update changes anything)."""
+        for name, slots in self.state.items():
+            w = params.get(name)
+            for slot, array in slots.items():
+                want = None if w is None else (np.shape(w), np.result_type(np.asarray(w).dtype, np.float32))
+                if want is None or slot not in self.slot_names or (array.shape, array.dtype) != want:
+                    expected = "no such slot" if want is None or slot not in self.slot_names else \
+                        f"{want[1]}{list(want[0])}"
+                    raise ValueError(f"{type(self).__name__}: state {name}/{slot}: expected {expected}, got "
+                                     f"{array.dtype}{list(array.shape)} (from a checkpoint of other parameters?)")
+
+    def checkpoint_slot(self, relative: str, shape: tuple, dtype: np.dtype) -> None:
+        """Accept a slot ``"<param>/<slot>"`` of a checkpoint for this optimizer's state
+        before it has any (see the class docstring).
+
+        Raises:
+            ValueError: not a slot of this optimizer, or not a float32/float64 array.
+        """
+        _, _, slot = relative.rpartition("/")
+        if slot not in self.slot_names:
+            raise ValueError(f"{type(self).__name__} keeps {list(self.slot_names) or 'no state'}, not {slot!r}")
+        if np.dtype(dtype) not in (np.float32, np.float64):
+            raise ValueError(f"optimizer state is float32 or float64, got {np.dtype(dtype)}")
+
+    def state_dict(self, partition=None) -> dict:
+        """The slots (``{"state": {param: {slot: array}}}``, live references; before any
+        state exists, an :class:`~popdist_lite.checkpoint.stateful.Allocate` taking the
+        checkpoint's) and the step counter of optimizers that count steps."""
+        from .checkpoint.partition import Partition
+        from .checkpoint.stateful import Allocate
+
+        tree: dict = {"state": {name: dict(slots) for name, slots in self.state.items()} if self.state else
+                      Allocate(partition or Partition("replicated"), self.checkpoint_slot)}
+        if hasattr(self, "steps"):
+            tree["steps"] = int(self.steps)
+        return tree
+
+    def validate_state_dict(self, state_dict: dict, saved) -> None:
+        steps = state_dict.get("steps")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+            raise ValueError(f"optimizer {saved.name!r}: steps must be an integer >= 0, got {steps!r}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take the state of :meth:`state_dict` (arrays filled in place, or fresh ones)."""
+        loaded = state_dict.get("state", {})
+        fresh = not self.state
+        self.state = {name: {slot: getattr(a, "local", a) for slot, a in slots.items()}
+                      for name, slots in loaded.items()}
+        self._check_next = fresh and bool(self.state)
+        if "steps" in state_dict and hasattr(self, "steps"):
+            self.steps = int(state_dict["steps"])
 
     def _new_value(self, name: str, w: np.ndarray, g: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -50,6 +124,9 @@ class DenseOptimizer:
                 weights) rather than only this one (a shard); selects the random stream
                 of stochastic rounding.
         """
+        if self._check_next:
+            self.check_state(params)
+            self._check_next = False
         self.begin_step()
         for name, w in params.items():
             cdt = np.result_type(w.dtype, np.float32)
@@ -84,6 +161,10 @@ class MomentumSGD(DenseOptimizer):
         super().__init__()
         self.learning_rate = check_number("MomentumSGD", "learning_rate", learning_rate)
         self.momentum = check_number("MomentumSGD", "momentum", momentum)
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        return ("velocity",) if self.momentum else ()
 
     @property
     def velocity(self) -> dict[str, np.ndarray]:
@@ -128,6 +209,8 @@ class Adam(DenseOptimizer):
         self.beta2 = check_number("Adam", "beta2", beta2, 0.0, 1.0, high_open=True)
         self.epsilon = check_number("Adam", "epsilon", epsilon, low_open=True)
         self.steps = 0
+
+    slot_names = ("m", "v")
 
     def begin_step(self):
         self.steps += 1

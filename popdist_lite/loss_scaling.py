@@ -103,6 +103,47 @@ class LossScaler:
         if overflow:
             self.skipped_steps += 1
 
+    # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -----------------
+    def state_dict(self) -> dict:
+        """``{"scale", "skipped_steps", "last_overflow_replica"}`` (JSON); a dynamic
+        scaler adds ``"clean_steps"``."""
+        return {"scale": self.scale, "skipped_steps": self.skipped_steps,
+                "last_overflow_replica": self.last_overflow_replica}
+
+    def validate_state_dict(self, state_dict: dict, saved) -> None:
+        """Accept exactly the fields of :meth:`state_dict`, each of its type and range: a
+        finite positive scale (within a dynamic scaler's bounds), counters >= 0.
+
+        Raises:
+            ValueError: naming the scaler, the field, what was expected and what came.
+        """
+        what = f"loss scaler {saved.name!r}"
+        fields = self.state_dict()
+        if not isinstance(state_dict, dict) or set(state_dict) != set(fields):
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"{what}: expected the fields {sorted(fields)}, got {got}")
+        try:
+            self._check_scale(check_number(type(self).__name__, "scale", state_dict["scale"], low_open=True))
+            for name in fields:
+                if name in ("skipped_steps", "clean_steps"):
+                    check_integer(type(self).__name__, name, state_dict[name], low=0)
+            replica = state_dict["last_overflow_replica"]
+            if replica is not None:
+                check_integer(type(self).__name__, "last_overflow_replica", replica, low=0)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{what}: {exc}") from None
+
+    def _check_scale(self, scale: float) -> None:
+        """Raise ``ValueError`` for a scale this scaler cannot take (a positive finite one
+        was checked already)."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the fields of :meth:`state_dict` (checked by :meth:`validate_state_dict`)."""
+        self.scale = float(state_dict["scale"])
+        self.skipped_steps = int(state_dict["skipped_steps"])
+        replica = state_dict["last_overflow_replica"]
+        self.last_overflow_replica = None if replica is None else int(replica)
+
     def step(self, dense=None, embeddings=()) -> bool:
         """One loss-scaled update of dense parameters and host embeddings. Collective.
 
@@ -186,6 +227,18 @@ class DynamicLossScaler(LossScaler):
         if self.clean_steps >= self.growth_interval:
             self.scale = min(self.scale * self.growth_factor, self.max_scale)
             self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "clean_steps": self.clean_steps}
+
+    def _check_scale(self, scale: float) -> None:
+        if not self.min_scale <= scale <= self.max_scale:
+            raise ValueError(f"argument scale: expected a value in [min_scale, max_scale] = [{self.min_scale:g}, "
+                             f"{self.max_scale:g}], got {scale!r}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.clean_steps = int(state_dict["clean_steps"])
 
     def __repr__(self) -> str:
         return (f"DynamicLossScaler(scale={self.scale:g}, growth_interval={self.growth_interval}, "

@@ -131,18 +131,16 @@ def is_popdist_env_set() -> bool:
 
 
 def init() -> None:
-    """Initialise MPI and the replica communicator. Idempotent; collective on first call.
+    """Initialise MPI and discover this rank's topology. Idempotent; collective on the
+    first call.
 
     Works under ``poprun-lite`` (topology from ``POPDIST_*``), under plain ``mpirun``
-    (topology from ``COMM_WORLD``) and as a single process (one replica). Also installs
-    the failure hook: an uncaught exception on any rank prints the rank's traceback,
-    records it for the launcher's report and aborts the whole job instead of leaving the
-    other ranks waiting in a collective (as ``python -m mpi4py`` does). When
-    ``POPDIST_LITE_TIMELINE`` is set, starts the timeline (:mod:`popdist_lite.timeline`).
-    Under poprun-lite's stall inspector, records this replica's collective calls and
-    dumps its stacks on request (:mod:`popdist_lite.progress`); under plain mpirun with
-    ``POPDIST_LITE_STALL_TIMEOUT`` set, starts the stall watchdog
-    (:mod:`popdist_lite.watchdog`).
+    (topology from ``COMM_WORLD``) and as a single process (one replica). Splits the
+    replicas from the other roles (:func:`replica_comm`) and builds the feed
+    communicators, then starts the runtime services (:func:`popdist_lite.services.start`:
+    the failure hook that aborts the job on an uncaught exception, progress recording
+    for poprun-lite's stall inspector, the stall watchdog and the timeline when their
+    variables are set).
 
     Raises:
         ValueError: the ``POPDIST_*`` variables disagree with the MPI job (for example
@@ -168,16 +166,7 @@ def init() -> None:
     feed = None
     if num_feeders:  # one communicator per replica: the replica is rank 0, feeder k rank 1 + k
         feed = world.Split(offset, 0 if feeder_index is None else 1 + feeder_index)
-
-    from . import _excepthook, progress
-
-    _excepthook.install(replica_index=offset, role=env.role, feeder_index=feeder_index)
-    progress.enable_from_env()
-    if env.role == "replica":
-        from . import watchdog
-
-        watchdog.start_from_env(offset, lambda: world.Abort(1))
-    _topology = Topology(
+    topo = Topology(
         replica_id=offset,
         num_replicas=total,
         num_local_replicas=env.local,
@@ -191,11 +180,10 @@ def init() -> None:
         feeder_index=feeder_index,
         feed=feed,
     )
-    timeline_path = os.environ.get("POPDIST_LITE_TIMELINE")
-    if timeline_path and env.role == "replica":
-        from . import timeline
+    from . import services
 
-        timeline.enable(timeline_path, offset, sub)
+    services.start(topo)
+    _topology = topo
 
 
 def _read_environment() -> _Environment:

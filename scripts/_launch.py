@@ -19,7 +19,7 @@ def under_mpi() -> bool:
 
 @contextlib.contextmanager
 def on_test_hosts(n: int, ranks: int):
-    """With ``n`` > 0: make ``n`` network-namespace test hosts (tests/multihost/testhosts.py,
+    """With ``n`` > 0: make ``n`` network-namespace test hosts (popdist_lite_launcher.testhosts,
     root only) for the duration and yield the poprun-lite arguments that spread the
     ``ranks`` replicas evenly over them with every byte between ranks on TCP over the
     test network (``--mca btl tcp,self``); with ``n`` == 0 yield no arguments (one host).
@@ -37,8 +37,7 @@ def on_test_hosts(n: int, ranks: int):
     if not n:
         yield []
         return
-    sys.path.insert(0, os.path.join(ROOT, "tests", "multihost"))
-    import testhosts
+    from popdist_lite_launcher import testhosts
 
     reason = testhosts.unavailable()
     if reason:

@@ -36,7 +36,7 @@ Operations (ours / raw):
     all_to_all          Alltoall(x, out)                   x: (n,)
     all_reduce          Allreduce(x, out, SUM)
     broadcast           Bcast(x, root=0)
-With ``--hosts H`` (root: network-namespace test hosts, tests/multihost/testhosts.py)
+With ``--hosts H`` (root: network-namespace test hosts, popdist_lite_launcher.testhosts)
 the replicas are spread evenly over H test hosts and every byte between ranks goes over
 TCP (``--mca btl tcp,self``), for ours and raw alike; with more replicas than cores
 they yield the processor while waiting (``mpi_yield_when_idle``: the test hosts share
@@ -108,7 +108,7 @@ def measure(op: str, n_bytes: int, comm, blocks: int) -> dict:
     from popdist_lite import progress
 
     ours, raw = calls(op, n_bytes, comm)
-    from popdist_lite.collectives.fingerprint import SIGNATURE
+    from popdist_lite.collectives.agreement import SIGNATURE
 
     sig, table = np.zeros(1, SIGNATURE).view(np.int64), np.zeros(comm.size, SIGNATURE).view(np.int64)  # one row each
 

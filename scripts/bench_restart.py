@@ -122,7 +122,8 @@ def run(replicas: int, timeout: float, kill_at: int | None) -> dict:
 # environment, as poprun-lite gives it.
 AGENTS = """
 import json, os, sys, time
-from popdist_lite_launcher import agent, channel, records
+from popdist_lite import records
+from popdist_lite_launcher import agent, channel
 key, agents, count = channel.take_key(), int(sys.argv[1]), int(sys.argv[2])
 links, handshakes = [], []
 for rank in range(agents):
@@ -143,7 +144,8 @@ sys.stdin.read()  # until the launcher has counted them
 
 def control_plane(agents: int, count: int, timeout: float) -> dict:
     """The handshake's cost per agent and the collector's throughput (module docstring)."""
-    from popdist_lite_launcher import channel, records
+    from popdist_lite import records
+    from popdist_lite_launcher import channel
     from popdist_lite_launcher.collector import Collector
 
     arrivals: list[float] = []

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from mpirun import ROOT
+from helpers import ROOT
 
 
 def test_bench_precision_prints_json_with_half_the_fp16_bytes():

@@ -14,14 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpirun import ROOT, run_mpi
-from test_checkpoint_reshard import PROG, _assemble, _run
-from test_shakespeare_example import _clean_env
+from helpers import CHECKPOINT_PROG, ROOT, assemble_dumps, clean_env, run_checkpoint_prog, run_mpi
 
 
 def _compare(out: Path, replicas: int) -> None:
-    want, want_values = _assemble(out, "saved", replicas, "TOKEN")
-    got, got_values = _assemble(out, "loaded", replicas, "TOKEN")
+    want, want_values = assemble_dumps(out, "saved", replicas, "TOKEN")
+    got, got_values = assemble_dumps(out, "loaded", replicas, "TOKEN")
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
@@ -31,8 +29,8 @@ def _compare(out: Path, replicas: int) -> None:
 def test_replica_killed_during_save(tmp_path):
     ckpt = tmp_path / "ckpt"
     job = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2", "--timeout", "100",
-                            sys.executable, PROG, "torn", ckpt, tmp_path, "TOKEN"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_clean_env(), cwd=ROOT,
+                            sys.executable, CHECKPOINT_PROG, "torn", ckpt, tmp_path, "TOKEN"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT,
                            start_new_session=True)
     try:
         deadline = time.monotonic() + 100
@@ -48,7 +46,7 @@ def test_replica_killed_during_save(tmp_path):
     assert job.returncode != 0
     assert "root cause: replica 1" in err and "signal SIGKILL" in err, err
     assert not (ckpt / "step-00000007").exists()
-    _run(2, "load", ckpt, tmp_path, "TOKEN")  # latest = step 4 (the program checks), verified on load
+    run_checkpoint_prog(2, "load", ckpt, tmp_path, "TOKEN")  # latest = step 4 (the program checks), verified on load
     _compare(tmp_path, 2)
 
 
@@ -71,7 +69,7 @@ def tiny_disk(tmp_path):
 
 def test_full_disk(tiny_disk, tmp_path):
     ckpt = tiny_disk / "ckpt"
-    _run(2, "disk", ckpt, tmp_path, "TOKEN")
+    run_checkpoint_prog(2, "disk", ckpt, tmp_path, "TOKEN")
     for k in range(2):
         error = (tmp_path / f"error.r{k}").read_text()
         assert "No space left on device" in error and "failed" in error and "previous checkpoints are intact" in error

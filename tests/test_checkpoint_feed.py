@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_shakespeare_example import ROOT, _clean_env
+from helpers import ROOT, clean_env
 
 PROG = str(Path(__file__).parent / "checkpoint_feed_prog.py")
 STEPS = 5
@@ -23,7 +23,7 @@ STEPS = 5
 def _run(replicas, feeders, *args):
     r = subprocess.run([sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas),
                         "--feeders-per-replica", str(feeders), "--timeout", "100", sys.executable, PROG,
-                        *map(str, args)], capture_output=True, text=True, timeout=120, env=_clean_env(), cwd=ROOT)
+                        *map(str, args)], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

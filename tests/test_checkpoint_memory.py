@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from test_single_process import run_python
+from helpers import run_python
 
 CODE = """
 import numpy as np, popdist_lite as pl

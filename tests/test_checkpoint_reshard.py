@@ -7,51 +7,17 @@ Full arrays are assembled here with numpy from each replica's own arrays, by the
 partition rules (TOKEN row i on replica i % r at local row i // r; ENCODING columns
 [k*c, (k+1)*c)), not by the checkpoint code."""
 
-import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mpirun import ROOT, run_mpi
+from helpers import (CHECKPOINT_DENSE, CHECKPOINT_E, CHECKPOINT_T, ROOT, assemble_dumps,
+                     run_checkpoint_prog)
 
-PROG = str(Path(__file__).parent / "checkpoint_prog.py")
-T, E, DENSE = 37, 6, 57  # checkpoint_prog's table shape and number of dense parameter elements
-
-
-def _run(ranks: int, *args) -> None:
-    try:
-        r = run_mpi(ranks, [sys.executable, PROG, *map(str, args)], timeout=120)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"checkpoint_prog {args} on {ranks} ranks hung:\n{e.stdout!r}")
-    assert r.returncode == 0, f"{args} on {ranks} ranks:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-
-
-def _assemble(out: Path, tag: str, replicas: int, strategy: str) -> tuple[dict, dict]:
-    """Full arrays (and values) from every replica's dump."""
-    parts = [np.load(out / f"{tag}.r{k}.npz", allow_pickle=False) for k in range(replicas)]
-    values = [json.loads((out / f"{tag}.r{k}.json").read_text()) for k in range(replicas)]
-    full = {}
-    for name in parts[0].files:
-        locals_ = [p[name] for p in parts]
-        if name.startswith("opt/"):  # replicated tensor sharding: flat blocks of ceil(n/r)
-            full[name] = np.concatenate(locals_)[:DENSE]
-        elif name.startswith("params/") or name.endswith("/calls") or (strategy == "ENCODING" and locals_[0].ndim == 1):
-            for other in locals_[1:]:
-                np.testing.assert_array_equal(other, locals_[0], err_msg=f"{name} differs between replicas")
-            full[name] = locals_[0]
-        elif strategy == "TOKEN":
-            rows = np.arange(T)
-            full[name] = np.stack([locals_[i % replicas][i // replicas] for i in rows])
-        else:
-            c = -(-E // replicas)
-            full[name] = np.stack([locals_[j // c][:, j % c] for j in range(E)], axis=1)
-    for v in values[1:]:
-        assert {k: x for k, x in v.items()} == values[0], "values differ between replicas"
-    return full, values[0]
+T, E, DENSE = CHECKPOINT_T, CHECKPOINT_E, CHECKPOINT_DENSE
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +26,7 @@ def saved(tmp_path_factory):
     found = {}
     for strategy in ("TOKEN", "ENCODING"):
         base = tmp_path_factory.mktemp(f"saved-{strategy}")
-        _run(2, "save", base / "ckpt", base, strategy)
+        run_checkpoint_prog(2, "save", base / "ckpt", base, strategy)
         found[strategy] = base
     return found
 
@@ -70,9 +36,9 @@ def saved(tmp_path_factory):
                                                  ("ENCODING", 1, "ENCODING")])
 def test_reshard(saved, tmp_path, source, ranks, target):
     base = saved[source]
-    _run(ranks, "load", base / "ckpt", tmp_path, target)
-    want, want_values = _assemble(base, "saved", 2, source)
-    got, got_values = _assemble(tmp_path, "loaded", ranks, target)
+    run_checkpoint_prog(ranks, "load", base / "ckpt", tmp_path, target)
+    want, want_values = assemble_dumps(base, "saved", 2, source)
+    got, got_values = assemble_dumps(tmp_path, "loaded", ranks, target)
     assert sorted(got) == sorted(want)
     assert want["adam/optimizer/steps"].max() > 1  # the step counters are not trivially zero
     for name in want:
@@ -97,7 +63,7 @@ def _cli(*args) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("strategy", ["TOKEN", "ENCODING"])
 def test_cli_inspect_and_export(saved, tmp_path, strategy):
     base = saved[strategy]
-    want, _ = _assemble(base, "saved", 2, strategy)
+    want, _ = assemble_dumps(base, "saved", 2, strategy)
     r = _cli("inspect", base / "ckpt", "--verify")
     assert r.returncode == 0, r.stderr
     assert "step 4, written by 2 replica(s)" in r.stdout and "every file's crc32 matches" in r.stdout

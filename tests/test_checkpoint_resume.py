@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_shakespeare_example import EXAMPLE, ROOT, TINY, _clean_env
+from helpers import EXAMPLE, ROOT, TINY, clean_env
 
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
 
@@ -57,7 +57,7 @@ def test_killed_job_resumes_exactly(tmp_path, optimizer, feeders):
     data.write_text(TINY)
     common = ["--data", data, "--seq-len", 20, "--batch-size", 4, "--log-every", 1, "--sample-chars", 0,
               "--emb-optimizer", optimizer, "--checkpoint-every", 20]
-    env = _clean_env()
+    env = clean_env()
 
     straight = subprocess.run(_command(feeders, *common, "--steps", 40, "--checkpoint-dir", tmp_path / "a"),
                               capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import ROOT, mpirun_command
+from helpers import ROOT, mpirun_command
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 PROG = [sys.executable, str(Path(__file__).parent / "infeed_prog.py")]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import ROOT, run_mpi
+from helpers import ROOT, run_mpi
 
 MODULES = sorted(p.name for p in (Path(__file__).parent / "mpi").glob("test_*.py"))
 RANKS = (1, 2, 3, 4)

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from test_shakespeare_example import EXAMPLE, ROOT, TINY, _clean_env
+from helpers import EXAMPLE, ROOT, TINY, clean_env
 
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$")
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2", "--timeout", "200"]
@@ -44,7 +44,7 @@ def replica_program(replica: int, attempt: int) -> int | None:
 
 
 def test_killed_replica_restarts_from_the_checkpoint(tmp_path):
-    env = _clean_env()
+    env = clean_env()
     straight = subprocess.run([*LAUNCHER, *example_args(tmp_path, tmp_path / "a")], capture_output=True,
                               text=True, timeout=240, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
     assert straight.returncode == 0, straight.stderr

@@ -11,31 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpirun import run_mpi
+from helpers import EXAMPLE, ROOT, TINY, clean_env, run_mpi
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "shakespeare.py"
 FETCH = ROOT / "scripts" / "fetch_shakespeare"
 sys.path.insert(0, str(ROOT / "examples"))
 
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
-
-TINY = (
-    "ROMEO.\nBut soft, what light through yonder window breaks?\n"
-    "It is the east, and Juliet is the sun.\n\n"
-    "JULIET.\nO Romeo, Romeo, wherefore art thou Romeo?\n"
-    "Deny thy father and refuse thy name.\n\n"
-) * 12  # ~2.7 kB, ~60 distinct characters
-
-
-def _clean_env(**extra):
-    """The environment without any MPI job's variables (tests may themselves run under a
-    launcher), single-threaded BLAS."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "POPDIST_", "PRTE_"))}
-    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **extra)
-    return env
-
 
 @pytest.fixture
 def tiny(tmp_path):
@@ -54,7 +35,7 @@ def _steps(stdout):
 
 def _run(args, timeout=120, **env):
     return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True,
-                          timeout=timeout, env=_clean_env(**env), cwd=ROOT)
+                          timeout=timeout, env=clean_env(**env), cwd=ROOT)
 
 
 def test_single_process(tiny):
@@ -93,7 +74,7 @@ def test_two_ranks(tiny, strategy):
     r = run_mpi(2, [sys.executable, str(EXAMPLE), "--data", str(tiny), "--steps", "3",
                     "--seq-len", "20", "--batch-size", "4", "--log-every", "1",
                     "--sample-chars", "20", "--partition-strategy", strategy],
-                timeout=180, env=_clean_env())
+                timeout=180, env=clean_env())
     assert r.returncode == 0, r.stdout + r.stderr
     steps = _steps(r.stdout)
     # only replica 0 prints
@@ -128,7 +109,7 @@ def test_progress_bar_on_a_terminal(tiny):
         p = subprocess.Popen([sys.executable, str(EXAMPLE), "--data", str(tiny), "--steps", "3",
                               "--seq-len", "20", "--batch-size", "4", "--log-every", "1",
                               "--sample-chars", "0"],
-                             stdout=slave, stderr=subprocess.STDOUT, env=_clean_env(), cwd=ROOT)
+                             stdout=slave, stderr=subprocess.STDOUT, env=clean_env(), cwd=ROOT)
         os.close(slave)
         chunks = []
         while True:
@@ -221,7 +202,7 @@ def test_reduced_precision_trains_like_fp32(tiny, mode):
     """float16 modes on 2 ranks: the loss falls, tracking the fp32 run of the same seed."""
     args = ["--data", str(tiny), "--steps", "30", "--seq-len", "20", "--batch-size", "8",
             "--log-every", "10", "--sample-chars", "0"]
-    runs = [run_mpi(2, [sys.executable, str(EXAMPLE), *args, *extra], timeout=180, env=_clean_env())
+    runs = [run_mpi(2, [sys.executable, str(EXAMPLE), *args, *extra], timeout=180, env=clean_env())
             for extra in ([], mode)]
     for r in runs:
         assert r.returncode == 0, r.stdout + r.stderr
@@ -241,7 +222,7 @@ def test_feeders_give_the_same_losses(tiny):
     for feeders in ("0", "1"):
         r = subprocess.run([sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2",
                             "--feeders-per-replica", feeders, "--timeout", "150", *args],
-                           capture_output=True, text=True, timeout=180, env=_clean_env(), cwd=ROOT)
+                           capture_output=True, text=True, timeout=180, env=clean_env(), cwd=ROOT)
         assert r.returncode == 0, r.stdout + r.stderr
         runs.append(_steps(r.stdout))
     assert len(runs[0]) == 6 and runs[0] == runs[1], runs

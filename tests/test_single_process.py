@@ -6,13 +6,7 @@ import sys
 
 import numpy as np
 
-from mpirun import ROOT
-
-
-def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("POPDIST", "OMPI_", "PMIX_", "PMI_"))}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**clean, **(env or {})}, cwd=ROOT)
+from helpers import run_python
 
 
 def test_single_process_is_one_replica():

@@ -12,7 +12,7 @@ import pytest
 
 import popdist_lite as pl
 from popdist_lite import counters
-from mpirun import ROOT, run_mpi
+from helpers import ROOT, run_mpi
 
 PROGRAM = """
     import numpy as np

@@ -7,7 +7,7 @@ import sys
 import textwrap
 import time
 
-from mpirun import run_mpi
+from helpers import run_mpi
 
 PROG = textwrap.dedent("""
     import time

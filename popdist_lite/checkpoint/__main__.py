@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .format import CHUNK_BYTES, CheckpointError, committed, read_manifest
+from .format import CHUNK_BYTES, CheckpointError, committed
+from .manifest import read_manifest
 from .partition import Partition, copy_piece, plan
 from .reader import ArrayFile
 

@@ -26,7 +26,6 @@ The manifest (``MANIFEST``) is a JSON object::
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import zlib
@@ -34,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ..collectives import Problem
 
 FORMAT = "popdist-lite-checkpoint"
 VERSION = 1
@@ -51,6 +52,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read (raised on every replica)."""
 
 
+def problem_of(exc: BaseException) -> Problem:
+    """What a checkpoint step reports to the agreement for an exception caught on this
+    replica: ``TypeError``, ``ValueError`` and :class:`CheckpointError` keep their class,
+    anything else becomes a :class:`CheckpointError` naming its type (an ``OSError``
+    reads ``"strerror: filename"``)."""
+    return Problem.of(exc, keep=(TypeError, ValueError, CheckpointError), otherwise=CheckpointError)
+
+
 def step_dir_name(step: int) -> str:
     """``step-00000020``: zero-padded so names sort by step."""
     return f"step-{int(step):08d}"
@@ -63,8 +72,8 @@ def parse_step(name: str) -> int | None:
 
 
 def committed(directory: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of the complete checkpoints in ``directory`` (those with a
-    manifest), oldest first."""
+    """``(step, path)`` of the complete checkpoints in ``directory`` (directories, not
+    symbolic links, with a manifest), oldest first."""
     found = []
     try:
         names = os.listdir(directory)
@@ -72,7 +81,7 @@ def committed(directory: Path) -> list[tuple[int, Path]]:
         return []
     for name in names:
         step = parse_step(name)
-        if step is not None and (directory / name / MANIFEST).is_file():
+        if step is not None and not (directory / name).is_symlink() and (directory / name / MANIFEST).is_file():
             found.append((step, directory / name))
     return sorted(found)
 
@@ -151,27 +160,3 @@ def write_npy(path: Path, array: np.ndarray, replica: int, slow: float = 0.0, sy
         if sync:
             os.fsync(f.fileno())
     return Written(path.name, replica, tuple(array.shape), total, crc)
-
-
-def read_manifest(path: Path) -> dict:
-    """The manifest of the checkpoint at ``path``.
-
-    Raises:
-        CheckpointError: ``path`` is not a directory with a readable manifest of this format.
-    """
-    manifest = path / MANIFEST
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is not a checkpoint: not a directory")
-    if not manifest.is_file():
-        raise CheckpointError(f"{path} is not a checkpoint: it has no {MANIFEST} (an incomplete save, "
-                              f"or not a popdist-lite checkpoint)")
-    try:
-        data = json.loads(manifest.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not a checkpoint: {MANIFEST} is unreadable: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a checkpoint: {MANIFEST} is not a {FORMAT} manifest")
-    if data.get("version") != VERSION:
-        raise CheckpointError(f"{path}: manifest version {data.get('version')!r}, this popdist-lite "
-                              f"reads version {VERSION}")
-    return data

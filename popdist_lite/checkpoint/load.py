@@ -1,12 +1,15 @@
 """Loading, at any replica count and partition: check everything, then copy in place.
 
 ``load_checkpoint(path, state)`` runs in three agreed phases, so a bad checkpoint
-changes nothing on any replica:
+(corrupted, or made to harm: see docs/security.md) changes nothing on any replica:
 
-1. every replica reads the manifest and matches ``state`` against it (kinds, shapes,
-   dtypes; :func:`popdist_lite.checkpoint.state.bind`);
+1. every replica reads and checks the manifest (:func:`~.manifest.read_manifest`) and
+   matches ``state`` against it (kinds, shapes, dtypes, JSON types;
+   :func:`popdist_lite.checkpoint.state.bind`); shapes and dtypes come from the live
+   state, never from the checkpoint; then each object's ``validate_state_dict`` runs;
 2. every replica opens the files it needs (:func:`~.partition.plan`: the pieces of
-   each writer's file that overlap its own part) and checks their sizes and headers;
+   each writer's file that overlap its own part) as regular files only, and checks
+   their sizes, headers and data lengths;
    the crc32 checks are shared out: each file is checked once, by one of the replicas
    that read it (balanced by bytes; mapped and released one chunk at a time), so a
    file several replicas read (a replicated array, a reshard) is checksummed once, not
@@ -25,10 +28,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 
-from .agreement import agree, problem_of
-from .format import CHUNK_BYTES, CheckpointError, committed, read_manifest
+from ..collectives import agree_objects
+from .format import CHUNK_BYTES, CheckpointError, committed, problem_of
+from .manifest import read_manifest
 from .partition import Partition, plan, copy_piece
 from .reader import ArrayFile
 from .save import wait
@@ -75,12 +78,18 @@ def load_checkpoint(path, state: dict, *, comm=None) -> dict:
     Returns:
         ``state``.
 
+    The checkpoint is read as untrusted input (docs/checkpoint.md, "Untrusted
+    checkpoints"): every field of its manifest, every file's name, type, size, header and
+    data length are checked, and shapes and dtypes come from ``state``, before anything
+    changes.
+
     Raises:
-        CheckpointError: ``path`` is not a checkpoint, or a file is missing, truncated or
-            corrupted (the crc32 mismatch names the file and the array), on every
-            replica, before anything is changed.
-        ValueError: the checkpoint lacks an entry of ``state`` or holds another kind,
-            shape or dtype (on every replica, before anything is changed).
+        CheckpointError: on every replica, before anything is changed: ``path`` is not a
+            checkpoint, its manifest breaks the format, a file is missing, not a regular
+            file, truncated or corrupted (the crc32 mismatch names the file and the
+            array), or the checkpoint does not match ``state`` (it lacks an entry or
+            holds another kind, shape, dtype or JSON type; such a mismatch is also a
+            ``ValueError``), or an object refused the saved state.
         TypeError: an unsupported state entry.
     """
     from .. import topology
@@ -102,31 +111,31 @@ def load_checkpoint(path, state: dict, *, comm=None) -> dict:
                                       f"latest_checkpoint({str(path)!r})") from None
             raise
         binding = bind(state, manifest, path, r, k)
-        for target in binding.targets:
-            _check(manifest, target)
-    except Exception as exc:  # noqa: BLE001 - raised on every replica by agree()
+        binding.check()
+    except Exception as exc:  # noqa: BLE001 - raised on every replica by agree_objects()
         problem = problem_of(exc)
-    agree(comm, problem, what)
+    agree_objects(what, None, comm, problem=problem)
 
     problem, reads = None, []
     try:
         reads = _reads(binding, manifest, path, r, k)
     except Exception as exc:  # noqa: BLE001
         problem = problem_of(exc)
-    mine = _verification_share(comm.allgather({record["file"]: record["bytes"] for _, record, _ in reads}), k)
+    needs = agree_objects(what, {record["file"]: record["bytes"] for _, record, _ in reads}, comm, problem=problem)
+    mine = _verification_share(needs, k)
     opened, work = {}, []
+    problem = None
     try:
-        if problem is None:
-            for target, record, piece in reads:
-                if record["file"] not in opened:
-                    opened[record["file"]] = ArrayFile(path, target.name, record, target.dtype)
-                    if record["file"] in mine:
-                        opened[record["file"]].verify()
-                work.append((target, opened[record["file"]], piece))
+        for target, record, piece in reads:
+            if record["file"] not in opened:
+                opened[record["file"]] = ArrayFile(path, target.name, record, target.dtype)
+                if record["file"] in mine:
+                    opened[record["file"]].verify()
+            work.append((target, opened[record["file"]], piece))
     except Exception as exc:  # noqa: BLE001
         problem = problem_of(exc)
     try:
-        agree(comm, problem, what)
+        agree_objects(what, None, comm, problem=problem)
         for target, file, piece in work:
             copy_piece(target.local, file.array(), piece, CHUNK_BYTES, file.release_rows)
     finally:
@@ -174,12 +183,3 @@ def _verification_share(needs: list[dict], k: int) -> set:
         if checker == k:
             mine.add(name)
     return mine
-
-
-def _check(manifest: dict, target) -> None:
-    saved = manifest.get("arrays", {}).get(target.name)
-    if saved is None:
-        raise ValueError(f"the checkpoint has no array {target.name!r}")
-    if tuple(saved["shape"]) != tuple(target.shape) or np.dtype(saved["dtype"]) != target.dtype:
-        raise ValueError(f"array {target.name!r}: the checkpoint holds {np.dtype(saved['dtype'])}"
-                         f"{list(saved['shape'])}, the state being loaded has {target.dtype}{list(target.shape)}")

@@ -1,20 +1,26 @@
-"""Reading one ``.npy`` file of a checkpoint: memory-mapped, checksummed, released as read.
+"""Reading one ``.npy`` file of a checkpoint: checked, memory-mapped, checksummed,
+released as read.
 
-The file is mapped read-only (``mmap``), so only the pages a replica touches are read;
-after each part of about ``CHUNK_BYTES`` the pages are released again
-(``madvise(MADV_DONTNEED)``), so reading a file costs one chunk of memory beyond the
-destination, whatever the file's size.
+The file is opened as a regular file only (:func:`~.manifest.open_regular`: no
+symbolic link, no FIFO) and checked before anything is read from it: its size against
+the manifest, its ``.npy`` header (shape, dtype, C order) against the manifest, and
+its data's length against what that shape and dtype need. It is then mapped read-only
+(``mmap``), so only the pages a replica touches are read; after each part of about
+``CHUNK_BYTES`` the pages are released again (``madvise(MADV_DONTNEED)``), so reading
+a file costs one chunk of memory beyond the destination, whatever the file's size.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import zlib
 from pathlib import Path
 
 import numpy as np
 
 from .format import CHUNK_BYTES, CheckpointError
+from .manifest import open_regular
 
 _PAGE = mmap.ALLOCATIONGRANULARITY
 
@@ -24,8 +30,9 @@ class ArrayFile:
     (``{"file", "shape", "bytes", "crc32"}``) and the array's ``dtype``.
 
     Raises:
-        CheckpointError: the file is missing, has another size, or its header names
-            another shape or dtype (message names the file and the array).
+        CheckpointError: the file is missing, not a regular file, has another size, its
+            header names another shape or dtype, or it holds fewer or more bytes of data
+            than that shape needs (message names the file and the array).
     """
 
     def __init__(self, directory: Path, array_name: str, record: dict, dtype: np.dtype):
@@ -34,28 +41,34 @@ class ArrayFile:
         self.record = record
         what = f"{self.path} (array {array_name!r})"
         try:
-            self._file = open(self.path, "rb")
+            self._file = os.fdopen(open_regular(self.path), "rb")
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint file missing: {what}") from None
-        except OSError as exc:
-            raise CheckpointError(f"cannot open {what}: {exc.strerror or exc}") from None
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} (array {array_name!r})") from None
         try:
-            size = self.path.stat().st_size
+            size = os.fstat(self._file.fileno()).st_size
             if size != record["bytes"]:
                 raise CheckpointError(f"{what} has {size} bytes, the manifest says {record['bytes']} "
                                       f"(truncated or replaced)")
             try:
                 version = np.lib.format.read_magic(self._file)
+                if version not in ((1, 0), (2, 0)):
+                    raise ValueError(f".npy format version {version}, expected 1.0 or 2.0")
                 read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
                     np.lib.format.read_array_header_2_0
                 shape, fortran, file_dtype = read(self._file)
-            except ValueError as exc:
+            except (ValueError, SyntaxError, TypeError) as exc:
                 raise CheckpointError(f"{what} is not a valid .npy file: {exc}") from None
             if tuple(shape) != tuple(record["shape"]) or file_dtype != dtype or fortran:
                 raise CheckpointError(f"{what}: the file holds {file_dtype}{list(shape)}"
                                       f"{' (Fortran order)' if fortran else ''}, the manifest says "
                                       f"{dtype}{list(record['shape'])}")
             self.shape, self.dtype, self.offset = tuple(shape), np.dtype(dtype), self._file.tell()
+            data = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+            if self.offset + data != size:
+                raise CheckpointError(f"{what} holds {size - self.offset} bytes of data, its shape and dtype "
+                                      f"{self.dtype}{list(self.shape)} need {data} (truncated or padded)")
             self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
         except BaseException:
             self._file.close()

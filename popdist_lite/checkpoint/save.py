@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .agreement import agree, problem_of
+from ..collectives import agree_objects
 from .format import (FORMAT, MANIFEST, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, committed, file_name,
-                     fsync_path, step_dir_name, write_npy)
+                     fsync_path, problem_of, step_dir_name, write_npy)
 from .state import Description, describe
 
 #: Test hook: seconds to sleep after each block written (slows saves down so a test can
@@ -129,9 +129,9 @@ def save_checkpoint(directory, state: dict, step: int, keep: int | None = None, 
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"argument keep: expected None or an integer >= 1, got {keep!r}")
         description = describe(state, r, k)
-    except Exception as exc:  # noqa: BLE001 - raised on every replica by agree()
+    except Exception as exc:  # noqa: BLE001 - raised on every replica by agree_objects()
         problem = problem_of(exc)
-    agree(comm, problem, what)
+    agree_objects(what, None, comm, problem=problem)
     directory = Path(os.path.abspath(directory))
     tmp = _prepare(comm, directory, step, what)
     final = directory / step_dir_name(step)
@@ -185,7 +185,8 @@ def _prepare(comm, directory: Path, step: int, what: str) -> Path:
             problem = problem_of(exc)
     problem, name = comm.bcast((problem, name), root=0)
     if problem is not None:
-        raise CheckpointError(f"{what}: replica 0 cannot create the checkpoint directory {directory}: {problem[1]}")
+        raise CheckpointError(f"{what}: replica 0 cannot create the checkpoint directory {directory}: "
+                              f"{problem.message}")
     tmp = directory / name
     problem = None
     try:
@@ -196,10 +197,10 @@ def _prepare(comm, directory: Path, step: int, what: str) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except (OSError, CheckpointError) as exc:
-        problem = ("CheckpointError", str(exc) if isinstance(exc, CheckpointError) else
-                   f"cannot write in {tmp}: {problem_of(exc)[1]}")
+        problem = problem_of(exc if isinstance(exc, CheckpointError) else
+                             CheckpointError(f"cannot write in {tmp}: {problem_of(exc).message}"))
     try:
-        agree(comm, problem, what)
+        agree_objects(what, None, comm, problem=problem)
     except CheckpointError:
         if comm.Get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -245,7 +246,7 @@ def _write_and_commit(comm, description: Description, tmp: Path, final: Path, st
 
 def _describe_error(exc: BaseException) -> str:
     """An OSError's cause ("No space left on device"), else ``Type: message``."""
-    return problem_of(exc)[1] if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+    return problem_of(exc).message if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
 
 
 def _commit(reports, description: Description, tmp: Path, final: Path, step: int, keep: int | None,
@@ -282,7 +283,7 @@ def _commit(reports, description: Description, tmp: Path, final: Path, step: int
         fsync_path(directory)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        return f"replica 0: committing {final}: {problem_of(exc)[1]}"
+        return f"replica 0: committing {final}: {problem_of(exc).message}"
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     if keep is not None:

@@ -1,45 +1,46 @@
-"""What a checkpoint holds of each kind of state, and how it is put back.
+"""Walking a state for a checkpoint: what is saved, and where a load puts it back.
 
 ``state`` is a dict (nested dicts allowed) whose leaves are:
 
-===============================  ===========================================================
-leaf                             saved as
-===============================  ===========================================================
-:class:`HostEmbedding`           its :meth:`~HostEmbedding.state`: master weights and every
-                                 optimizer slot, partitioned as the table (``table``/``row``
-                                 layouts) or replicated; stochastic-rounding generator states
-:class:`CrossReplicaOptimizer`   the wrapped optimizer's slots (replicated, or the flat
-                                 ``block`` partition of ``shard_optimizer_state=True``), its
-                                 step counter and stochastic-rounding generator states
-:class:`DenseOptimizer`          its slots (replicated) and step counter
-:class:`LossScaler`              scale, counters
-:class:`Infeed`                  the feed position (batches taken, replica and feeder counts)
-``np.random.Generator``          its bit generator's state, per replica
-``np.ndarray``                   one replicated array (dense parameters): replica 0 writes it
-JSON value (int, float, str,     the value (replica 0's); loading replaces it in its dict
-bool, None, list)
-===============================  ===========================================================
+==============================  =============================================================
+leaf                            saved as
+==============================  =============================================================
+a :class:`~.stateful.Stateful`  what its ``state_dict()`` returns, walked the same way under
+                                the object's name (library objects: host embeddings, optimizers,
+                                loss scalers, the feed; and your own)
+``np.random.Generator``         its bit generator's state, per replica
+                                (:class:`~.stateful.GeneratorState`)
+``np.ndarray``                  one replicated array (dense parameters): replica 0 writes it
+JSON value                      the value (replica 0's); a dict holding only JSON values is one
+                                value; loading replaces it in its dict, if of the same JSON type
+==============================  =============================================================
 
-Names are the keys joined with ``/`` (``"model/params/w"``). :func:`describe` turns a
-state into :class:`Entry` arrays and JSON values for the writer; :func:`bind` matches a
-state against a manifest and returns the arrays to fill plus the steps that finish the
-load once every array is in place.
+Inside a ``state_dict()`` tree, :class:`~.stateful.Partitioned` arrays are split over the
+replicas, :class:`~.stateful.PerReplica` values differ per replica and
+:class:`~.stateful.Allocate` marks state to be created from the checkpoint. Names are the
+keys joined with ``/`` (``"model/params/w"``). :func:`describe` turns a state into
+:class:`Entry` arrays and JSON values for the writer; :func:`bind` matches a state
+against a manifest and returns the arrays to fill, the checks to run before anything
+changes, and the steps that finish the load once every array is in place. Nothing here
+knows a library class: objects take part through the protocol.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from ..data_parallel import CrossReplicaOptimizer
-from ..embedding.host_embedding import HostEmbedding
-from ..infeed.stream import Infeed
-from ..loss_scaling import LossScaler
-from ..dense_optimizers import DenseOptimizer
+from .format import CheckpointError
 from .partition import Partition
+from .stateful import Allocate, Partitioned, PerReplica, Saved, Stateful, as_stateful
+
+
+class CheckpointMismatch(CheckpointError, ValueError):
+    """The state being loaded does not match the checkpoint (another shape, dtype,
+    kind or JSON type, or a missing entry): a :class:`CheckpointError` that is also a
+    ``ValueError``."""
 
 
 @dataclass
@@ -67,39 +68,68 @@ class Description:
 
 @dataclass
 class Binding:
-    """A state matched against a manifest: arrays to fill, then ``finish`` in order."""
+    """A state matched against a manifest: arrays to fill, ``checks`` to run before
+    anything changes (the objects' own checks first, then the arrays' shapes and dtypes,
+    so an object can name what differs in its own terms), then ``finish`` in order."""
 
     targets: list[Entry] = field(default_factory=list)
+    checks: list[Callable[[], None]] = field(default_factory=list)
     finish: list[Callable[[], None]] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Run the checks.
+
+        Raises:
+            CheckpointMismatch: an object refused the load (its ``ValueError``), or an
+                array's shape or dtype differs from the checkpoint's.
+        """
+        for check in self.checks:
+            try:
+                check()
+            except CheckpointError:
+                raise
+            except ValueError as exc:
+                raise CheckpointMismatch(str(exc)) from None
+        if self.mismatches:
+            raise CheckpointMismatch(self.mismatches[0])
 
 
-def _json(value) -> bool:
-    try:
-        json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError):
-        return False
-    return True
+def is_json(value) -> bool:
+    """A JSON value: None, bool, int, float, str, or a list or ``str``-keyed dict of them."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(is_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_json(v) for k, v in value.items())
+    return False
 
 
-def _leaves(state: dict, prefix: str = "", json_names=()):
-    """``(name, parent dict, key, value)`` for every leaf, in a fixed order; a dict
-    named in ``json_names`` (saved as one JSON value) is a leaf."""
-    if not isinstance(state, dict):
-        raise TypeError(f"argument state: expected a dict of name -> state, got {type(state).__name__}")
-    for key in sorted(state, key=str):
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "list" if isinstance(value, (list, tuple)) else "object"
+
+
+def _children(tree: dict, name: str):
+    """``(key, child name)`` of a dict of state, in a fixed order, with checked keys."""
+    for key in sorted(tree, key=str):
         if not isinstance(key, str) or not key or "/" in key:
             raise TypeError(f"argument state: keys must be non-empty str without '/', got {key!r} in "
-                            f"{prefix or 'state'!r}")
-        value, name = state[key], f"{prefix}{key}"
-        if isinstance(value, dict) and not _plain_json_dict(value) and name not in json_names:
-            yield from _leaves(value, name + "/", json_names)
-        else:
-            yield name, state, key, value
+                            f"{name or 'state'!r}")
+        yield key, f"{name}/{key}" if name else key
 
 
-def _plain_json_dict(value: dict) -> bool:
-    """A dict whose values are all JSON scalars/lists (kept as one JSON value), not state."""
-    return bool(value) and all(not isinstance(v, (dict, np.ndarray)) and _json(v) for v in value.values())
+def _type_name(obj) -> str:
+    info = getattr(obj, "checkpoint_info", None)
+    return (info() if info else {}).get("type") or type(obj).__name__
 
 
 # --------------------------------------------------------------------------------------
@@ -111,297 +141,255 @@ def describe(state: dict, replicas: int, replica: int) -> Description:
     Raises:
         TypeError: a leaf of an unsupported type (names the key and the type).
     """
+    if not isinstance(state, dict):
+        raise TypeError(f"argument state: expected a dict of name -> state, got {type(state).__name__}")
     out = Description()
-    for name, _, _, value in _leaves(state):
-        if isinstance(value, HostEmbedding):
-            _describe_table(out, name, value)
-        elif isinstance(value, CrossReplicaOptimizer):
-            _describe_cross_replica(out, name, value)
-        elif isinstance(value, DenseOptimizer):
-            out.objects[name] = {"type": type(value).__name__}
-            _describe_dense(out, name, value)
-        elif isinstance(value, LossScaler):
-            out.objects[name] = {"type": type(value).__name__}
-            out.values[name] = _scaler_fields(value)
-        elif isinstance(value, Infeed):
-            from .. import topology
-            out.objects[name] = {"type": "Infeed"}
-            out.values[name] = {"steps": value.steps, "replicas": replicas,
-                                "feeders": topology.feeders_per_replica()}
-        elif isinstance(value, np.random.Generator):
-            out.objects[name] = {"type": "Generator"}
-            out.replica_values[name] = value.bit_generator.state
-        elif isinstance(value, np.ndarray):
-            if value.dtype.hasobject or value.dtype.fields is not None:
-                raise TypeError(f"state {name!r}: arrays of dtype {value.dtype} cannot be saved (plain "
-                                f"numeric/bool arrays only: no pickles)")
-            out.objects[name] = {"type": "ndarray"}
-            out.entries.append(Entry(name, value.shape, value.dtype, Partition("replicated"), value))
-        elif isinstance(value, (np.integer, np.floating, np.bool_)):
-            out.values[name] = value.item()
-        elif _json(value):
-            out.values[name] = value
-        else:
-            raise TypeError(f"state {name!r}: cannot save a {type(value).__name__} (expected a HostEmbedding, "
-                            f"CrossReplicaOptimizer, DenseOptimizer, LossScaler, Infeed, np.random.Generator, "
-                            f"numpy array, dict, or a JSON value)")
+    for key, name in _children(state, ""):
+        _describe(out, name, state[key], user=True)
     return out
 
 
-def _table_partition(layout: str, strategy: str, shape: tuple) -> tuple[Partition, tuple]:
-    """Partition and global shape of a table array of ``layout`` (TableState contract)."""
-    t, e = shape
-    if layout == "table":
-        return (Partition("cyclic", 0) if strategy == "TOKEN" else Partition("block", 1)), (t, e)
-    if layout == "row":
-        return (Partition("cyclic", 0) if strategy == "TOKEN" else Partition("replicated")), (t,)
-    if layout == "replicated":
-        return Partition("replicated"), None
-    raise ValueError(f"unknown table array layout {layout!r}")
-
-
-def _describe_table(out: Description, name: str, table: HostEmbedding) -> None:
-    ts = table.state()
-    out.objects[name] = {"type": "HostEmbedding", "shape": list(ts.shape), "dtype": str(np.dtype(ts.dtype)),
-                         "master_dtype": str(np.dtype(ts.master_dtype)),
-                         "partition_strategy": ts.partition_strategy, "arrays": sorted(ts.arrays)}
-    for key in sorted(ts.arrays):
-        local, layout = ts.arrays[key], ts.layouts[key]
-        partition, shape = _table_partition(layout, ts.partition_strategy, ts.shape)
-        out.entries.append(Entry(f"{name}/{key}", shape if shape is not None else local.shape, local.dtype,
-                                 partition, local, {"strategy": ts.partition_strategy, "layout": layout}))
-    for kind, state in sorted(ts.generators.items()):
-        if kind == "per_replica":
-            out.replica_values[f"{name}/generators/{kind}"] = state
-        else:
-            out.values[f"{name}/generators/{kind}"] = state
-
-
-def _describe_dense(out: Description, name: str, optimizer: DenseOptimizer) -> None:
-    for param in sorted(optimizer.state):
-        for slot, array in sorted(optimizer.state[param].items()):
-            out.entries.append(Entry(f"{name}/state/{param}/{slot}", array.shape, array.dtype,
-                                     Partition("replicated"), array))
-    if hasattr(optimizer, "steps"):
-        out.values[f"{name}/steps"] = int(optimizer.steps)
-
-
-def _describe_cross_replica(out: Description, name: str, opt: CrossReplicaOptimizer) -> None:
-    inner = opt.optimizer
-    if not isinstance(inner, DenseOptimizer):
-        raise TypeError(f"state {name!r}: the CrossReplicaOptimizer wraps a {type(inner).__name__}; only "
-                        f"popdist_lite DenseOptimizers (SGD, MomentumSGD, Adam) can be saved")
-    out.objects[name] = {"type": "CrossReplicaOptimizer", "optimizer": type(inner).__name__,
-                         "shard_optimizer_state": opt.shard_optimizer_state}
-    if opt.shard_optimizer_state:
-        totals = opt.shard_sizes
-        for key in sorted(inner.state):
-            for slot, array in sorted(inner.state[key].items()):
-                out.entries.append(Entry(f"{name}/state/{key}/{slot}", (totals[key],), array.dtype,
-                                         Partition("block", 0), array))
-        if hasattr(inner, "steps"):
-            out.values[f"{name}/steps"] = int(inner.steps)
+def _describe(out: Description, name: str, value, user: bool) -> None:
+    """``value`` at ``name``: ``user`` while in the dicts passed to save_checkpoint (whose
+    arrays get a manifest entry of their own), False inside an object's state_dict()."""
+    obj = as_stateful(value)
+    if obj is not None:
+        info = getattr(obj, "checkpoint_info", None)
+        out.objects[name] = {"type": type(obj).__name__, **(info() if info else {})}
+        _describe(out, name, obj.state_dict(), user=False)
+        return
+    if isinstance(value, dict) and not is_json(value):
+        for key, child in _children(value, name):
+            _describe(out, child, value[key], user)
+    elif isinstance(value, Partitioned):
+        _check_savable(name, value.local)
+        out.entries.append(Entry(name, tuple(value.shape), value.local.dtype, value.partition, value.local,
+                                 dict(value.meta)))
+    elif isinstance(value, np.ndarray):
+        _check_savable(name, value)
+        if user:
+            out.objects[name] = {"type": "ndarray"}
+        out.entries.append(Entry(name, value.shape, value.dtype, Partition("replicated"), value))
+    elif isinstance(value, PerReplica):
+        out.replica_values[name] = _json_value(name, value.value)
+    elif isinstance(value, Allocate):
+        pass  # state not created yet: nothing to save
     else:
-        _describe_dense(out, name, inner)
-    states = opt.stochastic_rounding.generator_states()
-    out.values[f"{name}/generators/replica_identical"] = states["replica_identical"]
-    out.replica_values[f"{name}/generators/per_replica"] = states["per_replica"]
+        out.values[name] = _json_value(name, value)
 
 
-def _scaler_fields(scaler: LossScaler) -> dict:
-    fields = {"scale": scaler.scale, "skipped_steps": scaler.skipped_steps,
-              "last_overflow_replica": scaler.last_overflow_replica}
-    if hasattr(scaler, "clean_steps"):
-        fields["clean_steps"] = scaler.clean_steps
-    return fields
+def _json_value(name: str, value):
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    if is_json(value):
+        return value
+    raise TypeError(f"state {name!r}: cannot save a {type(value).__name__} (expected an object with "
+                    f"state_dict() and load_state_dict(), an np.random.Generator, a numpy array, a dict, or a "
+                    f"JSON value)")
+
+
+def _check_savable(name: str, array: np.ndarray) -> None:
+    if array.dtype.kind not in "biufc" or array.dtype.fields is not None:
+        raise TypeError(f"state {name!r}: arrays of dtype {array.dtype} cannot be saved (plain numeric/bool "
+                        f"arrays only: no pickles)")
 
 
 # --------------------------------------------------------------------------------------
 # loading
 # --------------------------------------------------------------------------------------
+_MISSING = object()
+
+
 class _Manifest:
-    """Lookups in a manifest for :func:`bind`, with errors naming the checkpoint."""
+    """Lookups in a (checked) manifest for :func:`bind`, with errors naming the checkpoint."""
 
     def __init__(self, manifest: dict, path, replicas: int, replica: int):
         self.data, self.path, self.replicas, self.replica = manifest, path, replicas, replica
         self.writers = int(manifest["num_replicas"])
+        self.values = manifest.get("values", {})
+        self.objects = manifest.get("objects", {})
+        self.arrays = manifest.get("arrays", {})
+
+    def names(self) -> str:
+        return ", ".join(sorted(set(self.objects) | set(self.values))) or "nothing"
 
     def object(self, name: str, kind: str) -> dict:
-        found = self.data.get("objects", {}).get(name)
+        found = self.objects.get(name)
         if found is None:
-            raise ValueError(f"checkpoint {self.path} has no state {name!r} (it has: "
-                             f"{', '.join(sorted(self.data.get('objects', {})) + sorted(self.data.get('values', {}))) or 'nothing'})")
+            raise CheckpointMismatch(f"checkpoint {self.path} has no state {name!r} (it has: {self.names()})")
         if found.get("type") != kind:
-            raise ValueError(f"checkpoint {self.path}: state {name!r} was saved from a {found.get('type')}, "
-                             f"cannot load it into a {kind}")
+            raise CheckpointMismatch(f"checkpoint {self.path}: state {name!r} was saved from a {found.get('type')}, "
+                                     f"cannot load it into a {kind}")
         return found
 
-    def value(self, name: str):
-        values = self.data.get("values", {})
-        if name not in values:
-            raise ValueError(f"checkpoint {self.path} has no value {name!r}")
-        return values[name]
+    def value(self, name: str, like):
+        """The saved value of ``name``, which must have the JSON type of ``like`` (a
+        dict saved by an earlier format as one value per key is put back together)."""
+        if name in self.values:
+            saved = self.values[name]
+        elif isinstance(like, dict):
+            saved = self._assembled(name, like)
+        else:
+            saved = _MISSING
+        if saved is _MISSING:
+            raise CheckpointMismatch(f"checkpoint {self.path} has no value {name!r} (it has: {self.names()})")
+        if _json_type(saved) != _json_type(like):
+            raise CheckpointMismatch(f"checkpoint {self.path}: value {name!r} is a JSON {_json_type(saved)} in the "
+                                     f"checkpoint, the state being loaded has a JSON {_json_type(like)}")
+        if isinstance(like, float) and isinstance(saved, int):
+            saved = float(saved)
+        return list(saved) if isinstance(like, tuple) else saved
+
+    def _assembled(self, name: str, like: dict):
+        """A JSON dict saved key by key (``name/key``), or ``_MISSING``."""
+        parts = {}
+        for key, sub in like.items():
+            child = f"{name}/{key}"
+            if child in self.values:
+                parts[key] = self.values[child]
+            elif isinstance(sub, dict):
+                got = self._assembled(child, sub)
+                if got is not _MISSING:
+                    parts[key] = got
+        return parts if parts or not like else _MISSING
 
     def replica_value(self, name: str):
         """This replica's value when the replica count is unchanged, else the common
-        value when every writer saved the same one, else ``None``."""
-        saved = [v.get(name) for v in self.data.get("replica_values", [])]
-        if not saved or saved[0] is None:
-            return None
+        value when every writer saved the same one, else ``_MISSING``."""
+        saved = [v.get(name, _MISSING) for v in self.data.get("replica_values", [])]
+        if not saved or saved[0] is _MISSING:
+            return _MISSING
         if self.writers == self.replicas:
             return saved[self.replica]
-        return saved[0] if all(s == saved[0] for s in saved) else None
-
-    def arrays_under(self, prefix: str) -> list[str]:
-        return sorted(n for n in self.data.get("arrays", {}) if n.startswith(prefix))
+        return saved[0] if all(s == saved[0] for s in saved) else _MISSING
 
     def array(self, name: str) -> dict:
-        found = self.data.get("arrays", {}).get(name)
+        found = self.arrays.get(name)
         if found is None:
-            raise ValueError(f"checkpoint {self.path} has no array {name!r}")
+            under = sorted(n for n in self.arrays if n.startswith(name.rsplit("/", 1)[0] + "/"))
+            hint = f" (it has {', '.join(under[:8])}{', ...' if len(under) > 8 else ''})" if under else ""
+            raise CheckpointMismatch(f"checkpoint {self.path} has no array {name!r}{hint}")
         return found
 
 
 def bind(state: dict, manifest: dict, path, replicas: int, replica: int) -> Binding:
-    """Match ``state`` against ``manifest``. Local (no communication); nothing changes yet.
+    """Match ``state`` against ``manifest`` (checked by :func:`~.manifest.read_manifest`).
+    Local (no communication); nothing changes yet.
 
     Raises:
-        ValueError: the checkpoint lacks an entry of ``state``, or holds another kind,
-            shape or dtype (messages name the entry, expected and found).
+        CheckpointMismatch: the checkpoint lacks an entry of ``state``, or holds another
+            kind, shape, dtype or JSON type (messages name the entry, expected and found).
         TypeError: an unsupported leaf.
     """
+    if not isinstance(state, dict):
+        raise TypeError(f"argument state: expected a dict of name -> state, got {type(state).__name__}")
     m = _Manifest(manifest, path, replicas, replica)
     out = Binding()
-    for name, parent, key, value in _leaves(state, json_names=manifest.get("values", {})):
-        if isinstance(value, HostEmbedding):
-            _bind_table(out, m, name, value)
-        elif isinstance(value, CrossReplicaOptimizer):
-            _bind_cross_replica(out, m, name, value)
-        elif isinstance(value, DenseOptimizer):
-            m.object(name, type(value).__name__)
-            _bind_dense(out, m, name, value, sharded=False)
-        elif isinstance(value, LossScaler):
-            m.object(name, type(value).__name__)
-            out.finish.append(_set_fields(value, m.value(name)))
-        elif isinstance(value, Infeed):
-            m.object(name, "Infeed")
-            _bind_feed(out, m, name, value)
-        elif isinstance(value, np.random.Generator):
-            m.object(name, "Generator")
-            saved = m.replica_value(name)
-            if saved is not None:
-                out.finish.append(_set_generator(value, saved))
-        elif isinstance(value, np.ndarray):
-            m.object(name, "ndarray")
-            out.targets.append(Entry(name, value.shape, value.dtype, Partition("replicated"), value))
-        else:
-            saved = m.value(name)
-            out.finish.append(_set_item(parent, key, saved))
+    for key, name in _children(state, ""):
+        _bind_leaf(out, m, name, state, key)
     return out
 
 
-def _set_item(parent: dict, key: str, value):
-    def finish():
-        parent[key] = value
-    return finish
+def _bind_leaf(out: Binding, m: _Manifest, name: str, parent: dict, key: str) -> None:
+    """A leaf of the state passed to load_checkpoint (a plain dict of the user's)."""
+    value = parent[key]
+    if as_stateful(value) is not None:
+        _bind_object(out, m, name, as_stateful(value))
+    elif isinstance(value, dict) and not is_json(value):
+        for child_key, child in _children(value, name):
+            _bind_leaf(out, m, child, value, child_key)
+    elif isinstance(value, np.ndarray):
+        m.object(name, "ndarray")
+        out.targets.append(_target(out, m, name, value.shape, value.dtype, Partition("replicated"), value))
+    elif isinstance(value, PerReplica):
+        saved = m.replica_value(name)
+        if saved is not _MISSING:
+            out.finish.append(lambda: setattr(value, "value", saved))
+    elif is_json(value) or isinstance(value, (np.integer, np.floating, np.bool_)):
+        like = value.item() if isinstance(value, np.generic) else value
+        saved = m.value(name, like)
+        out.finish.append(lambda: parent.__setitem__(key, saved))
+    else:
+        raise TypeError(f"state {name!r}: cannot load into a {type(value).__name__}")
 
 
-def _set_fields(obj, fields: dict):
-    def finish():
-        for k, v in fields.items():
-            setattr(obj, k, v)
-    return finish
+def _bind_object(out: Binding, m: _Manifest, name: str, obj: Stateful) -> None:
+    info = m.object(name, _type_name(obj))
+    loaded = _bind_tree(out, m, name, obj.state_dict())
+    validate = getattr(obj, "validate_state_dict", None)
+    tree = None if loaded is _MISSING else loaded
+    if validate is not None:
+        out.checks.append(lambda: validate(tree, Saved(name, info)))
+    out.finish.append(lambda: obj.load_state_dict(tree))
 
 
-def _set_generator(gen: np.random.Generator, state: dict):
-    def finish():
-        gen.bit_generator.state = state
-    return finish
+def _bind_tree(out: Binding, m: _Manifest, name: str, tree):
+    """The tree ``load_state_dict`` gets for ``tree`` (a ``state_dict()`` or part of
+    one); registers its arrays as targets. ``_MISSING`` for a per-replica value that
+    cannot be restored."""
+    obj = as_stateful(tree)
+    if obj is not None:
+        _bind_object(out, m, name, obj)
+        return tree
+    if isinstance(tree, dict) and not is_json(tree):
+        loaded = {}
+        for key, child in _children(tree, name):
+            got = _bind_tree(out, m, child, tree[key])
+            if got is not _MISSING:
+                loaded[key] = got
+        return loaded
+    if isinstance(tree, Partitioned):
+        out.targets.append(_target(out, m, name, tuple(tree.shape), tree.local.dtype, tree.partition, tree.local))
+        return tree
+    if isinstance(tree, np.ndarray):
+        out.targets.append(_target(out, m, name, tree.shape, tree.dtype, Partition("replicated"), tree))
+        return tree
+    if isinstance(tree, PerReplica):
+        return m.replica_value(name)
+    if isinstance(tree, Allocate):
+        return _bind_allocation(out, m, name, tree)
+    if is_json(tree) or isinstance(tree, (np.integer, np.floating, np.bool_)):
+        return m.value(name, tree.item() if isinstance(tree, np.generic) else tree)
+    raise TypeError(f"state {name!r}: cannot load into a {type(tree).__name__}")
 
 
-def _bind_table(out: Binding, m: _Manifest, name: str, table: HostEmbedding) -> None:
-    saved = m.object(name, "HostEmbedding")
-    ts = table.state()
-    if tuple(saved["shape"]) != tuple(ts.shape):
-        raise ValueError(f"checkpoint {m.path}: table {name!r} has shape {tuple(saved['shape'])}, the table "
-                         f"being loaded has {tuple(ts.shape)}")
-    for key in sorted(ts.arrays):
-        local = ts.arrays[key]
-        partition, shape = _table_partition(ts.layouts[key], ts.partition_strategy, ts.shape)
-        out.targets.append(Entry(f"{name}/{key}", shape if shape is not None else local.shape, local.dtype,
-                                 partition, local))
-    generators = {}
-    for kind in ts.generators:
-        value = m.replica_value(f"{name}/generators/{kind}") if kind == "per_replica" else \
-            m.data.get("values", {}).get(f"{name}/generators/{kind}")
-        if value is not None:
-            generators[kind] = value
-
-    def finish():
-        table.load_state(ts.arrays, generators or None)
-    out.finish.append(finish)
+def _target(out: Binding, m: _Manifest, name: str, shape: tuple, dtype: np.dtype, partition: Partition,
+            local: np.ndarray) -> Entry:
+    """The live array ``local`` to fill from array ``name``, whose shape and dtype the
+    checkpoint must hold (a difference is recorded in ``out.mismatches``)."""
+    saved = m.array(name)
+    if tuple(saved["shape"]) != tuple(shape) or np.dtype(saved["dtype"]) != dtype:
+        out.mismatches.append(f"array {name!r}: the checkpoint holds {np.dtype(saved['dtype'])}"
+                              f"{list(saved['shape'])}, the state being loaded has {dtype}{list(shape)}")
+    return Entry(name, tuple(shape), np.dtype(dtype), partition, local)
 
 
-def _bind_dense(out: Binding, m: _Manifest, name: str, optimizer: DenseOptimizer, sharded: bool,
-                sizes: dict | None = None) -> None:
-    """Fresh slot arrays (filled by the load) that replace ``optimizer.state`` at the end."""
-    prefix = f"{name}/state/"
-    new_state: dict[str, dict[str, np.ndarray]] = {}
-    for array_name in m.arrays_under(prefix):
-        key, _, slot = array_name[len(prefix):].rpartition("/")
-        record = m.array(array_name)
+def _bind_allocation(out: Binding, m: _Manifest, name: str, leaf: Allocate) -> dict:
+    """Fresh arrays, shaped as saved, for every array below ``name`` that ``leaf.check``
+    accepts, as a nested dict (``"w/m"`` -> ``{"w": {"m": array}}``; split arrays as
+    :class:`~.stateful.Partitioned`, whose ``shape`` is the saved whole)."""
+    loaded: dict = {}
+    prefix = name + "/"
+    for array_name in sorted(n for n in m.arrays if n.startswith(prefix)):
+        record = m.arrays[array_name]
+        relative = array_name[len(prefix):]
         shape, dtype = tuple(record["shape"]), np.dtype(record["dtype"])
-        if sharded:
-            n = shape[0]
-            local_shape = (-(-n // m.replicas),)
-            partition = Partition("block", 0)
-            if sizes is not None:
-                sizes[key] = n
-        else:
-            local_shape, partition = shape, Partition("replicated")
+        try:
+            leaf.check(relative, shape, dtype)
+        except (ValueError, TypeError) as exc:
+            raise CheckpointMismatch(f"checkpoint {m.path}: array {array_name!r}: {exc}") from None
+        if leaf.partition.kind != "replicated" and leaf.partition.axis >= len(shape):
+            raise CheckpointMismatch(f"checkpoint {m.path}: array {array_name!r} has {len(shape)} dimension(s), "
+                                     f"cannot be split on axis {leaf.partition.axis}")
+        local_shape = list(shape)
+        if leaf.partition.kind != "replicated":
+            local_shape[leaf.partition.axis] = -(-shape[leaf.partition.axis] // m.replicas)
         local = np.zeros(local_shape, dtype)
-        new_state.setdefault(key, {})[slot] = local
-        out.targets.append(Entry(array_name, shape, dtype, partition, local))
-    steps = m.data.get("values", {}).get(f"{name}/steps")
+        out.targets.append(Entry(array_name, shape, dtype, leaf.partition, local))
+        *parents, last = relative.split("/")
+        node = loaded
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = local if leaf.partition.kind == "replicated" else Partitioned(local, shape, leaf.partition)
+    return loaded
 
-    def finish():
-        optimizer.state = new_state
-        if steps is not None and hasattr(optimizer, "steps"):
-            optimizer.steps = int(steps)
-    out.finish.append(finish)
-
-
-def _bind_cross_replica(out: Binding, m: _Manifest, name: str, opt: CrossReplicaOptimizer) -> None:
-    saved = m.object(name, "CrossReplicaOptimizer")
-    inner = opt.optimizer
-    if saved["optimizer"] != type(inner).__name__:
-        raise ValueError(f"checkpoint {m.path}: optimizer {name!r} was a {saved['optimizer']}, the one being "
-                         f"loaded is a {type(inner).__name__}")
-    if bool(saved["shard_optimizer_state"]) != opt.shard_optimizer_state:
-        raise ValueError(f"checkpoint {m.path}: optimizer {name!r} was saved with shard_optimizer_state="
-                         f"{saved['shard_optimizer_state']}, the one being loaded has "
-                         f"{opt.shard_optimizer_state}")
-    sizes: dict[str, int] = {}
-    _bind_dense(out, m, name, inner, opt.shard_optimizer_state, sizes)
-    identical = m.data.get("values", {}).get(f"{name}/generators/replica_identical")
-    own = m.replica_value(f"{name}/generators/per_replica")
-
-    def finish():
-        if opt.shard_optimizer_state:
-            opt.shard_sizes.update(sizes)
-        states = {"replica_identical": identical, "per_replica": own}
-        opt.stochastic_rounding.set_generator_states({k: v for k, v in states.items() if v is not None})
-    out.finish.append(finish)
-
-
-def _bind_feed(out: Binding, m: _Manifest, name: str, feed: Infeed) -> None:
-    saved = m.value(name)
-    steps, replicas = int(saved["steps"]), int(saved["replicas"])
-    # The rule (docs/checkpoint.md): at the same replica count continue at the same
-    # step; at another, at the first step whose batches follow every batch already
-    # taken, ceil(steps * R / R') (no batch repeated, fewer than R' skipped).
-    resume = steps if replicas == m.replicas else -(-steps * replicas // m.replicas)
-    if feed.started:
-        raise ValueError(f"state {name!r}: the Infeed has started; load the checkpoint before taking its "
-                         f"first batch")
-    out.finish.append(lambda: feed.seek(resume))

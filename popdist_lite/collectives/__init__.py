@@ -1,14 +1,21 @@
 """Collectives over replicas on numpy arrays: one module per collective, buffer-based
 mpi4py calls (no pickling), arguments checked across replicas so that bad input raises
 the same error on every replica instead of hanging. Every call is counted in
-:mod:`popdist_lite.counters` (``popdist_lite.stats()``)."""
+:mod:`popdist_lite.counters` (``popdist_lite.stats()``).
 
-from .fingerprint import set_collective_checks
+:mod:`.agreement` is the check itself, public for the other packages' collectives
+(embeddings, the feed, checkpoints): :class:`Problem`, :func:`agree` (buffer-based),
+:func:`agree_objects` (pickled, for rare calls), :func:`register_op`,
+:func:`next_call_number`.
+"""
+
+from .agreement import Problem, agree, agree_objects, next_call_number, register_op, set_collective_checks
 from .all_gather import all_gather, all_gather_v
 from .all_reduce import all_reduce
 from .all_to_all import all_to_all, all_to_all_v
 from .broadcast import broadcast
-from .reduce_scatter import reduce_scatter_sum
+from .reduce_scatter import reduce_scatter, reduce_scatter_sum
 
 __all__ = ["all_gather", "all_gather_v", "all_reduce", "all_to_all", "all_to_all_v", "broadcast",
-           "reduce_scatter_sum", "set_collective_checks"]
+           "reduce_scatter_sum", "reduce_scatter", "set_collective_checks", "Problem", "agree", "agree_objects", "register_op",
+           "next_call_number"]

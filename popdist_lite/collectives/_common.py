@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import topology
-from .fingerprint import Problem
+from .agreement import Problem
 
 
 def default_comm(comm):

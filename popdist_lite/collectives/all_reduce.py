@@ -10,7 +10,7 @@ from mpi4py import MPI
 from .. import counters
 from ._common import as_array, buf, check_out, default_comm
 from ._reduce import F16, REDUCIBLE, f16_all_reduce, finish_mean
-from .fingerprint import Problem, agree, register_op
+from .agreement import Problem, agree, register_op
 
 register_op("all_reduce")
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import counters
 from ._common import as_array, buf, check_out, default_comm
-from .fingerprint import Problem, agree, register_op
+from .agreement import Problem, agree, register_op
 
 register_op("all_to_all")
 register_op("all_to_all_v")

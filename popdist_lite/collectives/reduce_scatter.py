@@ -10,7 +10,7 @@ from mpi4py import MPI
 from .. import counters
 from ._common import as_array, buf, check_out, default_comm
 from ._reduce import F16, REDUCIBLE, f16_reduce_scatter, f16_reduce_scatter_v, finish_mean
-from .fingerprint import Problem, agree, register_op
+from .agreement import Problem, agree, register_op
 
 register_op("reduce_scatter_sum")
 

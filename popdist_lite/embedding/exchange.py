@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from ..collectives.all_gather import gather_rows
-from ..collectives.fingerprint import Problem
+from ..collectives import Problem
 
 
 class Exchange(Protocol):

@@ -17,8 +17,7 @@ from typing import Callable
 import numpy as np
 
 from .. import counters, topology
-from ..collectives.all_gather import all_gather
-from ..collectives.fingerprint import Problem
+from ..collectives import Problem, agree_objects, all_gather
 from . import combiners
 from .encoding import EncodingPartition
 from .exchange import DenseExchange, Exchange
@@ -306,6 +305,54 @@ class HostEmbedding:
         if self._serving is not self.local_shard:
             np.copyto(self._serving, self.local_shard, casting="unsafe")
 
+    # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -----------------
+    def checkpoint_info(self) -> dict:
+        """What a checkpoint's manifest says of the table."""
+        arrays = self.state().arrays
+        return {"shape": list(self.shape), "dtype": str(np.dtype(self.dtype)),
+                "master_dtype": str(np.dtype(self.master_dtype)), "partition_strategy": self.partition_strategy,
+                "arrays": sorted(arrays)}
+
+    def state_dict(self) -> dict:
+        """The table's state for a checkpoint (:meth:`TableState.state_dict`): live
+        references to this replica's partition of the master weights and optimizer
+        state, the stochastic-rounding generator states. Local."""
+        return self.state().state_dict()
+
+    def validate_state_dict(self, state_dict: dict, saved) -> None:
+        """Refuse a checkpoint of a table of another shape, or with generator states this
+        table cannot take (before anything changes).
+
+        Raises:
+            ValueError: naming the table, what the checkpoint holds and what this table is.
+        """
+        shape = saved.info.get("shape")
+        if shape is not None and tuple(shape) != tuple(self.shape):
+            raise ValueError(f"table {saved.name!r} has shape {tuple(shape)}, the table being loaded has "
+                             f"{tuple(self.shape)}")
+        try:
+            self.stochastic_rounding.check_generator_states(state_dict.get("generators", {}))
+        except ValueError as exc:
+            raise ValueError(f"table {saved.name!r}: {exc}") from None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Finish a load: the arrays of :meth:`state_dict` were filled in place (others
+        given are copied in), then the generator states are restored and the float16
+        serving copy refreshed. Local.
+
+        Raises:
+            ValueError: as :meth:`load_state`.
+        """
+        live = self.state().arrays
+        given = {"weights": state_dict.get("weights"),
+                 **{f"optimizer/{slot}": v for slot, v in state_dict.get("optimizer", {}).items()}}
+        copies = {}
+        for key, value in given.items():
+            array = value.local if hasattr(value, "local") else value
+            if array is not None and array is not live.get(key):
+                copies[key] = array
+        self.load_state(copies, state_dict.get("generators") or None)
+
     def get_embedding_tensor(self, master: bool = False) -> np.ndarray:
         """The full ``(t, e)`` table, on every replica. Collective (an all-gather).
 
@@ -396,17 +443,15 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
             max_unique_ids_per_partition=max_unique_ids_per_partition, allow_id_dropping=allow_id_dropping,
             enable_minibatching=enable_minibatching, track_id_stats=track_id_stats)
     except (ValueError, TypeError) as exc:
-        problem = exc
-    # Creation is rare: a pickled all-gather keeps the check simple.
-    gathered = comm.allgather((type(problem), str(problem)) if problem else (None, spec.signature()))
-    for r, (error, message) in enumerate(gathered):
-        if error is not None:
-            raise error(f"create_host_embedding({name!r}): replica {r}: {message}")
-    for r, (_, item) in enumerate(gathered):
-        if item != gathered[0][1]:
+        problem = Problem.of(exc)
+    # Creation is rare: a pickled agreement keeps the check simple.
+    signature = None if spec is None else spec.signature()
+    gathered = agree_objects(f"create_host_embedding({name!r})", signature, comm, problem=problem)
+    for r, item in enumerate(gathered):
+        if item != gathered[0]:
             raise ValueError(f"create_host_embedding({name!r}): replica {r} passed (name, shape, dtype, "
                              f"strategy, optimizer, seed, master weights, stochastic rounding, exchange, id limits) = "
-                             f"{item}, expected {gathered[0][1]} as on replica 0")
+                             f"{item}, expected {gathered[0]} as on replica 0")
     return HostEmbedding(spec, initializer, comm)
 
 
@@ -478,15 +523,12 @@ def _initialize(shard: np.ndarray, partition, spec: TableSpec, initializer, comm
         return
     table = initializer(spec.shape, dtype) if callable(initializer) else initializer
     table = np.asarray(table)
-    problem = None
+    problem, crc = None, None
     if table.shape != spec.shape:
-        problem = f"initializer: expected a table of shape {spec.shape}, got {table.shape}"
-    crc = zlib.crc32(np.ascontiguousarray(table, dtype=dtype).tobytes()) if problem is None else -1
-    problems = comm.allgather((problem, crc))  # creation is rare: pickling is fine
-    for r, (p, _) in enumerate(problems):
-        if p:
-            raise ValueError(f"host embedding {spec.name!r}: replica {r}: {p}")
-    crcs = [c for _, c in problems]
+        problem = Problem(ValueError, f"initializer: expected a table of shape {spec.shape}, got {table.shape}")
+    else:
+        crc = zlib.crc32(np.ascontiguousarray(table, dtype=dtype).tobytes())
+    crcs = agree_objects(f"host embedding {spec.name!r}", crc, comm, problem=problem)  # creation is rare
     if len(set(crcs)) > 1:
         r = next(i for i, c in enumerate(crcs) if c != crcs[0])
         raise ValueError(f"host embedding {spec.name!r}: initializer: replica {r} has a different initial "

@@ -19,9 +19,9 @@ Lookup, on replica ``k`` with ``n`` indices of which ``u`` are distinct:
    hash-free deduplication on GPUs), while that array fits ``POSITION_BYTES_MAX`` or the
    local shard's size; else a sort of the keys ``(i % r) * ceil(t/r) + i // r``
    (the costs of the three: docs/performance.md).
-2. ``lookup.header``: one ``Allgather`` of a small header per replica (the collective
-   fingerprint every checked collective exchanges,
-   :func:`popdist_lite.collectives.fingerprint.agree`, plus a bad-index flag, the first bad
+2. ``lookup.header``: one ``Allgather`` of a small header per replica (the call signature
+   every checked collective exchanges,
+   :func:`popdist_lite.collectives.agreement.agree`, plus a bad-index flag, the first bad
    value and the ``r`` send counts): ``(14 + 2 + r) x 8`` bytes per replica. Every
    replica learns every replica's counts, and an out-of-range index anywhere raises
    :class:`IndexError` on every replica before any data moves.
@@ -55,7 +55,7 @@ import numpy as np
 
 from .. import counters
 from ..collectives.all_to_all import exchange_rows
-from ..collectives.fingerprint import Problem, agree, register_op
+from ..collectives import Problem, agree, register_op
 from ._buffers import Buffers
 from ._segment import group, inverse_of, runs_of, sum_groups
 from .bitmap import Bitmap

@@ -5,7 +5,9 @@ master weights, its optimizer state, the layout of each array (so a reader can t
 which arrays are partitioned like the table, one value per row, or the same on every
 replica) and the states of the stochastic-rounding random streams. Returned by
 :meth:`HostEmbedding.state() <popdist_lite.HostEmbedding.state>` and written back by
-:meth:`HostEmbedding.load_state() <popdist_lite.HostEmbedding.load_state>`.
+:meth:`HostEmbedding.load_state() <popdist_lite.HostEmbedding.load_state>`;
+:meth:`TableState.state_dict` is the table's checkpoint form (the ``Stateful`` protocol
+of :mod:`popdist_lite.checkpoint.stateful`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..checkpoint.partition import Partition
+from ..checkpoint.stateful import Partitioned, PerReplica
 
 #: The layouts an array of a :class:`TableState` may have.
 LAYOUTS = ("table", "row", "replicated")
@@ -58,6 +63,40 @@ class TableState:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     layouts: dict[str, str] = field(default_factory=dict)
     generators: dict[str, dict] = field(default_factory=dict)
+
+    def partition(self, key: str) -> tuple[Partition, tuple]:
+        """How array ``key`` is split over the replicas and its whole shape: ``table``
+        arrays TOKEN ``cyclic`` on rows / ENCODING ``block`` on columns of ``(t, e)``;
+        ``row`` arrays TOKEN ``cyclic`` of ``(t,)`` / ENCODING replicated;
+        ``replicated`` arrays as they are."""
+        layout, local = self.layouts[key], self.arrays[key]
+        token = self.partition_strategy == "TOKEN"
+        if layout == "table":
+            return (Partition("cyclic", 0) if token else Partition("block", 1)), tuple(self.shape)
+        if layout == "row":
+            return (Partition("cyclic", 0), (self.shape[0],)) if token else (Partition("replicated"), local.shape)
+        if layout == "replicated":
+            return Partition("replicated"), local.shape
+        raise ValueError(f"unknown table array layout {layout!r}")
+
+    def state_dict(self) -> dict:
+        """The checkpoint form: ``{"weights": ..., "optimizer": {slot: ...}, "generators":
+        {"per_replica": PerReplica(...), "replica_identical": ...}}``, arrays as
+        :class:`~popdist_lite.checkpoint.stateful.Partitioned` live references."""
+        tree: dict = {"optimizer": {}}
+        for key in self.arrays:
+            partition, shape = self.partition(key)
+            array = Partitioned(self.arrays[key], shape, partition,
+                                {"strategy": self.partition_strategy, "layout": self.layouts[key]})
+            if key.startswith("optimizer/"):
+                tree["optimizer"][key[len("optimizer/"):]] = array
+            else:
+                tree[key] = array
+        if not tree["optimizer"]:
+            del tree["optimizer"]
+        tree["generators"] = {kind: PerReplica(state) if kind == "per_replica" else state
+                              for kind, state in self.generators.items()}
+        return tree
 
 
 def check_arrays(table: str, current: dict[str, np.ndarray], given: dict[str, np.ndarray]) -> None:

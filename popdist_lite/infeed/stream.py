@@ -10,14 +10,11 @@ to stop.
 
 from __future__ import annotations
 
-import atexit
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import topology
-from ..collectives.fingerprint import next_call_number
 from . import protocol
 
 _active: "Infeed | None" = None  # the open session of this replica, if any
@@ -47,6 +44,12 @@ class Infeed:
         self._closed = False
         comm = topology.replica_comm()
         self._replicas = comm if comm.Get_size() > 1 else None  # None: nobody to agree with
+        from mpi4py import MPI
+
+        from ..collectives import next_call_number
+
+        self._agree_args = (MPI.IN_PLACE, MPI.MIN)
+        self._next_call_number = next_call_number
 
     def start(self) -> "Infeed":
         """Start prefetching now (feeders call ``make_dataset``). Idempotent."""
@@ -93,9 +96,10 @@ class Infeed:
         batch = self._source.fetch()
         have = batch is not None
         if self._replicas is not None:  # every replica has a batch, or all stop here
-            next_call_number(self._replicas, "infeed")  # numbered for the stall inspector
+            self._next_call_number(self._replicas, "infeed")  # numbered for the stall inspector
             flag = np.array([have], dtype=np.int32)
-            self._replicas.Allreduce(MPI.IN_PLACE, flag, op=MPI.MIN)
+            in_place, minimum = self._agree_args
+            self._replicas.Allreduce(in_place, flag, op=minimum)
             have = bool(flag[0])
         if not have:
             self.close()
@@ -115,6 +119,35 @@ class Infeed:
         if _active is self:
             _active = None
 
+    # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -----------------
+    def state_dict(self) -> dict:
+        """The feed position: ``{"steps": batches taken, "replicas": R, "feeders": F}``."""
+        return {"steps": self.steps, "replicas": topology.num_replicas(), "feeders": topology.feeders_per_replica()}
+
+    def validate_state_dict(self, state_dict: dict, saved) -> None:
+        """Refuse a position that is not one (non-negative counts), or a load into a feed
+        that has started.
+
+        Raises:
+            ValueError: naming the state and the field.
+        """
+        if self._started:
+            raise ValueError(f"state {saved.name!r}: the Infeed has started; load the checkpoint before taking "
+                             f"its first batch")
+        for field, low in (("steps", 0), ("replicas", 1), ("feeders", 0)):
+            value = state_dict.get(field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"state {saved.name!r}: {field} must be an integer >= {low}, got {value!r}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume after the batches already taken (:meth:`seek`). At the same replica count
+        the session continues at the same step; at another, at the first step whose
+        batches follow every batch already taken, ``ceil(steps * R / R')`` (no batch
+        repeated, fewer than ``R'`` skipped; docs/checkpoint.md)."""
+        steps, replicas = state_dict["steps"], state_dict["replicas"]
+        now = topology.num_replicas()
+        self.seek(steps if replicas == now else -(-steps * replicas // now))
+
     def __enter__(self) -> "Infeed":
         return self
 
@@ -124,7 +157,10 @@ class Infeed:
 
 def shutdown_feeders() -> None:
     """At a replica's exit: close the open session and tell this replica's feeders to
-    exit (nothing to do on a rank without feeders or before :func:`popdist_lite.init`)."""
+    exit (nothing to do on a rank without feeders or before :func:`popdist_lite.init`).
+    Registered by :func:`popdist_lite.services.start` (at exit, before MPI is finalised)."""
+    from mpi4py import MPI
+
     if not MPI.Is_initialized() or MPI.Is_finalized() or not topology.is_initialized():
         return
     topo = topology.current()
@@ -136,5 +172,3 @@ def shutdown_feeders() -> None:
     for k in range(1, comm.Get_size()):
         comm.Send(protocol.control(protocol.SHUTDOWN), dest=k, tag=protocol.CONTROL)
 
-
-atexit.register(shutdown_feeders)  # at import, after mpi4py.MPI: runs before mpi4py's MPI_Finalize

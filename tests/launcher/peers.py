@@ -7,7 +7,8 @@ from __future__ import annotations
 import socket
 import time
 
-from popdist_lite_launcher import channel, records
+from popdist_lite import records
+from popdist_lite_launcher import channel
 
 
 def address(collector) -> tuple[str, int]:

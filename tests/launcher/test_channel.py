@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from popdist_lite_launcher import agent, channel, collector as collector_module, records
+from popdist_lite import records
+from popdist_lite_launcher import agent, channel, collector as collector_module
 from popdist_lite_launcher.collector import Collector
 from peers import AgentConnection, address, read_line, wait_for
 

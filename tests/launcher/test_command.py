@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from popdist_lite_launcher import agent, channel, cli, hosts, records
+from popdist_lite import records
+from popdist_lite_launcher import agent, channel, cli, hosts
 from popdist_lite_launcher.mpirun import (MPICH, OPENMPI, LauncherError, RankSpec,
                                           agent_command, build_command, default_rank_env,
                                           find_mpirun, parse_implementation)

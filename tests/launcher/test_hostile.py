@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from popdist_lite_launcher import channel, job, records
+from popdist_lite import records
+from popdist_lite_launcher import channel, job
 from popdist_lite_launcher.collector import Collector
 from peers import alive, wait_for
 

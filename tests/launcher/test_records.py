@@ -13,7 +13,8 @@ import socket
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from popdist_lite_launcher import records, report
+from popdist_lite import records
+from popdist_lite_launcher import report
 from popdist_lite_launcher.collector import Collector
 from peers import AgentConnection, address, wait_for
 

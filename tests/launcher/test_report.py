@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from popdist_lite_launcher import agent, channel, records, report
+from popdist_lite import records
+from popdist_lite_launcher import agent, channel, report
 from popdist_lite_launcher.collector import Collector
 from peers import AgentConnection, wait_for
 

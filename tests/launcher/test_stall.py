@@ -26,13 +26,13 @@ def test_one_replica_behind():
                 2: p(2, 8, "all_reduce", 65.0)}
     stall = find_stall(progress, 3, NOW)
     assert (stall.op, stall.call) == ("all_reduce", 8)
-    assert stall.waiting == [(2, 65.0), (0, 61.0)]  # longest wait first
+    assert stall.waiting == [(0, 61.0), (2, 65.0)]  # in replica order
     assert stall.waited == 65.0
     assert [r for r, _ in stall.missing] == [1]
     assert stall.missing[0][1].op == "broadcast" and stall.missing[0][1].call == 7
     text = format_stall(stall, NOW, {1: [("replica 1", 'File "train.py", line 3 in slow_step\n')]})
     lines = text.splitlines()
-    assert lines[0] == ("stall: replicas 2, 0 have waited 65.0 s in all_reduce (collective call #8) "
+    assert lines[0] == ("stall: replicas 0, 2 have waited 65.0 s in all_reduce (collective call #8) "
                         "for replica 1, which did not enter it")
     assert "  waiting: replica 2 for 65.0 s" in lines
     assert "  waiting: replica 0 for 61.0 s" in lines
@@ -41,16 +41,16 @@ def test_one_replica_behind():
     assert lines[-2:] == ["  Python stack of replica 1:", '    File "train.py", line 3 in slow_step']
 
 
-def test_several_missing_furthest_behind_first_and_never_entered():
+def test_several_missing_in_replica_order_and_never_entered():
     progress = {0: p(0, 12, "all_gather", 5.0), 1: p(1, 11, "all_gather", 6.0)}
     stall = find_stall(progress, 4, NOW)
     assert (stall.op, stall.call) == ("all_gather", 12)
     assert stall.waiting == [(0, 5.0)]
-    assert [r for r, _ in stall.missing] == [2, 3, 1]  # none entered before #11
+    assert [r for r, _ in stall.missing] == [1, 2, 3]  # 2 and 3 never entered any
     text = format_stall(stall, NOW, {1: [("replica 1", "stack one"), ("feeder 0 of replica 1", "feeder")]},
                         title="root cause: stall")
     assert text.startswith("root cause: stall: replica 0 has waited 5.0 s in all_gather "
-                           "(collective call #12) for replicas 2, 3, 1, which did not enter it")
+                           "(collective call #12) for replicas 1, 2, 3, which did not enter it")
     assert "  missing: replica 2: has not entered any collective" in text
     assert "  Python stack of replica 2: not available" in text
     assert "  Python stack of feeder 0 of replica 1:\n    feeder" in text

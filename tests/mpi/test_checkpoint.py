@@ -5,10 +5,7 @@ are not checkpoints, unsupported state, a directory some replica cannot see, a f
 background save. Every error is raised on every replica and changes nothing."""
 
 import json
-import os
 import shutil
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,26 +14,6 @@ import popdist_lite as pl
 from popdist_lite.checkpoint.save import SLOW_WRITE_ENV
 
 T, E = 23, 5
-
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def shared(comm):
-    """One directory every replica sees, on every test host: a fresh directory inside the
-    project checkout (test hosts share the project's filesystem, not /tmp), removed after
-    the test."""
-    path = None
-    if comm.rank == 0:
-        base = ROOT / ".test-checkpoints"
-        base.mkdir(exist_ok=True)
-        path = tempfile.mkdtemp(dir=base)
-    path = Path(comm.bcast(path, root=0))
-    yield path
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _state(strategy="TOKEN", seed=0, sharded=True):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import testhosts
+from popdist_lite_launcher import testhosts
 
 ROOT = Path(__file__).resolve().parents[2]
 PROG_PY = str(Path(__file__).with_name("prog.py"))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import testhosts
+from popdist_lite_launcher import testhosts
 from hostlaunch import MPICH_PYTHON, poprun, poprun_command, prog, ROOT
 
 needs_mpich = pytest.mark.skipif(not MPICH_PYTHON, reason="no MPICH environment (scripts/test prepares one)")

@@ -9,8 +9,8 @@ One call (lookup or update), on every replica:
 
 1. **Check** (``limits.check`` phase). Count this replica's IDs and unique IDs per owner
    (:func:`.partitions.partition_counts`) and exchange them in one ``Allgather`` of
-   ``(14 + 1 + 2r) x 8`` bytes per replica (the collective fingerprint,
-   :func:`popdist_lite.collectives.fingerprint.agree`, with the counts as payload).
+   ``(14 + 1 + 2r) x 8`` bytes per replica (the call signature,
+   :func:`popdist_lite.collectives.agreement.agree`, with the counts as payload).
    Every replica then holds the whole ``(sender, owner)`` count matrix: the logical OR
    of "this replica needs minibatching" is ``(counts > limit).any()``, and the error
    message and the statistics come from the same matrix. When no partition exceeds a
@@ -29,7 +29,7 @@ One call (lookup or update), on every replica:
    c. the tree split (:func:`.minibatch_split.split_mask`) over the 64 buckets runs on
       those ``r x 64`` loads, splitting a node when *any* of this replica's
       partitions would exceed the limit there;
-   d. the masks are OR-reduced across replicas (the collective fingerprint with 5
+   d. the masks are OR-reduced across replicas (the call signature with 5
       int64 of payload per replica, OR-ed locally; it also carries any partition where
       one bucket alone exceeds a limit, which no split can fix).
 
@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ... import counters
-from ...collectives.fingerprint import Problem, agree, register_op
+from ...collectives import Problem, agree, register_op
 from ..bitmap import Bitmap
 from . import stats as id_stats
 from .minibatch_split import NUM_BUCKETS, bucket_of, minibatch_of_bucket, split_mask

@@ -1,6 +1,10 @@
 """Test hosts on one machine: network namespaces on a bridge, each with its own hostname
 and a private /tmp, reached through a launch agent that stands in for ssh.
 
+Used by the multi-host tests (tests/multihost/) and the benchmarks that run across
+hosts (scripts/_launch.py), and by anyone who wants to try poprun-lite's multi-host
+paths on one machine: they need root.
+
 Needs root, iproute2 (``ip``) and util-linux's ``unshare``. :func:`unavailable` says why
 not when they are missing. Host ``NAME`` is a network namespace with a veth pair
 (``eth0`` inside, on the bridge :data:`BRIDGE` outside), address

@@ -1,24 +1,29 @@
-"""The collective fingerprint: every replica's call signature, agreed before data moves.
+"""Agreement across replicas: every replica's view of a call, checked before data moves.
 
-Every checked collective starts with :func:`agree`: one ``Allgather`` of a fixed-size
-*signature* per replica (the named layout :data:`SIGNATURE`: operation, call number,
-status, dtype, shape and one integer the caller defines; 112 bytes), optionally
-followed by a payload of int64 values every replica should see (for example the send
-counts of a sparse exchange, so the check and that metadata share one ``Allgather``).
-Each replica then checks the same gathered table, so a bad argument on one replica
-becomes the same exception on every replica instead of a hang or silent corruption,
-and a replica that calls a different collective (or skips one) is named instead of
-deadlocking. PyTorch calls the same idea a collective fingerprint (``c10d``'s
-``ProcessGroupWrapper`` compares each collective's op, shapes and dtypes across ranks
-before running it).
+Two calls, one :class:`Problem` type:
+
+- :func:`agree`, the buffer-based check every collective starts with: one ``Allgather``
+  of a fixed-size *signature* per replica (the named layout :data:`SIGNATURE`:
+  operation, call number, status, dtype, shape and one integer the caller defines; 112
+  bytes), optionally followed by a payload of int64 values every replica should see
+  (for example the send counts of a sparse exchange, so the check and that metadata
+  share one ``Allgather``). Each replica checks the same gathered table, so a bad
+  argument on one replica becomes the same exception on every replica instead of a
+  hang or silent corruption, and a replica that calls a different collective (or skips
+  one) is named instead of deadlocking. PyTorch calls the same idea a collective
+  fingerprint (``c10d``'s ``ProcessGroupWrapper`` compares each collective's op, shapes
+  and dtypes across ranks before running it).
+- :func:`agree_objects`, for rare calls with small Python payloads (creating a table,
+  the steps of a checkpoint): one pickled ``allgather`` of every replica's value and
+  problem.
 
 - Operations: each caller registers its operation names with :func:`register_op`; an
   operation's code is a CRC of its name, so it is the same on every process whatever
   the order in which modules were imported.
 - Errors: a replica that finds its own arguments bad does not raise alone (the others
   would wait for it in the collective): it passes a :class:`Problem` (an exception
-  class and a message) to :func:`agree`, and every replica raises that exception,
-  naming the replica.
+  class and a message) to :func:`agree` or :func:`agree_objects`, and every replica
+  raises that exception, naming the replica.
 - Call numbers: every collective call takes its number from :func:`next_call_number`,
   the one place where calls are counted per communicator, checked or not (with
   ``set_collective_checks(False)`` the number is still taken, not exchanged), and where
@@ -77,31 +82,79 @@ _checks = [os.environ.get("POPDIST_LITE_COLLECTIVE_CHECKS", "1") != "0"]
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """What is wrong with this replica's arguments, found before a collective.
+    """What is wrong on this replica, found before a collective.
 
-    Passed to :func:`agree` (and to the collectives built on it) instead of raising, so
-    that every replica raises ``error(f"{op}: replica {k}: {message}")`` together.
+    Passed to :func:`agree` or :func:`agree_objects` (and to the collectives built on
+    them) instead of raising, so that every replica raises
+    ``error(f"{op}: replica {k}: {message}")`` together.
 
     Attributes:
-        error: ``ValueError``, ``TypeError``, ``IndexError`` or ``KeyError``.
+        error: the exception class to raise, a subclass of ``Exception`` whose
+            constructor takes one message (``ValueError``, ``TypeError``, ``IndexError``,
+            ``KeyError`` travel in the signature itself; other classes on the error path).
         message: what was expected and what came (the operation and the replica are
             prefixed when it is raised).
 
     Raises:
-        TypeError: another exception class.
+        TypeError: ``error`` is not an exception class.
     """
 
     error: type
     message: str
 
     def __post_init__(self):
-        if self.error not in _ERRORS:
-            raise TypeError(f"Problem: expected one of {', '.join(e.__name__ for e in _ERRORS)}, "
-                            f"got {self.error!r}")
+        if not (isinstance(self.error, type) and issubclass(self.error, Exception)):
+            raise TypeError(f"Problem: argument error: expected an Exception subclass, got {self.error!r}")
+
+    @classmethod
+    def of(cls, exc: BaseException, *, keep: tuple = (ValueError, TypeError, IndexError, KeyError),
+           otherwise: type = RuntimeError) -> "Problem":
+        """The problem an exception caught on this replica describes: its own class when
+        it is one of ``keep``, else ``otherwise`` with ``"Type: message"``; an
+        ``OSError`` reads ``"strerror: filename"``."""
+        message = str(exc)
+        if isinstance(exc, OSError) and exc.strerror:
+            message = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+        if isinstance(exc, keep):
+            return cls(type(exc), message)
+        return cls(otherwise, message if isinstance(exc, OSError) else f"{type(exc).__name__}: {message}")
 
     def raise_as(self, op: str, replica: int):
         """Raise the error, naming the operation and the replica that found it."""
         raise self.error(f"{op}: replica {replica}: {self.message}")
+
+
+def _status(problem: Problem) -> int:
+    """The signature's status of ``problem``: 1 + its index among the common errors, or
+    one past them for another class (carried, with its message, on the error path)."""
+    return 1 + (_ERRORS.index(problem.error) if problem.error in _ERRORS else len(_ERRORS))
+
+
+def agree_objects(what: str, value, comm, *, problem: Problem | None = None) -> list:
+    """Collective: every replica's ``value`` (any picklable object), in replica order,
+    after checking that every replica made this same call without a problem.
+
+    For rare calls with small payloads (creating a table, the steps of a checkpoint):
+    one pickled ``allgather``. Hot paths use the buffer-based :func:`agree`.
+
+    Args:
+        what: names the call in errors (e.g. ``"load_checkpoint('ckpt/step-00000020')"``).
+        value: this replica's contribution (ignored when ``problem`` is given).
+        comm: the communicator.
+        problem: this replica's :class:`Problem`, if it has one.
+
+    Returns:
+        the list of every replica's ``value``.
+
+    Raises:
+        the lowest replica's problem, on every replica, as ``error(f"{what}: replica k:
+        {message}")``.
+    """
+    gathered = comm.allgather((problem, None if problem is not None else value))
+    for replica, (found, _) in enumerate(gathered):
+        if found is not None:
+            found.raise_as(what, replica)
+    return [v for _, v in gathered]
 
 
 def register_op(name: str) -> str:
@@ -273,9 +326,8 @@ def _disagree(op: str, table: np.ndarray, problem: Problem | None, comm, same_fr
             f"every replica must issue the same collectives in the same order")
     failed = np.flatnonzero(table[:, _STATUS])
     if failed.size:
-        messages = comm.allgather(problem.message if problem else None)  # error path only: pickling is fine
-        r = int(failed[0])
-        raise _ERRORS[table[r, _STATUS] - 1](f"{op}: replica {r}: {messages[r]}")
+        problems = comm.allgather(problem)  # error path only: pickling is fine
+        problems[int(failed[0])].raise_as(op, int(failed[0]))
     if same_from is not None:
         bad = np.flatnonzero(table[:, _EXTRA] != table[0, _EXTRA])
         if bad.size:
@@ -290,7 +342,7 @@ def _signature(op: str, x, problem: Problem | None, extra: int, name: str, paylo
     """This replica's signature row (without the call number) and its problem, if any."""
     code = _op_codes.get(op)
     if code is None:
-        raise ValueError(f"agree: operation {op!r} is not registered (fingerprint.register_op)")
+        raise ValueError(f"agree: operation {op!r} is not registered (agreement.register_op)")
     width = WIDTH if payload is None else WIDTH + len(payload)
     sig = np.zeros(width, dtype=np.int64)
     sig[_OP], sig[_EXTRA] = code, extra
@@ -307,7 +359,7 @@ def _signature(op: str, x, problem: Problem | None, extra: int, name: str, paylo
             sig[_DTYPE], sig[_NDIM] = dtype_code, x.ndim
             sig[_SHAPE:_SHAPE + x.ndim] = x.shape
     if problem is not None:
-        sig[_STATUS] = 1 + _ERRORS.index(problem.error)
+        sig[_STATUS] = _status(problem)
     return sig, problem
 
 

@@ -1,0 +1,156 @@
+"""The ``Stateful`` protocol: how an object joins a checkpoint.
+
+An object is saved and restored by :func:`~popdist_lite.save_checkpoint` and
+:func:`~popdist_lite.load_checkpoint` when it has the two methods of
+torch.distributed.checkpoint's ``Stateful``::
+
+    class Counter:
+        def state_dict(self):
+            return {"weights": self.weights,                       # replicated array
+                    "rows": Partitioned(self.rows, shape=(n, 4),   # this replica's part of an (n, 4) array
+                                        partition=Partition("cyclic", 0)),
+                    "seed": PerReplica(self.seed),                 # differs per replica
+                    "count": self.count}                           # JSON value
+        def load_state_dict(self, state_dict):
+            self.count = state_dict["count"]    # arrays were already filled in place
+            self.seed = state_dict.get("seed", self.seed)
+
+``state_dict()`` returns a tree: dicts with ``str`` keys (no ``/``) whose leaves are
+
+- ``np.ndarray``: one array, identical on every replica (dense weights); replica 0
+  writes it once;
+- :class:`Partitioned`: this replica's part of a larger array split over the replicas
+  (an embedding table's rows or columns, sharded optimizer state), resharded on load
+  when the replica count or the partition changed;
+- :class:`PerReplica`: a JSON value that differs per replica (a random generator's
+  state); restored at the same replica count, or when every replica saved the same;
+- a JSON value (``None``, bool, int, float, str, list, or a dict holding only JSON
+  values, kept whole), identical on every replica (replica 0's is saved);
+- :class:`Allocate`: state the object has not created yet (lazily made optimizer
+  slots), to be taken from the checkpoint;
+- or another ``Stateful`` object, or a dict of these.
+
+Loading follows DCP: the loader calls ``state_dict()`` for the arrays to fill (shapes and
+dtypes come from them, never from the checkpoint), checks everything on every replica,
+copies the checkpoint's data into those arrays in place, then calls
+``load_state_dict(tree)`` with the same tree in which arrays are filled, JSON leaves hold
+the saved values (only where the saved value has the same JSON type), :class:`PerReplica`
+leaves hold the saved value (the key is left out when it cannot be restored at this
+replica count) and :class:`Allocate` leaves hold ``{name: array}`` of what the
+checkpoint had there. An object that returned copies from ``state_dict()`` copies them
+back in ``load_state_dict``.
+
+Two optional methods: ``checkpoint_info()`` returns JSON saved in the manifest's entry of
+the object (``"type"`` defaults to the class name; the loader requires the same type),
+and ``validate_state_dict(state_dict, saved)`` is called on every replica before
+anything changes, with the tree ``load_state_dict`` will get (arrays not yet filled) and
+the :class:`Saved` entry; it raises ``ValueError`` (or ``TypeError``) to refuse the load.
+Validation belongs there, not in ``load_state_dict``: by the time ``load_state_dict``
+runs, every array of the state has been overwritten.
+
+``np.random.Generator`` joins through :class:`GeneratorState`, which the checkpoint
+wraps around every generator it finds in a state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import numpy as np
+
+from .partition import Partition
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object with ``state_dict()`` and ``load_state_dict(state_dict)`` (see the
+    module docstring), as torch.distributed.checkpoint's ``Stateful``."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> None: ...
+
+
+@dataclass
+class Partitioned:
+    """This replica's part of an array split over the replicas.
+
+    Attributes:
+        local: this replica's part, as the object keeps it: along the split axis the
+            real indices first (:meth:`Partition.count` of them), possibly followed by
+            padding, which is neither saved nor loaded.
+        shape: the whole array's shape.
+        partition: how it is split (:class:`~popdist_lite.checkpoint.partition.Partition`:
+            ``cyclic`` or ``block`` on an axis; ``replicated`` is a plain array).
+        meta: JSON saved with the array in the manifest (shown by ``inspect``).
+    """
+
+    local: np.ndarray
+    shape: tuple
+    partition: Partition
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class PerReplica:
+    """A JSON value that differs per replica (each replica's is saved)."""
+
+    value: Any
+
+
+@dataclass
+class Allocate:
+    """State an object has not created yet (an optimizer's slots before its first
+    step): the load takes every array the checkpoint holds below this name, with its
+    saved shape and dtype, once ``check(name, shape, dtype)`` (``name`` relative to this
+    leaf, e.g. ``"w/m"``) accepted it; the arrays are split over the replicas by
+    ``partition`` (the global shape is the saved one). What the load may allocate is
+    bounded by the files it reads: a checkpoint cannot make it allocate more than it
+    holds on disk.
+    """
+
+    partition: Partition
+    check: Callable[[str, tuple, np.dtype], None]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a checkpoint says of one object: its ``name`` in the state and its manifest
+    entry ``info`` (``{"type": ..., **checkpoint_info()}`` as saved)."""
+
+    name: str
+    info: dict
+
+
+class GeneratorState:
+    """``np.random.Generator`` as a :class:`Stateful`: its bit generator's state,
+    per replica (the manifest entry's type is ``"Generator"``)."""
+
+    def __init__(self, generator: np.random.Generator):
+        self.generator = generator
+
+    def checkpoint_info(self) -> dict:
+        return {"type": "Generator"}
+
+    def state_dict(self) -> PerReplica:
+        return PerReplica(self.generator.bit_generator.state)
+
+    def validate_state_dict(self, state, saved: Saved) -> None:
+        kind = type(self.generator.bit_generator).__name__
+        if state is not None and (not isinstance(state, dict) or state.get("bit_generator") != kind):
+            raise ValueError(f"generator {saved.name!r}: expected a {kind} state, got {str(state)[:80]}")
+
+    def load_state_dict(self, state) -> None:
+        if state is not None:
+            self.generator.bit_generator.state = state
+
+
+def as_stateful(value) -> Stateful | None:
+    """``value`` itself if it is :class:`Stateful`, its adapter for a numpy
+    ``Generator``, else ``None``."""
+    if isinstance(value, np.random.Generator):
+        return GeneratorState(value)
+    if isinstance(value, Stateful) and not isinstance(value, type):
+        return value
+    return None

