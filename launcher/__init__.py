@@ -1,10 +1,13 @@
 """poprun-lite: a PopRun-style launcher over mpirun (Open MPI or MPICH).
 
-Modules: ``cli`` (options, rank plan, main), ``mpirun`` (finding mpirun, MPMD
-command), ``job`` (running it), ``collector`` (the records of the ranks' agents),
-``agent`` (per-rank supervisor), ``report`` (failure report), ``tee`` (stream copy),
-``stall`` (the stall analysis), ``inspector`` (the stall inspector), ``rank_progress``
-(the agent's side of the stall inspector).
+Modules: ``cli`` (options, rank plan, main), ``hosts`` (host names, hostfiles),
+``network`` (the launcher's address, the reachability check), ``mpirun`` (finding
+mpirun, MPMD command), ``job`` (running it), ``channel`` (the job's key, the handshake
+and authenticated framing between agents and launcher), ``collector`` (the records of
+the ranks' agents), ``agent`` (per-rank supervisor), ``report`` (failure report),
+``tee`` (stream copy), ``stall`` (the stall analysis), ``inspector`` (the stall
+inspector), ``rank_progress`` (the agent's side of the stall inspector), ``testhosts``
+(network-namespace test hosts on one machine, for the tests and benchmarks).
 
 The record format shared with the ranks is :mod:`popdist_lite.records`, and a rank's
 progress slot :mod:`popdist_lite.progress`; importing them starts no MPI (importing
