@@ -243,8 +243,10 @@ class Job:
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), value
 
-        self.params = {"model": plj.broadcast_params(params), "handle": embeddings.handle()}
-        self.opt_state = optimizer.init(self.params)
+        params = {"model": plj.broadcast_params(params), "handle": embeddings.handle()}
+        # committed to the device as the jitted step's outputs are, or the second step
+        # would compile the step again for the new placement
+        self.params, self.opt_state = jax.device_put((params, optimizer.init(params)), jax.devices()[0])
         self._step = jax.jit(step)
 
     def step(self, features, labels, next_features=None):

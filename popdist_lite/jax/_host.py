@@ -52,7 +52,7 @@ def to_jax(a: np.ndarray) -> jax.Array:
     float32 unless ``jax_enable_x64`` is set). Shares ``a``'s memory through DLPack when
     JAX can (callers pass arrays nothing else writes to afterwards), else copies."""
     dtype = jax.dtypes.canonicalize_dtype(a.dtype)
-    a = np.ascontiguousarray(a, dtype=dtype)
+    a = np.asarray(a).astype(dtype, order="C", copy=False)  # (np.ascontiguousarray makes 0-d arrays 1-d)
     try:
         return jax.numpy.from_dlpack(a)
     except (BufferError, TypeError, RuntimeError):  # e.g. a read-only array: DLPack cannot export it

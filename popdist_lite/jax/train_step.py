@@ -85,7 +85,11 @@ class TrainStep:
         """``(params, opt_state)``: replica 0's ``params`` on every replica
         (:func:`broadcast_params`) and the optimizer's initial state. Collective."""
         params = broadcast_params(params, comm=self.embeddings.comm)
-        return params, self.optimizer.init(params)
+        # Placed as the update's outputs will be (committed to the parameters' device):
+        # otherwise the second step would compile the update again for the new placement.
+        devices = [leaf.devices() for leaf in jax.tree.leaves(params)][:1]
+        state = self.optimizer.init(params)
+        return params, jax.device_put(state, next(iter(devices[0]))) if devices else state
 
     def __call__(self, params, opt_state, features, batch, weights=None, *, next_features=None, next_weights=None):
         """One step. Collective.
