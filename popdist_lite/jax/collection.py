@@ -169,7 +169,7 @@ class EmbeddingCollection:
         (ragged bags padded), after every replica's inputs were checked. Collective."""
         problem, inputs = None, []
         try:
-            inputs = [_feature_input(s, features, weights) for s in self.feature_specs]
+            inputs = self._convert(features, weights)
             for extra, what in ((features, "features"), (weights or {}, "weights"), (grads or {}, "grads")):
                 unknown = sorted(set(extra) - {s.name for s in self.feature_specs})
                 if unknown:
@@ -181,6 +181,10 @@ class EmbeddingCollection:
             problem = (next(e for e in ERRORS if isinstance(exc, e)), exc.args[0] if exc.args else str(exc))
         agree(self.comm, op, problem)
         return inputs
+
+    def _convert(self, features: Mapping, weights: Mapping | None) -> list:
+        """Every feature's ``(ids, weights or None)``, checked on this replica only."""
+        return [_feature_input(s, features, weights) for s in self.feature_specs]
 
     def _stack(self, members: list[int], inputs) -> tuple:
         """One table's features stacked: ``(values, lengths or None, weights or None,
@@ -331,8 +335,8 @@ def _in_jit_lookup(collection: EmbeddingCollection):
         return {name: np.asarray(rows[name], out_shapes[name].dtype) for name in out_shapes}, np.zeros((), np.float32)
 
     def host_backward(loss_scale, ids, weights, grads, _done):
-        inputs = collection._host_inputs("EmbeddingCollection.lookup_in_jit (backward)", ids, weights)
-        collection._update_host(inputs, grads, loss_scale)
+        # the forward pass checked these very arrays on every replica
+        collection._update_host(collection._convert(ids, weights), grads, loss_scale)
         return np.zeros((), np.float32)
 
     def forward(ids, weights):

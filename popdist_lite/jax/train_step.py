@@ -21,7 +21,8 @@ no replica knows the others' IDs without another collective), so it overlaps onl
 Optax update, not the forward and backward pass; without ``next_features`` the next
 step starts with its own lookup (which still overlaps this step's Optax update, the
 dispatch being asynchronous); a prefetched lookup is used only when the next call
-passes the very same ``features`` (and ``weights``) objects.
+passes the very same ``features`` (and ``weights``) objects, so the tables must not be
+changed between the two calls other than by the step itself.
 """
 
 from __future__ import annotations
@@ -115,9 +116,10 @@ class TrainStep:
             :func:`allreduce_gradients`'s errors.
         """
         emb, r = self.embeddings, self.embeddings.comm.size
-        acts = self._take_prefetched(features, weights)
-        if acts is None:
-            acts = emb.lookup(features, weights)
+        inputs, acts = self._take_prefetched(features, weights)
+        if inputs is None:  # checked once: the update reuses them
+            inputs = emb._host_inputs("TrainStep: argument features", features, weights)
+            acts = _to_jax(emb._lookup_host(inputs))
         out, g_params, g_acts = self._grads(params, acts, batch)  # returns before it has computed
         upcoming = None
         if next_features is not None:
@@ -128,10 +130,11 @@ class TrainStep:
         if r > 1:
             g_params = allreduce_gradients(g_params, comm=emb.comm)
         params, opt_state = self._update(params, opt_state, g_params)
-        emb.apply_gradients(features, g_acts, weights, loss_scale=r)
+        # the gradients come from our own jitted function: their shapes are the specs'
+        emb._update_host(inputs, g_acts, loss_scale=r)
         late = self._lookup(upcoming, set(emb.tables) - frozen)
         if early is not None and late is not None:
-            self._prefetched = (next_features, next_weights, {**early, **late})
+            self._prefetched = (next_features, next_weights, upcoming, {**early, **late})
         return params, opt_state, out
 
     def _lookup(self, inputs, tables: set) -> dict | None:
@@ -142,13 +145,18 @@ class TrainStep:
         if not tables:
             return {}
         try:
-            rows = self.embeddings._lookup_host(inputs, tables)
+            return _to_jax(self.embeddings._lookup_host(inputs, tables))
         except ERRORS:
             return None
-        return {name: to_jax(x) for name, x in rows.items()}
 
-    def _take_prefetched(self, features, weights):
+    def _take_prefetched(self, features, weights) -> tuple:
+        """``(inputs, activations)`` prefetched for these very ``features`` and
+        ``weights`` objects, else ``(None, None)``."""
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched[0] is features and prefetched[1] is weights:
-            return prefetched[2]
-        return None
+            return prefetched[2], prefetched[3]
+        return None, None
+
+
+def _to_jax(rows: dict) -> dict:
+    return {name: to_jax(x) for name, x in rows.items()}
