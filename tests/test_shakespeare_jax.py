@@ -1,29 +1,17 @@
 """examples/shakespeare_jax.py against examples/shakespeare.py (the numpy job) under
 poprun-lite, and the JAX extra staying optional."""
 
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from mpirun import ROOT
+from test_shakespeare_example import TINY, _clean_env  # the same tiny text and clean environment
 
 EXAMPLES = ROOT / "examples"
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
-TINY = (
-    "ROMEO.\nBut soft, what light through yonder window breaks?\n"
-    "It is the east, and Juliet is the sun.\n\n"
-    "JULIET.\nO Romeo, Romeo, wherefore art thou Romeo?\n"
-    "Deny thy father and refuse thy name.\n\n"
-) * 12
-
-
-def _clean_env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "POPDIST_", "PRTE_"))}
-    return {**env, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def test_popdist_lite_does_not_import_jax():

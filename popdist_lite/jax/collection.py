@@ -51,26 +51,21 @@ class EmbeddingCollection:
     (optional) maps pooled features to float weights of the same structure.
 
     Raises:
-        ValueError: duplicate feature names, two different tables of one name, or
-            specs that differ between replicas (on every replica); table errors as
-            :func:`popdist_lite.create_host_embedding`.
-        TypeError: an element that is not a :class:`FeatureSpec`.
+        ValueError: on every replica, for any replica's duplicate feature names or two
+            different tables of one name, or specs that differ between replicas; table
+            errors as :func:`popdist_lite.create_host_embedding`.
+        TypeError: on every replica, for an element that is not a :class:`FeatureSpec`.
     """
 
     def __init__(self, feature_specs, *, comm=None):
-        specs = tuple(feature_specs.values() if isinstance(feature_specs, Mapping) else feature_specs)
-        tables = {}
-        for spec in specs:
-            if not isinstance(spec, FeatureSpec):
-                raise TypeError(f"EmbeddingCollection: expected FeatureSpecs, got {type(spec).__name__}")
-            table = tables.setdefault(spec.table_spec.name, spec.table_spec)
-            if table != spec.table_spec or table.initializer is not spec.table_spec.initializer:
-                raise ValueError(f"EmbeddingCollection: two different TableSpecs are named {table.name!r}")
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"EmbeddingCollection: duplicate feature names in {names}")
-        self.feature_specs = specs
         self.comm = dedicated_comm(comm)
+        problem, specs, tables = None, (), {}
+        try:
+            specs, tables = _tables_of(feature_specs)
+        except Exception as exc:  # raised below on every replica, not here alone
+            problem = _problem(exc)
+        agree(self.comm, "EmbeddingCollection", problem)
+        self.feature_specs = specs
         self._agree_on_specs()
         self.tables = {name: HostEmbedding(tables[name].create(self.comm)) for name in sorted(tables)}
         #: (table name, its features' indices in feature_specs), in table-name order.
@@ -177,8 +172,8 @@ class EmbeddingCollection:
             if grads is not None:
                 for s in self.feature_specs:
                     _check_gradient(s, grads)
-        except ERRORS as exc:
-            problem = (next(e for e in ERRORS if isinstance(exc, e)), exc.args[0] if exc.args else str(exc))
+        except Exception as exc:  # raised below on every replica, not here alone
+            problem = _problem(exc)
         agree(self.comm, op, problem)
         return inputs
 
@@ -253,6 +248,32 @@ class EmbeddingCollection:
                 f"tables={list(self.tables)})")
 
 
+def _tables_of(feature_specs) -> tuple[tuple, dict]:
+    """``(feature specs, table name -> TableSpec)``, checked (local)."""
+    specs = tuple(feature_specs.values() if isinstance(feature_specs, Mapping) else feature_specs)
+    tables = {}
+    for spec in specs:
+        if not isinstance(spec, FeatureSpec):
+            raise TypeError(f"argument feature_specs: expected FeatureSpecs, got {type(spec).__name__}")
+        table = tables.setdefault(spec.table_spec.name, spec.table_spec)
+        if table != spec.table_spec or table.initializer is not spec.table_spec.initializer:
+            raise ValueError(f"argument feature_specs: two different TableSpecs are named {table.name!r}")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"argument feature_specs: duplicate feature names in {names}")
+    return specs, tables
+
+
+def _problem(exc: Exception) -> tuple[type, str]:
+    """A local exception as the ``(class, message)`` :func:`agree` raises everywhere
+    (unexpected classes become TypeError, named in the message)."""
+    message = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
+    for error in ERRORS:
+        if isinstance(exc, error):
+            return error, message
+    return TypeError, f"{type(exc).__name__}: {message}"
+
+
 def _feature_input(spec: FeatureSpec, features: Mapping, weights: Mapping | None):
     """This replica's ``(ids, weights or None)`` of one feature, checked (local)."""
     if spec.name not in features:
@@ -267,7 +288,12 @@ def _feature_input(spec: FeatureSpec, features: Mapping, weights: Mapping | None
         if not spec.pooled or len(spec.input_shape) != 2:
             raise ValueError(f"{where}: ragged IDs (a sequence of arrays) need a pooled feature with input_shape "
                              f"(B, L), got input_shape {list(spec.input_shape)}")
-        return _pad_ragged(spec, value, "IDs"), None if w is None else _pad_ragged(spec, w, "weights")
+        ids = _pad_ragged(spec, value, "IDs")
+        if w is None:
+            return ids, None
+        if not _is_ragged(w) or [np.size(x) for x in w] != [np.size(x) for x in value]:
+            raise ValueError(f"{where}: expected ragged weights with as many values per sample as the IDs")
+        return ids, _pad_ragged(spec, w, "weights")
     ids = host_array(value, where)
     if ids.shape != spec.input_shape or ids.dtype.kind not in "iu":
         raise (TypeError if ids.shape == spec.input_shape else ValueError)(

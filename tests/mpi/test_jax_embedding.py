@@ -329,6 +329,25 @@ def test_bad_feature_on_one_replica_raises_on_every_replica(comm, rng):
 
 
 @pytest.mark.mpi
+def test_bad_specs_or_weights_on_one_replica_raise_on_every_replica(comm, rng):
+    last = comm.size - 1
+    table = plj.TableSpec("specs", T, E)
+    specs = [plj.FeatureSpec("a", table, (2, 3), (2, E))]
+    if comm.rank == last:
+        specs = specs * 2
+    with pytest.raises(ValueError, match=rf"EmbeddingCollection: replica {last}: .*duplicate feature names"):
+        plj.EmbeddingCollection(specs)
+    coll = plj.EmbeddingCollection(specs[:1])
+    bags = [np.array([1, 2]), np.array([3])]
+    weights = [np.ones(2), np.ones(1 if comm.rank != last else 2)]
+    with pytest.raises(ValueError, match=rf"replica {last}: feature 'a': expected ragged weights with as many"):
+        coll.lookup({"a": bags}, {"a": weights})
+    with pytest.raises(TypeError, match=rf"replica {last}: AttributeError"):
+        coll.lookup({"a": bags}, {"a": [np.ones(2), np.ones(1)]} if comm.rank != last else [1, 2])
+    assert pl.all_reduce(np.array([1.0]))[0] == comm.size  # still in step
+
+
+@pytest.mark.mpi
 def test_split_api_refuses_traced_ids(comm):
     emb = plj.create_host_embedding("traced", [T, E])
     with pytest.raises(TypeError, match="outside jax.jit"):
