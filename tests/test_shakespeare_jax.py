@@ -89,3 +89,14 @@ def test_in_jit_path_refuses_joint_clipping():
     r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), "--path", "in-jit", "--steps", "1"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT, env=_clean_env())
     assert r.returncode == 2 and "--path in-jit needs --clip-norm 0" in r.stderr
+
+
+@needs_jax
+def test_guide_config_losses_equal_the_numpy_job(tiny):
+    """The guide's set-up (all T outputs flattened into the dense layer, last-character
+    label), one process."""
+    args = ["--data", str(tiny), "--steps", "4", "--seq-len", "20", "--batch-size", "4", "--log-every", "1",
+            "--sample-chars", "0", "--guide-config"]
+    got, reference = _losses("shakespeare_jax.py", args, replicas=1), _losses("shakespeare.py", args, replicas=1)
+    assert [n for n, _ in got] == [0, 1, 2, 3] and [n for n, _ in reference] == [0, 1, 2, 3]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, reference)) <= 2e-4, (got, reference)

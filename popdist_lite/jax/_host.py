@@ -17,8 +17,8 @@ _DEDICATED: dict[int, tuple] = {}  # id(parent) -> (parent, its duplicate)
 
 def dedicated_comm(comm=None):
     """The binding's communicator: a duplicate (``MPI_Comm_dup``) of ``comm`` (default:
-    the replica communicator), made once per process and parent. Collective on the
-    first call for a parent.
+    the replica communicator), made once per process and parent (a dedicated
+    communicator is its own). Collective on the first call for a parent.
 
     Every table of the binding and every collective it issues uses it, so the host
     callbacks of the in-jit path (which run on XLA's threads) never share a
@@ -26,6 +26,8 @@ def dedicated_comm(comm=None):
     """
     pl.init()
     parent = pl.replica_comm() if comm is None else comm
+    if any(dup is parent for _, dup in _DEDICATED.values()):
+        return parent
     entry = _DEDICATED.get(id(parent))
     if entry is None:
         entry = _DEDICATED[id(parent)] = (parent, parent.Dup())  # keeps the parent alive: its id stays unique

@@ -88,9 +88,10 @@ class TrainStep:
         params = broadcast_params(params, comm=self.embeddings.comm)
         # Placed as the update's outputs will be (committed to the parameters' device):
         # otherwise the second step would compile the update again for the new placement.
-        devices = [leaf.devices() for leaf in jax.tree.leaves(params)][:1]
-        state = self.optimizer.init(params)
-        return params, jax.device_put(state, next(iter(devices[0]))) if devices else state
+        leaves, state = jax.tree.leaves(params), self.optimizer.init(params)
+        if leaves:
+            state = jax.device_put(state, next(iter(leaves[0].devices())))
+        return params, state
 
     def __call__(self, params, opt_state, features, batch, weights=None, *, next_features=None, next_weights=None):
         """One step. Collective.
