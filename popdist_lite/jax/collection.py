@@ -149,8 +149,9 @@ class EmbeddingCollection:
 
         Limits: slower than the split API (two host callbacks per call, and any ordered
         effect adds a fixed cost to each call of the jitted function; docs/jax.md);
-        ``jax.vmap`` of it is an error; ``jax.checkpoint`` (remat) re-runs the forward
-        callback, so the lookup (a collective) runs twice; the backward pass runs only
+        ``jax.vmap`` of it is an error; under ``jax.checkpoint`` (remat) the backward
+        pass computes the forward callback again (with ``jax.value_and_grad`` the lookup,
+        a collective, runs twice; the update once); the backward pass runs only
         where ``handle`` is differentiated; one call per collection per jitted function
         (two calls could update a table before the other looks it up).
         """

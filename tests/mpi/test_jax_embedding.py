@@ -220,6 +220,31 @@ def test_in_jit_path_equals_split_path(comm, rng, strategy, kind):
                                    split.tables["split"].get_embedding_tensor(), **tolerance)
 
 
+@pytest.mark.mpi
+def test_in_jit_limits_no_vmap_and_remat_looks_up_again(comm, rng):
+    """The documented limits: vmap of the in-jit lookup is an error; under
+    jax.checkpoint the forward callback (a lookup on every replica) runs twice per
+    gradient, and the update once."""
+    coll, _ = collection("limits", lambda t: [plj.FeatureSpec("seq", t, (4, 3), (4, 3, E))], "TOKEN", None,
+                         optimizer=pl.HostEmbeddingOptimizerSpec(0.1))
+    ids = {"seq": jnp.asarray(rng.integers(0, T, (4, 3)))}
+    with pytest.raises(NotImplementedError, match="vmap"):
+        jax.vmap(lambda i: coll.lookup_in_jit(coll.handle(), {"seq": i})["seq"])(jnp.stack([ids["seq"]] * 2))
+
+    def loss(h):
+        return jnp.sum(jnp.sin(coll.lookup_in_jit(h, ids)["seq"]))
+
+    calls = {}
+    for name, fn in (("plain", loss), ("remat", jax.checkpoint(loss))):
+        grad = jax.jit(jax.value_and_grad(fn))
+        jax.block_until_ready(grad(coll.handle()))  # compiled, and one step taken
+        pl.reset_stats()
+        jax.block_until_ready(grad(coll.handle()))
+        phases = pl.stats()["phases"]
+        calls[name] = (phases["lookup"]["calls"], phases["update"]["calls"])
+    assert calls == {"plain": (1, 1), "remat": (2, 1)}
+
+
 # -- static shapes ------------------------------------------------------------------------------
 class CompileCounter:
     """Counts XLA compilations (jax.monitoring's backend-compile events)."""
