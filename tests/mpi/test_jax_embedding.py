@@ -373,6 +373,25 @@ def test_bad_specs_or_weights_on_one_replica_raise_on_every_replica(comm, rng):
 
 
 @pytest.mark.mpi
+def test_table_spec_id_limits(comm, rng):
+    """TableSpec's SparseCore limits reach the table: beyond max_ids_per_partition a
+    lookup raises IdLimitError on every replica; with minibatching it equals jnp.take."""
+    full = rng.standard_normal((T, E)).astype(np.float32)
+    # 12 IDs, all owned by replica 0 (TOKEN: row i on replica i % r), each at most 3 times
+    ids = np.resize(np.arange(0, T, comm.size), 12).reshape(4, 3)
+
+    def coll(name, **limits):
+        table = plj.TableSpec(name, T, E, initializer=full, max_ids_per_partition=4, **limits)
+        return plj.EmbeddingCollection([plj.FeatureSpec("seq", table, (4, 3), (4, 3, E))])
+
+    strict = coll("limited")
+    with pytest.raises(pl.IdLimitError, match="max ids per partition"):
+        strict.lookup({"seq": ids})
+    split = coll("minibatched", enable_minibatching=True)
+    np.testing.assert_array_equal(split.lookup({"seq": ids})["seq"], jnp.take(jnp.asarray(full), ids, axis=0))
+
+
+@pytest.mark.mpi
 def test_split_api_refuses_traced_ids(comm):
     emb = plj.create_host_embedding("traced", [T, E])
     with pytest.raises(TypeError, match="outside jax.jit"):
