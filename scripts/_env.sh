@@ -1,17 +1,19 @@
 # Sourced by scripts/demo and scripts/test: make (or reuse) the virtual environment
 # with popdist-lite and its test extras (mpi4py, numpy, the Open MPI wheel, pytest).
 # VENV overrides where it lives (default: .venv in the project root); PYTHON picks
-# the interpreter that creates it (default: python3, 3.10 or newer).
+# the interpreter that creates it (default: python3, 3.10 or newer);
+# POPDIST_LITE_EXTRAS the extras installed (default: test; scripts/test adds jax).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 
 # ensure_venv DIR PIP_ARGS...: create the venv DIR if missing and pip-install PIP_ARGS
-# into it, unless a stamp says it already holds them for this pyproject.toml. On
-# failure, prints the end of DIR/pip-install.log and returns 1.
+# into it, unless a stamp says it already holds them for this pyproject.toml (one stamp
+# per PIP_ARGS: scripts/demo and scripts/test install different extras into one venv).
+# On failure, prints the end of DIR/pip-install.log and returns 1.
 ensure_venv() {
     local dir="$1"; shift
-    local stamp="$dir/.popdist-lite-installed" log="$dir/pip-install.log"
+    local stamp="$dir/.popdist-lite-installed-$(printf '%s' "$*" | cksum | cut -d' ' -f1)" log="$dir/pip-install.log"
     local want; want="$(cksum < "$ROOT/pyproject.toml") $ROOT $*"
     if [ ! -x "$dir/bin/python" ]; then
         echo "popdist-lite: creating $dir" >&2
@@ -32,7 +34,7 @@ ensure_venv() {
     fi
 }
 
-ensure_venv "$VENV" --editable "$ROOT[test]" || exit 1
+ensure_venv "$VENV" --editable "$ROOT[${POPDIST_LITE_EXTRAS:-test}]" || exit 1
 export PATH="$VENV/bin:$PATH"
 export VENV ROOT
 cd "$ROOT"

@@ -1,0 +1,102 @@
+"""examples/shakespeare_jax.py against examples/shakespeare.py (the numpy job) under
+poprun-lite, and the JAX extra staying optional."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import ROOT
+from test_shakespeare_example import TINY, _clean_env  # the same tiny text and clean environment
+
+EXAMPLES = ROOT / "examples"
+STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
+
+
+def test_popdist_lite_does_not_import_jax():
+    code = ("import sys, popdist_lite; assert not {'jax', 'flax', 'optax'} & set(sys.modules), 'imported'; "
+            "print('OK')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=_clean_env())
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+needs_jax = pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import jax, flax, optax"], capture_output=True).returncode != 0,
+    reason="the JAX binding needs the [jax] extra (pip install '.[jax]')")
+
+
+@needs_jax
+def test_popdist_lite_jax_imports_flax_only_for_its_layer():
+    code = ("import sys, popdist_lite.jax as plj; assert 'flax' not in sys.modules; plj.SparseCoreEmbed; "
+            "assert 'flax' in sys.modules; print('OK')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env=_clean_env())
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    p = tmp_path / "tiny.txt"
+    p.write_text(TINY)
+    return p
+
+
+def _losses(example: str, args: list, replicas: int = 2) -> list[tuple[int, float]]:
+    cmd = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas), "--timeout", "240",
+           sys.executable, str(EXAMPLES / example), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=_clean_env())
+    assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return [(int(n), float(x)) for n, x in STEP_RE.findall(r.stdout)]
+
+
+@needs_jax
+@pytest.mark.parametrize("options", [
+    ["--partition-strategy", "TOKEN"],  # defaults: lr 1, momentum 0.9, embedding SGD lr 10, clipping at norm 1
+    ["--partition-strategy", "ENCODING", "--emb-optimizer", "adam", "--clip-norm", "0", "--lr", "0.3",
+     "--path", "in-jit"],
+], ids=["token-split-clipped", "encoding-in-jit-adam"])
+def test_losses_equal_the_numpy_job_for_20_steps_at_2_replicas(tiny, options):
+    """From the same initial weights (char_model's, mapped onto the Flax parameters), the
+    same batches and the same options, both jobs print the same mean loss at every step.
+    The numpy job prints 4 decimals, so losses agree within two roundings (1e-4) plus
+    float32 differences between XLA and numpy."""
+    common = ["--data", str(tiny), "--steps", "20", "--seq-len", "20", "--batch-size", "4", "--log-every", "1",
+              "--sample-chars", "0"]
+    jax_options = options
+    numpy_options = [o for o in options if o not in ("--path", "in-jit")]
+    reference = _losses("shakespeare.py", common + numpy_options)
+    got = _losses("shakespeare_jax.py", common + jax_options)
+    assert [n for n, _ in reference] == list(range(20)) and [n for n, _ in got] == list(range(20))
+    worst = max(abs(a - b) for (_, a), (_, b) in zip(got, reference))
+    assert worst <= 2e-4, f"JAX {got}\nnumpy {reference}"
+    assert reference[-1][1] < reference[0][1] - 1.0  # it trains: the comparison is not of flat curves
+
+
+@needs_jax
+def test_single_process_run_prints_a_sample(tiny):
+    r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), "--data", str(tiny), "--steps", "3",
+                        "--seq-len", "20", "--batch-size", "4", "--log-every", "1", "--sample-chars", "30"],
+                       capture_output=True, text=True, timeout=180, cwd=ROOT, env=_clean_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [n for n, _ in STEP_RE.findall(r.stdout)] == ["0", "1", "2"]
+    assert "1 replica(s)" in r.stdout and "JAX split path" in r.stdout and "--- sample ---" in r.stdout
+
+
+@needs_jax
+def test_in_jit_path_refuses_joint_clipping():
+    r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), "--path", "in-jit", "--steps", "1"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=_clean_env())
+    assert r.returncode == 2 and "--path in-jit needs --clip-norm 0" in r.stderr
+
+
+@needs_jax
+def test_guide_config_losses_equal_the_numpy_job(tiny):
+    """The guide's set-up (all T outputs flattened into the dense layer, last-character
+    label), one process."""
+    args = ["--data", str(tiny), "--steps", "4", "--seq-len", "20", "--batch-size", "4", "--log-every", "1",
+            "--sample-chars", "0", "--guide-config"]
+    got, reference = _losses("shakespeare_jax.py", args, replicas=1), _losses("shakespeare.py", args, replicas=1)
+    assert [n for n, _ in got] == [0, 1, 2, 3] and [n for n, _ in reference] == [0, 1, 2, 3]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, reference)) <= 2e-4, (got, reference)
