@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mpirun import ROOT
+from helpers import ROOT
 
 pytestmark = pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import jax, flax, optax"], capture_output=True).returncode != 0,

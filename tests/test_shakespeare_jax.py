@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from mpirun import ROOT
-from test_shakespeare_example import TINY, _clean_env  # the same tiny text and clean environment
+from helpers import ROOT, TINY, clean_env
 
 EXAMPLES = ROOT / "examples"
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
@@ -18,7 +17,7 @@ def test_popdist_lite_does_not_import_jax():
     code = ("import sys, popdist_lite; assert not {'jax', 'flax', 'optax'} & set(sys.modules), 'imported'; "
             "print('OK')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                       env=_clean_env())
+                       env=clean_env())
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
 
@@ -32,7 +31,7 @@ def test_popdist_lite_jax_imports_flax_only_for_its_layer():
     code = ("import sys, popdist_lite.jax as plj; assert 'flax' not in sys.modules; plj.SparseCoreEmbed; "
             "assert 'flax' in sys.modules; print('OK')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env=_clean_env())
+                       env=clean_env())
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
 
@@ -46,7 +45,7 @@ def tiny(tmp_path):
 def _losses(example: str, args: list, replicas: int = 2) -> list[tuple[int, float]]:
     cmd = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas), "--timeout", "240",
            sys.executable, str(EXAMPLES / example), *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=_clean_env())
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return [(int(n), float(x)) for n, x in STEP_RE.findall(r.stdout)]
 
@@ -78,7 +77,7 @@ def test_losses_equal_the_numpy_job_for_20_steps_at_2_replicas(tiny, options):
 def test_single_process_run_prints_a_sample(tiny):
     r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), "--data", str(tiny), "--steps", "3",
                         "--seq-len", "20", "--batch-size", "4", "--log-every", "1", "--sample-chars", "30"],
-                       capture_output=True, text=True, timeout=180, cwd=ROOT, env=_clean_env())
+                       capture_output=True, text=True, timeout=180, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert [n for n, _ in STEP_RE.findall(r.stdout)] == ["0", "1", "2"]
     assert "1 replica(s)" in r.stdout and "JAX split path" in r.stdout and "--- sample ---" in r.stdout
@@ -87,7 +86,7 @@ def test_single_process_run_prints_a_sample(tiny):
 @needs_jax
 def test_in_jit_path_refuses_joint_clipping():
     r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), "--path", "in-jit", "--steps", "1"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=_clean_env())
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
     assert r.returncode == 2 and "--path in-jit needs --clip-norm 0" in r.stderr
 
 
