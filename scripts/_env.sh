@@ -1,13 +1,15 @@
 # Sourced by scripts/demo and scripts/test: make (or reuse) the virtual environment
 # with popdist-lite and its test extras (mpi4py, numpy, the Open MPI wheel, pytest).
 # VENV overrides where it lives (default: .venv in the project root); PYTHON picks
-# the interpreter that creates it (default: python3, 3.10 or newer).
+# the interpreter that creates it (default: python3, 3.10 or newer); POPDIST_LITE_EXTRAS
+# the extras installed (default: test; scripts/test adds torch).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 
 # ensure_venv DIR PIP_ARGS...: create the venv DIR if missing and pip-install PIP_ARGS
-# into it, unless a stamp says it already holds them for this pyproject.toml. On
+# into it, unless a stamp says it already holds them for this pyproject.toml (the stamp
+# keeps one line per set of PIP_ARGS installed, so alternating sets do not reinstall). On
 # failure, prints the end of DIR/pip-install.log and returns 1.
 ensure_venv() {
     local dir="$1"; shift
@@ -17,14 +19,17 @@ ensure_venv() {
         echo "popdist-lite: creating $dir" >&2
         "${PYTHON:-python3}" -m venv "$dir"
     fi
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    local sum; sum="$(cksum < "$ROOT/pyproject.toml") "
+    if [ -f "$stamp" ] && grep -qxF -- "$want" "$stamp"; then
         return 0
     fi
     echo "popdist-lite: installing $* into $dir" >&2
+    # Lines for another pyproject.toml are stale: keep only this one's.
+    local kept=""; [ -f "$stamp" ] && kept="$(grep -F -- "$sum" "$stamp" | grep -vxF -- "$want" || true)"
     rm -f "$stamp"
     if { "$dir/bin/python" -m pip install "$@" \
          && "$dir/bin/python" -c "import popdist_lite, popdist_lite_launcher, mpi4py.MPI, pytest"; } > "$log" 2>&1; then
-        echo "$want" > "$stamp"
+        { [ -n "$kept" ] && echo "$kept"; echo "$want"; } > "$stamp"
     else
         tail -n 40 "$log" >&2
         echo "popdist-lite: installation into $dir failed (full log: $log)" >&2
@@ -32,7 +37,7 @@ ensure_venv() {
     fi
 }
 
-ensure_venv "$VENV" --editable "$ROOT[test]" || exit 1
+ensure_venv "$VENV" --editable "$ROOT[${POPDIST_LITE_EXTRAS:-test}]" || exit 1
 export PATH="$VENV/bin:$PATH"
 export VENV ROOT
 cd "$ROOT"
