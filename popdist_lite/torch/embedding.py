@@ -45,8 +45,8 @@ _names = itertools.count()
 
 
 class _HostLookup(torch.autograd.Function):
-    """forward(anchor, module, *tensors) = ``module._lookup(saved)``; backward applies
-    ``module._update(saved, grad)`` once (a second backward through a retained graph
+    """forward(anchor, module, arguments, *tensors) = ``module._lookup(arguments)``; backward applies
+    ``module._update(arguments, grad)`` once (a second backward through a retained graph
     finds the update done and applies nothing). ``tensors`` are the caller's index,
     offset and weight tensors, saved so that autograd's version counters reject an
     in-place change between forward and backward."""
@@ -55,7 +55,7 @@ class _HostLookup(torch.autograd.Function):
     def forward(ctx, anchor, module, arguments, *tensors):
         ctx.module, ctx.arguments, ctx.applied = module, arguments, False
         ctx.save_for_backward(*tensors)
-        return torch.from_numpy(module._lookup(arguments))
+        return module._lookup(arguments)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -102,7 +102,7 @@ class _HostTableModule(torch.nn.Module):
     def _run(self, arguments, *tensors) -> torch.Tensor:
         if self.training and torch.is_grad_enabled() and self.table.spec.trainable:
             return _HostLookup.apply(self._anchor, self, arguments, *tensors)
-        return torch.from_numpy(self._lookup(arguments))
+        return self._lookup(arguments)
 
     def _apply_gradient(self, arguments, grad: torch.Tensor) -> None:
         """The table's update with ``grad``, the gradient of this replica's output
@@ -199,14 +199,14 @@ class HostEmbedding(_HostTableModule):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._run((_numpy(input),), input)
 
-    def _lookup(self, arguments) -> np.ndarray:
+    def _lookup(self, arguments) -> torch.Tensor:
         (indices,) = arguments
         if self.padding_idx is None:
-            return self.table.lookup(indices)
+            return torch.from_numpy(self.table.lookup(indices))
         keep = indices != self.padding_idx
         out = np.zeros(indices.shape + (self.embedding_dim,), self.table.dtype)
         out[keep] = self.table.lookup(indices[keep])
-        return out
+        return torch.from_numpy(out)
 
     def _update(self, arguments, grad: np.ndarray, loss_scale: float) -> None:
         (indices,) = arguments
@@ -270,20 +270,57 @@ class HostEmbeddingBag(_HostTableModule):
         raise_on_every_replica(problem and (problem[0], f"{type(self).__name__}({self.name!r}): {problem[1]}"),
                                self._comm)
         tensors = [t for t in (input, offsets, per_sample_weights) if t is not None]
-        return self._run(bags, *tensors)
+        return self._run(_Bags(*bags, self.mode, self.dtype), *tensors)
 
-    def _lookup(self, bags) -> np.ndarray:
-        values, lengths, weights, padding_id = bags
-        return self.table.lookup_bags(values, lengths, weights, combiner=self.mode, padding_id=padding_id)
+    def _lookup(self, bags: "_Bags") -> torch.Tensor:
+        rows = torch.from_numpy(self.table.lookup(bags.values)).to(bags.acc)
+        if bags.scale is not None:
+            rows.mul_(bags.scale[:, None])
+        out = torch.zeros(bags.count, self.embedding_dim, dtype=bags.acc)
+        out.index_add_(0, bags.bag, rows)
+        return out.to(self.dtype).reshape(bags.shape + (self.embedding_dim,))
 
-    def _update(self, bags, grad: np.ndarray, loss_scale: float) -> None:
-        values, lengths, weights, padding_id = bags
-        self.table.apply_bag_gradients(values, grad, lengths, weights, combiner=self.mode, padding_id=padding_id,
-                                       loss_scale=loss_scale)
+    def _update(self, bags: "_Bags", grad: np.ndarray, loss_scale: float) -> None:
+        grad = torch.from_numpy(grad).reshape(bags.count, self.embedding_dim)
+        per_id = grad.to(bags.acc).index_select(0, bags.bag)
+        if bags.scale is not None:
+            per_id.mul_(bags.scale[:, None])
+        per_id = per_id.to(self.dtype)
+        self.table.apply_gradients(bags.values, per_id.numpy(), loss_scale=loss_scale)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}" + \
             (", include_last_offset=True" if self.include_last_offset else "")
+
+
+class _Bags:
+    """One replica's bags, flattened: ``values`` int64[n] (padding removed), ``bag``
+    (each value's bag, int64[n]) and ``scale`` (``w_i / d_b``, each value's weight over
+    its bag's divisor, in the accumulation dtype ``acc``: float32 for float16 tables; None
+    when every scale is 1),
+    ``count`` bags of batch ``shape``. The combiners are SparseCore's (``popdist_lite.COMBINERS``):
+    divisor 1 (``"sum"``), the sum of the weights (``"mean"``) or the root of the sum of
+    their squares (``"sqrtn"``); an empty bag (or a divisor of 0) pools to zeros. Bags are
+    pooled with ``Tensor.index_add_`` after every row has come back, so a divisor is always
+    its whole bag's, wherever its rows live."""
+
+    def __init__(self, values, lengths, weights, shape, mode: str, dtype):
+        self.values, self.shape, self.count = values, shape, lengths.size
+        self.acc = torch.float32 if dtype == torch.float16 else dtype
+        self.bag = torch.repeat_interleave(torch.arange(lengths.size), torch.from_numpy(lengths))
+        if mode == "sum" and weights is None:
+            self.scale = None
+            return
+        w = torch.ones(values.size, dtype=torch.float64) if weights is None else \
+            torch.from_numpy(np.asarray(weights, np.float64))
+        if mode == "sum":
+            self.scale = w.to(self.acc)
+            return
+        divisor = torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.bag, w if mode == "mean" else w * w)
+        if mode == "sqrtn":
+            divisor = divisor.sqrt()
+        inverse = torch.where(divisor != 0, 1.0 / divisor, torch.zeros_like(divisor))
+        self.scale = (w * inverse[self.bag]).to(self.acc)
 
 
 def _numpy(t) -> np.ndarray:
@@ -308,46 +345,55 @@ def _check_common(num_embeddings, padding_idx, op, dtype) -> tuple[type, str] | 
 
 
 def _make_bags(input, offsets, weights, include_last_offset: bool, padding_idx):
-    """``(problem, (values, lengths, weights, padding_id))``: ``nn.EmbeddingBag``'s
-    arguments as :meth:`popdist_lite.HostEmbedding.lookup_bags` takes them. Local; a
-    problem is ``(exception class, message)``. The bags' own checks (integer values,
-    weights of the values' shape) are the table's, raised on every replica there."""
+    """``(problem, (values, lengths, weights, shape))``: ``nn.EmbeddingBag``'s arguments
+    as ragged bags (``values`` int[n] without padding, ``lengths`` int64[B], ``weights``
+    float[n] or None, the batch ``shape``). Local; a problem is ``(exception class,
+    message)``, raised on every replica by the caller."""
     if not isinstance(input, torch.Tensor) or input.dim() not in (1, 2):
-        got = f"{input.dim()}-D" if isinstance(input, torch.Tensor) else type(input).__name__
+        got = f"a {input.dim()}-D tensor" if isinstance(input, torch.Tensor) else type(input).__name__
         return (ValueError, f"argument input: expected a 1-D or 2-D tensor, got {got}"), None
+    if input.dtype.is_floating_point or input.dtype.is_complex or input.dtype == torch.bool:
+        return (TypeError, f"argument input: expected an integer tensor, got {input.dtype}"), None
+    values = _numpy(input)
+    w = None
     if weights is not None:
-        if not isinstance(weights, torch.Tensor):
-            return (TypeError, f"argument per_sample_weights: expected a tensor, got {type(weights).__name__}"), None
+        if not isinstance(weights, torch.Tensor) or weights.shape != input.shape or weights.dtype.is_complex:
+            got = f"{weights.dtype}{list(weights.shape)}" if isinstance(weights, torch.Tensor) else type(weights).__name__
+            return (ValueError, f"argument per_sample_weights: expected a real tensor of the shape of input "
+                                f"{list(input.shape)}, got {got}"), None
         if weights.requires_grad:
             return (ValueError, "argument per_sample_weights: weights that require a gradient are not supported "
                                 "(they are constants of the lookup)"), None
-    values = _numpy(input)
-    w = None if weights is None else _numpy(weights)
+        w = _numpy(weights).reshape(-1)
     if input.dim() == 2:
         if offsets is not None:
             return (ValueError, "argument offsets: expected None with 2-D input (each row is a bag), got a "
                                 "tensor"), None
-        return None, (values, None, w, padding_idx)
-    if offsets is None:
-        return (ValueError, "argument offsets: expected a 1-D integer tensor with 1-D input, got None"), None
-    o = _numpy(offsets)
-    if o.ndim != 1 or o.dtype.kind not in "iu":
-        return (TypeError, f"argument offsets: expected a 1-D integer tensor, got {o.dtype}{list(o.shape)}"), None
-    n = values.size
-    ends = o[1:] if include_last_offset else np.append(o[1:], n)
-    starts = o[:-1] if include_last_offset else o
-    if include_last_offset and (o.size == 0 or o[-1] != n):
-        return (ValueError, f"argument offsets: with include_last_offset, expected a last offset equal to "
-                            f"input.numel() = {n}, got {o[-1] if o.size else 'no offsets'}"), None
-    if starts.size and (starts[0] != 0 or np.any(ends < starts) or ends[-1] > n):
-        return (ValueError, f"argument offsets: expected non-decreasing offsets starting at 0, at most "
-                            f"input.numel() = {n}, got {o.tolist() if o.size <= 8 else o[:8].tolist() + ['...']}"), None
-    lengths = (ends - starts).astype(np.int64)
-    if padding_idx is not None and n:
+        shape = (values.shape[0],)
+        lengths = np.full(values.shape[0], values.shape[1], np.int64)
+        values = values.reshape(-1)
+    else:
+        if offsets is None:
+            return (ValueError, "argument offsets: expected a 1-D integer tensor with 1-D input, got None"), None
+        o = _numpy(offsets)
+        if o.ndim != 1 or o.dtype.kind not in "iu":
+            return (TypeError, f"argument offsets: expected a 1-D integer tensor, got {o.dtype}{list(o.shape)}"), None
+        n = values.size
+        if include_last_offset and (o.size == 0 or o[-1] != n):
+            return (ValueError, f"argument offsets: with include_last_offset, expected a last offset equal to "
+                                f"input.numel() = {n}, got {o[-1] if o.size else 'no offsets'}"), None
+        starts = o[:-1] if include_last_offset else o
+        ends = o[1:] if include_last_offset else np.append(o[1:], n)
+        if starts.size and (starts[0] != 0 or np.any(ends < starts) or ends[-1] > n):
+            shown = o.tolist() if o.size <= 8 else o[:8].tolist() + ["..."]
+            return (ValueError, f"argument offsets: expected non-decreasing offsets starting at 0, at most "
+                                f"input.numel() = {n}, got {shown}"), None
+        lengths = (ends - starts).astype(np.int64)
+        shape = (lengths.size,)
+    if padding_idx is not None and values.size:
         keep = values != padding_idx
         bag = np.repeat(np.arange(lengths.size), lengths)
         lengths = np.bincount(bag[keep], minlength=lengths.size).astype(np.int64)
         values = values[keep]
-        if w is not None:
-            w = w[keep] if w.shape == keep.shape else w  # a wrong shape is the table's error
-    return None, (values, lengths, w, None)
+        w = None if w is None else w[keep]
+    return None, (values, lengths, w, shape)
