@@ -205,3 +205,33 @@ def test_buckets_start_while_backward_runs(comm, rng):
     (ddp(xs[comm.rank], True) ** 2).sum().backward()
     assert started and started[0] >= 1, started
     assert ddp._next == 0 and all(b.request is None for b in ddp._buckets)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gradients(comm, rng, dtype):
+    """float16/bfloat16 buckets travel as float32 and come back in their dtype, rounded
+    once; allreduce_gradients agrees."""
+    r = comm.size
+
+    class Half(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(5, dtype=dtype))
+            self.v = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return (self.w.float() * x[:5]).sum() + (self.v * x[5:]).sum()
+
+    xs = [torch.from_numpy(rng.uniform(-1, 1, size=8).astype(np.float32)) for _ in range(r)]
+    want = torch.stack([x for x in xs]).double().mean(0)
+    for reduce in ("ddp", "allreduce"):
+        model = Half()
+        ddp = pt.DistributedDataParallel(model) if reduce == "ddp" else model
+        ddp(xs[comm.rank]).backward()
+        if reduce == "allreduce":
+            pt.allreduce_gradients(model)
+        assert model.w.grad.dtype == dtype
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+        torch.testing.assert_close(model.w.grad.double(), want[:5], rtol=tol, atol=tol)
+        torch.testing.assert_close(model.v.grad.double(), want[5:], rtol=1e-6, atol=1e-6)
