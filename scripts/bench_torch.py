@@ -25,7 +25,9 @@ Workloads and variants:
             per replica and step; lookup + backward + SGD update per step:
         binding      popdist_lite.torch.HostEmbedding, ``out.backward(grad)``
         binding_bag  popdist_lite.torch.HostEmbeddingBag, one id per bag (mode "sum")
-        numpy        the numpy API: HostEmbedding.lookup + apply_gradients (the binding's floor)
+        numpy        the numpy API: HostEmbedding.lookup + apply_gradients with loss_scale = the
+                     replica count, the binding's default update (the mean of the replicas'
+                     gradients): the binding's floor
         gloo         a replicated nn.EmbeddingBag(sparse=True), one id per bag, under
                      torch DDP with gloo (the sparse gradient all-reduced), torch.optim.SGD
 Summary ratios (of the maxima over replicas) and goals: char ``binding_over_ddp_gloo``
@@ -151,7 +153,7 @@ def recsys_variants(comm, names) -> dict:
 
         def numpy_step(s):
             table.lookup(idx[s % len(idx)])
-            table.apply_gradients(idx[s % len(idx)], grad_np)
+            table.apply_gradients(idx[s % len(idx)], grad_np, loss_scale=comm.size)  # op="mean"
         out["numpy"] = numpy_step
     if "gloo" in names:
         gloo_group(comm)
