@@ -5,6 +5,7 @@ data parallelism for the dense layers. Imported only when asked for
 Install with the ``[torch]`` extra (``pip install 'popdist-lite[torch]'``: a CPU build of
 torch). A training step::
 
+    import popdist_lite as pl
     import popdist_lite.torch as pt
 
     emb = pt.HostEmbedding(256, 256, optimizer_spec=pl.HostEmbeddingOptimizerSpec(1.0))
