@@ -1,31 +1,17 @@
 """examples/shakespeare_torch.py against the numpy example, and the binding's import
 boundary: ``import popdist_lite`` never imports torch."""
 
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT, TINY, clean_env
+
 TORCH_EXAMPLE = ROOT / "examples" / "shakespeare_torch.py"
 NUMPY_EXAMPLE = ROOT / "examples" / "shakespeare.py"
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
-TINY = (
-    "ROMEO.\nBut soft, what light through yonder window breaks?\n"
-    "It is the east, and Juliet is the sun.\n\n"
-    "JULIET.\nO Romeo, Romeo, wherefore art thou Romeo?\n"
-    "Deny thy father and refuse thy name.\n\n"
-) * 12
-
-
-def environment():
-    """Without any enclosing MPI job's variables, single-threaded BLAS and torch."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "POPDIST_", "PRTE_"))}
-    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    return env
 
 
 def losses(stdout: str) -> list[tuple[int, float]]:
@@ -34,12 +20,12 @@ def losses(stdout: str) -> list[tuple[int, float]]:
     return found
 
 
-def run(replicas: int, script: Path, args: list[str], timeout: float = 240) -> str:
+def run(replicas: int, script, args: list[str], timeout: float = 240) -> str:
     cmd = [sys.executable, str(script), *args]
     if replicas > 1:
         cmd = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas),
                "--timeout", str(timeout - 30), *cmd]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environment(), cwd=ROOT,
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=ROOT,
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
@@ -47,7 +33,7 @@ def run(replicas: int, script: Path, args: list[str], timeout: float = 240) -> s
 
 def test_import_popdist_lite_does_not_import_torch():
     code = "import popdist_lite, sys; assert 'torch' not in sys.modules, 'torch was imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=environment())
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=clean_env())
 
 
 @pytest.fixture
