@@ -24,7 +24,9 @@ from mpi4py import MPI
 
 import popdist_lite as pl
 
-from ._agree import agree_on_arguments
+from popdist_lite.collectives import Problem
+
+from ._agree import agree_signatures
 
 __all__ = ["broadcast_parameters", "allreduce_gradients", "DistributedDataParallel"]
 
@@ -60,7 +62,7 @@ def broadcast_parameters(module_or_state_dict, root: int = 0) -> None:
     pl.init()
     comm = pl.replica_comm()
     signature = [(name, tuple(tensors[name].shape), str(tensors[name].dtype)) for name in sorted(tensors)]
-    agree_on_arguments("broadcast_parameters", None, signature, comm)
+    agree_signatures("broadcast_parameters", signature, comm)
     pl.broadcast_parameters({name: _bits(t) for name, t in tensors.items()}, root=root)
 
 
@@ -172,12 +174,12 @@ class DistributedDataParallel(torch.nn.Module):
         comm = pl.replica_comm()
         problem = None
         if op not in _OPS:
-            problem = (ValueError, f"argument op: expected 'mean' or 'sum', got {op!r}")
+            problem = Problem(ValueError, f"argument op: expected 'mean' or 'sum', got {op!r}")
         elif not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            problem = (ValueError, f"argument bucket_cap_mb: expected a number > 0, got {bucket_cap_mb!r}")
+            problem = Problem(ValueError, f"argument bucket_cap_mb: expected a number > 0, got {bucket_cap_mb!r}")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        agree_on_arguments("DistributedDataParallel", problem, signature, comm)
+        agree_signatures("DistributedDataParallel", signature, comm, problem)
         self.module = module
         self.op, self.gradient_as_bucket_view = op, bool(gradient_as_bucket_view)
         if broadcast:

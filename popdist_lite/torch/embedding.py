@@ -34,7 +34,9 @@ import torch
 
 import popdist_lite as pl
 
-from ._agree import agree_on_arguments, raise_on_every_replica
+from popdist_lite.collectives import Problem, agree, register_op
+
+from ._agree import agree_signatures
 
 __all__ = ["HostEmbedding", "HostEmbeddingBag"]
 
@@ -42,6 +44,8 @@ _DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: 
 _OPS = ("mean", "sum")
 _MODES = ("sum", "mean", "sqrtn")
 _names = itertools.count()
+_BAGS = register_op("torch.HostEmbeddingBag")
+_NO_ARRAY = np.zeros(0, np.int8)  # the agreement of the bag arguments compares no array
 
 
 class _HostLookup(torch.autograd.Function):
@@ -82,8 +86,8 @@ class _HostTableModule(torch.nn.Module):
         if problem is None and padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
         self.name = name if name is not None else f"torch.{kind}.{next(_names)}"
-        agree_on_arguments(f"popdist_lite.torch.{kind}({self.name!r})", problem,
-                           (num_embeddings, embedding_dim, padding_idx, op, str(dtype), *extra), comm)
+        agree_signatures(f"popdist_lite.torch.{kind}({self.name!r})",
+                         (num_embeddings, embedding_dim, padding_idx, op, str(dtype), *extra), comm, problem)
         if isinstance(table_options.get("master_weights"), torch.dtype):
             table_options["master_weights"] = _DTYPES.get(table_options["master_weights"],
                                                           table_options["master_weights"])
@@ -257,7 +261,8 @@ class HostEmbeddingBag(_HostTableModule):
                  grad_scaler=None, name: str | None = None, **table_options):
         problem = None
         if mode not in _MODES:
-            problem = (ValueError, f"argument mode: expected one of {', '.join(map(repr, _MODES))}, got {mode!r}")
+            problem = Problem(ValueError, f"argument mode: expected one of {', '.join(map(repr, _MODES))}, "
+                                          f"got {mode!r}")
         super().__init__("HostEmbeddingBag", num_embeddings, embedding_dim, partition_strategy=partition_strategy,
                          optimizer_spec=optimizer_spec, dtype=dtype, seed=seed, padding_idx=padding_idx, op=op,
                          grad_scaler=grad_scaler, name=name, extra=(mode, bool(include_last_offset)),
@@ -267,8 +272,9 @@ class HostEmbeddingBag(_HostTableModule):
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         problem, bags = _make_bags(input, offsets, per_sample_weights, self.include_last_offset, self.padding_idx)
-        raise_on_every_replica(problem and (problem[0], f"{type(self).__name__}({self.name!r}): {problem[1]}"),
-                               self._comm)
+        if problem is not None:
+            problem = Problem(problem.error, f"module {self.name!r}: {problem.message}")
+        agree(_BAGS, _NO_ARRAY, self._comm, problem=problem, same_from=0)  # raised on every replica
         tensors = [t for t in (input, offsets, per_sample_weights) if t is not None]
         return self._run(_Bags(*bags, self.mode, self.dtype), *tensors)
 
@@ -331,62 +337,65 @@ def _numpy(t) -> np.ndarray:
     return np.asarray(t)
 
 
-def _check_common(num_embeddings, padding_idx, op, dtype) -> tuple[type, str] | None:
+def _check_common(num_embeddings, padding_idx, op, dtype) -> Problem | None:
     if dtype not in _DTYPES:
-        return TypeError, f"argument dtype: expected torch.float16, torch.float32 or torch.float64, got {dtype}"
+        return Problem(TypeError, f"argument dtype: expected torch.float16, torch.float32 or torch.float64, "
+                                  f"got {dtype}")
     if op not in _OPS:
-        return ValueError, f"argument op: expected 'mean' or 'sum', got {op!r}"
+        return Problem(ValueError, f"argument op: expected 'mean' or 'sum', got {op!r}")
     if padding_idx is not None:
         if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) \
                 or not -num_embeddings <= padding_idx < num_embeddings:
-            return ValueError, (f"argument padding_idx: expected None or an integer in "
-                                f"[-{num_embeddings}, {num_embeddings}), got {padding_idx!r}")
+            return Problem(ValueError, f"argument padding_idx: expected None or an integer in "
+                                       f"[-{num_embeddings}, {num_embeddings}), got {padding_idx!r}")
     return None
 
 
 def _make_bags(input, offsets, weights, include_last_offset: bool, padding_idx):
     """``(problem, (values, lengths, weights, shape))``: ``nn.EmbeddingBag``'s arguments
     as ragged bags (``values`` int[n] without padding, ``lengths`` int64[B], ``weights``
-    float[n] or None, the batch ``shape``). Local; a problem is ``(exception class,
-    message)``, raised on every replica by the caller."""
+    float[n] or None, the batch ``shape``). Local; the caller raises the :class:`Problem`
+    on every replica."""
     if not isinstance(input, torch.Tensor) or input.dim() not in (1, 2):
         got = f"a {input.dim()}-D tensor" if isinstance(input, torch.Tensor) else type(input).__name__
-        return (ValueError, f"argument input: expected a 1-D or 2-D tensor, got {got}"), None
+        return Problem(ValueError, f"argument input: expected a 1-D or 2-D tensor, got {got}"), None
     if input.dtype.is_floating_point or input.dtype.is_complex or input.dtype == torch.bool:
-        return (TypeError, f"argument input: expected an integer tensor, got {input.dtype}"), None
+        return Problem(TypeError, f"argument input: expected an integer tensor, got {input.dtype}"), None
     values = _numpy(input)
     w = None
     if weights is not None:
         if not isinstance(weights, torch.Tensor) or weights.shape != input.shape or weights.dtype.is_complex:
-            got = f"{weights.dtype}{list(weights.shape)}" if isinstance(weights, torch.Tensor) else type(weights).__name__
-            return (ValueError, f"argument per_sample_weights: expected a real tensor of the shape of input "
+            got = (f"{weights.dtype}{list(weights.shape)}" if isinstance(weights, torch.Tensor)
+                   else type(weights).__name__)
+            return Problem(ValueError, f"argument per_sample_weights: expected a real tensor of the shape of input "
                                 f"{list(input.shape)}, got {got}"), None
         if weights.requires_grad:
-            return (ValueError, "argument per_sample_weights: weights that require a gradient are not supported "
+            return Problem(ValueError, "argument per_sample_weights: weights that require a gradient are not supported "
                                 "(they are constants of the lookup)"), None
         w = _numpy(weights).reshape(-1)
     if input.dim() == 2:
         if offsets is not None:
-            return (ValueError, "argument offsets: expected None with 2-D input (each row is a bag), got a "
+            return Problem(ValueError, "argument offsets: expected None with 2-D input (each row is a bag), got a "
                                 "tensor"), None
         shape = (values.shape[0],)
         lengths = np.full(values.shape[0], values.shape[1], np.int64)
         values = values.reshape(-1)
     else:
         if offsets is None:
-            return (ValueError, "argument offsets: expected a 1-D integer tensor with 1-D input, got None"), None
+            return Problem(ValueError, "argument offsets: expected a 1-D integer tensor with 1-D input, got None"), None
         o = _numpy(offsets)
         if o.ndim != 1 or o.dtype.kind not in "iu":
-            return (TypeError, f"argument offsets: expected a 1-D integer tensor, got {o.dtype}{list(o.shape)}"), None
+            return Problem(TypeError, f"argument offsets: expected a 1-D integer tensor, "
+                                      f"got {o.dtype}{list(o.shape)}"), None
         n = values.size
         if include_last_offset and (o.size == 0 or o[-1] != n):
-            return (ValueError, f"argument offsets: with include_last_offset, expected a last offset equal to "
+            return Problem(ValueError, f"argument offsets: with include_last_offset, expected a last offset equal to "
                                 f"input.numel() = {n}, got {o[-1] if o.size else 'no offsets'}"), None
         starts = o[:-1] if include_last_offset else o
         ends = o[1:] if include_last_offset else np.append(o[1:], n)
         if starts.size and (starts[0] != 0 or np.any(ends < starts) or ends[-1] > n):
             shown = o.tolist() if o.size <= 8 else o[:8].tolist() + ["..."]
-            return (ValueError, f"argument offsets: expected non-decreasing offsets starting at 0, at most "
+            return Problem(ValueError, f"argument offsets: expected non-decreasing offsets starting at 0, at most "
                                 f"input.numel() = {n}, got {shown}"), None
         lengths = (ends - starts).astype(np.int64)
         shape = (lengths.size,)

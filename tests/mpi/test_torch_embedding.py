@@ -260,7 +260,7 @@ def test_bad_input_on_one_replica_raises_on_every_replica(comm):
     with pytest.raises(IndexError, match=f"replica {r - 1}"):
         emb(torch.tensor([1, 7 if last else 2]))
     bag = pt.HostEmbeddingBag(5, 2, mode="sum")
-    with pytest.raises(ValueError, match=rf"replica {r - 1}: HostEmbeddingBag.*argument offsets: expected "
+    with pytest.raises(ValueError, match=rf"HostEmbeddingBag: replica {r - 1}: module .*argument offsets: expected "
                                          r"non-decreasing offsets starting at 0"):
         bag(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1] if last else [0, 1, 2]))
     with pytest.raises(ValueError, match=rf"replica {r - 1}: .*argument per_sample_weights"):
