@@ -62,7 +62,6 @@ class _HostLookup(torch.autograd.Function):
         return module._lookup(arguments)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         ctx.saved_tensors  # noqa: B018  (raises if the indices were modified in place)
         if not ctx.applied:
