@@ -21,6 +21,8 @@ Workloads and variants:
         ddp_gloo   torch.nn.parallel.DistributedDataParallel on a gloo process group with a
                    replicated nn.Embedding(sparse=True) (its sparse gradient all-reduced
                    by DDP), torch.optim.SGD for the table
+        local      no communication: the same model with a local nn.Embedding(sparse=True) on
+                   this replica's batch alone (the compute both variants share)
     recsys  bench_lookup.py's workload: a 1,000,000 x 64 float32 table, 8192 Zipf(1.1) ids
             per replica and step; lookup + backward + SGD update per step:
         binding      popdist_lite.torch.HostEmbedding, ``out.backward(grad)``
@@ -31,7 +33,8 @@ Workloads and variants:
         gloo         a replicated nn.EmbeddingBag(sparse=True), one id per bag, under
                      torch DDP with gloo (the sparse gradient all-reduced), torch.optim.SGD
 Summary ratios (of the maxima over replicas) and goals: char ``binding_over_ddp_gloo``
-(at most 0.9); recsys ``gloo_over_binding`` (at least 3.5) and ``binding_over_numpy`` (at
+(at most 0.9) and, for context, ``binding_over_local`` (the binding against its compute
+alone); recsys ``gloo_over_binding`` (at least 3.5) and ``binding_over_numpy`` (at
 most 1.1); ``*_paired`` are the median over rounds of the two variants' block ratios.
 """
 
@@ -52,7 +55,7 @@ import numpy as np  # noqa: E402
 from _launch import run_ranks, under_mpi  # noqa: E402
 from bench_lookup import WORKLOADS, across, batches, interleaved, paired_ratio  # noqa: E402
 
-VARIANTS = {"char": ("binding", "ddp_gloo"), "recsys": ("binding", "binding_bag", "numpy", "gloo")}
+VARIANTS = {"char": ("binding", "ddp_gloo", "local"), "recsys": ("binding", "binding_bag", "numpy", "gloo")}
 CHAR = {"batch": 16, "seq_len": 100, "vocab": 65, "lr": 1.0, "momentum": 0.9, "emb_lr": 10.0, "clip": 1.0}
 GOALS = {"char_binding_over_ddp_gloo_at_most": 0.9, "recsys_gloo_over_binding_at_least": 3.5,
          "recsys_binding_over_numpy_at_most": 1.1}
@@ -123,7 +126,11 @@ def char_variants(comm) -> dict:
     gloo = trainer(lambda ids: ids, replicated,
                    [torch.optim.SGD(dense, lr=c["lr"], momentum=c["momentum"]),
                     torch.optim.SGD(replicated.module.emb.parameters(), lr=c["emb_lr"])], dense)
-    return {"binding": binding, "ddp_gloo": gloo}
+    alone = Replicated()
+    alone_dense = [p for n, p in alone.named_parameters() if not n.startswith("emb.")]
+    local = trainer(lambda ids: ids, alone, [torch.optim.SGD(alone_dense, lr=c["lr"], momentum=c["momentum"]),
+                                             torch.optim.SGD(alone.emb.parameters(), lr=c["emb_lr"])], alone_dense)
+    return {"binding": binding, "ddp_gloo": gloo, "local": local}
 
 
 def recsys_variants(comm, names) -> dict:
@@ -179,7 +186,7 @@ def worker(opts) -> None:
     times = interleaved(comm, variants, opts.steps, opts.blocks, lambda v, s: v(s))
     report = {name: {"workload": opts.workload, "variant": name, "steps": opts.steps, "blocks": opts.blocks,
                      "step_ms": across(comm, float(np.median(times[name])))} for name in variants}
-    pairs = {"char": [("binding_over_ddp_gloo", "binding", "ddp_gloo")],
+    pairs = {"char": [("binding_over_ddp_gloo", "binding", "ddp_gloo"), ("binding_over_local", "binding", "local")],
              "recsys": [("gloo_over_binding", "gloo", "binding"), ("binding_over_numpy", "binding", "numpy"),
                         ("binding_bag_over_numpy", "binding_bag", "numpy")]}[opts.workload]
     paired = {k: paired_ratio(comm, times[a], times[b]) for k, a, b in pairs if a in times and b in times}
@@ -215,6 +222,7 @@ def main() -> None:
         s = {}
         if workload == "char":
             s["binding_over_ddp_gloo"] = round(ms["binding"] / ms["ddp_gloo"], 3)
+            s["binding_over_local"] = round(ms["binding"] / ms["local"], 3)
         else:
             s["gloo_over_binding"] = round(ms["gloo"] / ms["binding"], 2)
             s["binding_over_numpy"] = round(ms["binding"] / ms["numpy"], 3)
