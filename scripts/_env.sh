@@ -2,7 +2,7 @@
 # with popdist-lite and its test extras (mpi4py, numpy, the Open MPI wheel, pytest).
 # VENV overrides where it lives (default: .venv in the project root); PYTHON picks
 # the interpreter that creates it (default: python3, 3.10 or newer);
-# POPDIST_LITE_EXTRAS the extras installed (default: test; scripts/test adds jax).
+# POPDIST_LITE_EXTRAS the extras installed (default: test; scripts/test adds torch and jax).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
