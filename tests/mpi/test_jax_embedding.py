@@ -373,6 +373,28 @@ def test_bad_specs_or_weights_on_one_replica_raise_on_every_replica(comm, rng):
 
 
 @pytest.mark.mpi
+def test_specs_that_differ_between_replicas_or_different_calls_raise_on_every_replica(comm):
+    """Feature specs valid on each replica but different on one are named (replica,
+    position, both specs); replicas calling different binding calls at the same point
+    get the library's collective-mismatch error instead of a deadlock."""
+    if comm.size == 1:
+        pytest.skip("needs two replicas")
+    last = comm.size - 1
+    table = plj.TableSpec("differ", T, E)
+    width = 4 if comm.rank == last else 3
+    specs = [plj.FeatureSpec("a", table, (2,), (2, E)), plj.FeatureSpec("b", table, (2, width), (2, width, E))]
+    with pytest.raises(ValueError, match=rf"replica {last} has other feature specs than replica 0: at position 1 "
+                                         rf".*\[2, 4\].*replica 0 has feature \('b', 'differ', \[2, 3\]"):
+        plj.EmbeddingCollection(specs)
+    coll = plj.EmbeddingCollection(specs[:1])
+    ids = {"a": np.array([1, 2])}
+    with pytest.raises(RuntimeError, match="collective mismatch: replica 0 called EmbeddingCollection.lookup"):
+        coll.prepare(ids) if comm.rank == last else coll.lookup(ids)
+    full = np.asarray(coll.tables["differ"].get_embedding_tensor())  # every replica still in step
+    np.testing.assert_array_equal(coll.lookup(ids)["a"], full[[1, 2]])
+
+
+@pytest.mark.mpi
 def test_table_spec_id_limits(comm, rng):
     """TableSpec's SparseCore limits reach the table: beyond max_ids_per_partition a
     lookup raises IdLimitError on every replica; with minibatching it equals jnp.take."""
