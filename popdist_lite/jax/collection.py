@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from ._host import agree_inputs, dedicated_comm, host_array, problem_of, to_jax
+from .checkpoint import checkpoint_name
 from .embedding import HostEmbedding
 from .specs import PADDING_ID, FeatureSpec
 
@@ -148,6 +149,31 @@ class EmbeddingCollection:
         ids = {s.name: jnp.asarray(features[s.name]) for s in self.feature_specs}
         ws = {s.name: jnp.asarray(weights[s.name]) for s in self.feature_specs if weights and s.name in weights}
         return self._in_jit(float(loss_scale), handle, ids, ws)
+
+    # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -------------------
+    def checkpoint_info(self) -> dict:
+        """The manifest's entry: the table names."""
+        return {"tables": sorted(self.tables)}
+
+    def state_dict(self) -> dict:
+        """Every table (a :class:`popdist_lite.HostEmbedding`, saved and resharded as the
+        numpy API's), under its name as a checkpoint name component
+        (:func:`~popdist_lite.jax.checkpoint.checkpoint_name`). Local."""
+        return {checkpoint_name(name): table.table for name, table in self.tables.items()}
+
+    def validate_state_dict(self, state_dict: dict, saved) -> None:
+        """Refuse a checkpoint of a collection with other tables.
+
+        Raises:
+            ValueError: naming the collection and both lists of tables.
+        """
+        theirs = saved.info.get("tables")
+        if theirs != sorted(self.tables):
+            raise ValueError(f"collection {saved.name!r}: the checkpoint holds the tables {str(theirs)[:200]}, this "
+                             f"collection has {sorted(self.tables)}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Nothing left to do: the tables loaded themselves."""
 
     # -- host side ----------------------------------------------------------------------
     def _host_inputs(self, op: str, features: Mapping, weights: Mapping | None, grads: Mapping | None = None):
