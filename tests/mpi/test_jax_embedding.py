@@ -71,6 +71,32 @@ def test_lookup_equals_jnp_take_and_flax_embed(comm, rng, strategy):
 
 
 @pytest.mark.mpi
+def test_sparse_lookups_reach_jax_without_a_copy_and_never_change_afterwards(comm, rng):
+    """The sparse exchange's results start on a 64-byte boundary, so JAX shares them
+    (DLPack) instead of copying, for any number of IDs; a lookup's jax.Array keeps its
+    values while the table is updated and looked up again (each lookup fills a new
+    buffer)."""
+    from popdist_lite.jax._host import to_jax
+
+    full = rng.standard_normal((T, E)).astype(np.float32)
+    emb = plj.create_host_embedding("shared_rows", [T, E], initializer=full,
+                                    optimizer_spec=pl.HostEmbeddingOptimizerSpec(0.5))
+    assert emb.table.lookup(np.zeros(0, np.int64)).shape == (0, E)
+    for n in (1, 3, 17, 64, 1000):
+        rows = emb.table.lookup(rng.integers(0, T, n))
+        assert rows.ctypes.data % 64 == 0 and rows.flags.c_contiguous
+        assert to_jax(rows).unsafe_buffer_pointer() == rows.ctypes.data
+    ids = rng.integers(0, T, (5, 3))
+    acts = emb.lookup(ids)
+    np.testing.assert_array_equal(acts, full[ids])
+    for _ in range(3):
+        emb.apply_gradients(ids, jnp.ones((5, 3, E)))
+        again = emb.lookup(ids)
+    assert not np.array_equal(again, full[ids])  # the table did change
+    np.testing.assert_array_equal(acts, full[ids])  # the first lookup's array did not
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("combiner", COMBINERS)
 def test_bags_equal_a_jax_reference(comm, rng, strategy, combiner):
