@@ -169,21 +169,7 @@ class Link:
             OSError: cannot connect, closed or no answer before the welcome.
             ValueError: a bad address, or a refused challenge or welcome (ChannelError).
         """
-        host, _, port = self.address.rpartition(":")
-        sock = socket.create_connection((host.strip("[]"), int(port)),
-                                        timeout=max(0.1, deadline - time.monotonic()))
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            lines = _Lines(sock, channel.MAX_HELLO_BYTES)
-            session, hello = channel.answer(self.key, _line(lines, deadline), ident)
-            sock.sendall(hello)
-            channel.check_welcome(session, _line(lines, deadline))
-            sock.settimeout(None)
-        except BaseException:
-            sock.close()
-            raise
-        lines.buffer.max_line = records.MAX_LINE_BYTES
-        self.sock, self.session = sock, session
+        self.sock, self.session, lines = connect(self.address, self.key, ident, deadline)
         return lines
 
     def send(self, record: dict) -> bool:
@@ -236,6 +222,34 @@ class Link:
                 except OSError:
                     pass
                 self.sock.close()
+
+
+def connect(address: str, key: bytes, ident: dict,
+            deadline: float) -> tuple[socket.socket, channel.Session, _Lines]:
+    """Connect to the collector at ``address`` (``host:port``) and authenticate as
+    ``ident`` with ``key`` (challenge, hello, welcome), by ``deadline`` (monotonic):
+    ``(socket, session, reader of its later lines)``.
+
+    Raises:
+        OSError: cannot connect, closed or no answer before the welcome (TimeoutError
+            once ``deadline`` has passed).
+        ValueError: a bad address, or a refused challenge or welcome (ChannelError).
+    """
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host.strip("[]"), int(port)),
+                                    timeout=max(0.1, deadline - time.monotonic()))
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        lines = _Lines(sock, channel.MAX_HELLO_BYTES)
+        session, hello = channel.answer(key, _line(lines, deadline), ident)
+        sock.sendall(hello)
+        channel.check_welcome(session, _line(lines, deadline))
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    lines.buffer.max_line = records.MAX_LINE_BYTES
+    return sock, session, lines
 
 
 def _line(lines: _Lines, deadline: float) -> bytes:
