@@ -12,6 +12,8 @@ fixed by gradient accumulation, a checkpoint every 10 steps.
   tolerance) a run that did the same steps at 2 replicas from the same step-20
   checkpoint, and an uninterrupted run at 4 replicas.
 - A host whose link is down fails the probe in words (no "daemon failed to report back").
+- Processes a failed job's ranks left behind outside their session are killed on every
+  host by the cleanup after the attempt.
 
 After every job, nothing of it runs on any test host within a few seconds. Every
 poprun-lite runs under a subprocess timeout and its own --timeout."""
@@ -30,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hostlaunch import ROOT, poprun_command
+from hostlaunch import ROOT, poprun, poprun_command, prog
 from popdist_lite.checkpoint.__main__ import export
 from popdist_lite_launcher import testhosts
 
@@ -244,4 +246,15 @@ def test_a_host_whose_link_is_down_fails_the_probe_in_words(hosts):
                      rf"{re.escape(testhosts.LAUNCHER_ADDRESS)}:\d+ over the job network: "
                      r"(timed out after 5 s|no route to host)", proc.stderr), proc.stderr
     assert "daemon failed to report back" not in proc.stderr and elapsed < 30
+    assert_hosts_clean(hosts)
+
+
+def test_what_a_failed_attempt_leaves_behind_is_killed_on_every_host(hosts):
+    """Every rank starts a process in a session of its own (outside mpirun's and its
+    daemon's reach) and replica 3 fails: after the job, nothing carrying its mark runs on
+    either host (without the cleanup the 4 sleeps would run for 5 minutes)."""
+    proc = poprun(hosts, "--num-replicas", "4", *prog("detach", "3"))
+    assert proc.returncode == 3, proc.stderr
+    assert re.search(r"root cause: replica 3 \(rank 3, host pdlh2, pid \d+\): exit code 3", proc.stderr)
+    assert "cleanup after the attempt failed" not in proc.stderr
     assert_hosts_clean(hosts)
