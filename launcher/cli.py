@@ -287,7 +287,8 @@ def plan_ranks(opts: argparse.Namespace, attempt: int = 0,
     Instance ``i`` drives replica ``i``; instances are placed on the hosts of
     ``membership`` (an elastic job's attempt: its replica count is the attempt's),
     else divided evenly (consecutive blocks) among ``--host`` (:func:`placement`), and
-    ``POPDIST_LOCAL_INSTANCE_INDEX`` counts instances per host. With ``--feeders-per-replica F`` the replicas keep ranks
+    ``POPDIST_LOCAL_INSTANCE_INDEX`` counts instances per host. With
+    ``--feeders-per-replica F`` the replicas keep ranks
     ``0..R-1`` and feeder ``k`` of replica ``r`` is rank ``R + r*F + k``, on its
     replica's host, with its replica's environment and MPI arguments plus the role
     variables (``POPDIST_LITE_ROLE=feeder``, ``POPDIST_LITE_FEEDER_OF=r``,

@@ -37,7 +37,7 @@ import math
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from popdist_lite import records
@@ -255,8 +255,8 @@ def waiting_note(membership: Membership | None, minimum: int, problems: dict[str
 
 class ResizeMonitor:
     """During an attempt on ``membership``: every ``interval`` seconds, discovery and the
-    probe of hosts the attempt does not use (:meth:`Cluster.membership`, the attempt's own
-    hosts trusted); when :func:`resize_reason` finds one, ``send(rank,
+    probe of the hosts the attempt does not use (:meth:`Cluster.discover`,
+    :meth:`Cluster.usable`); when :func:`resize_reason` finds one, ``send(rank,
     resize_request)`` to every replica's agent (``rank`` 0 to R-1), again every
     :data:`RESEND_SECONDS` to those not reached yet, until :meth:`stop`. A discovery
     error is printed once per distinct message and changes nothing."""
@@ -289,11 +289,11 @@ class ResizeMonitor:
             except LauncherError as exc:
                 if str(exc) != self._last_error:
                     self._last_error = str(exc)
-                    self.say(f"host discovery failed during attempt (membership kept): {exc}")
+                    self.say(f"host discovery failed during the attempt (membership kept): {exc}")
                 return
             target = self.cluster.size(usable)
             reason = resize_reason(self.membership, target, available, self.cluster.opts.feeders_per_replica)
-            if reason is None:
+            if reason is None or self._stop.is_set():  # nothing new, or the attempt is over
                 return
             self.reason, self.target = reason, target
             self.say(f"asking the replicas to checkpoint and stop for a resize to {target.describe()} "
@@ -318,14 +318,6 @@ class _Wait:
     """How waiting for hosts ended without a membership: the exit code and the line."""
     code: int
     text: str
-
-
-@dataclass
-class Run:
-    """The state of an elastic job's attempts."""
-
-    history: list[AttemptRecord] = field(default_factory=list)
-    failures: int = 0
 
 
 def wait_for_membership(cluster: Cluster, deadline: float | None, first=None,
@@ -376,7 +368,8 @@ def run(opts, run_attempt, exit_code, say: Callable[[str], None] = _say) -> int:
     cluster = Cluster(opts)
     start = time.monotonic()
     deadline = start + opts.timeout if opts.timeout else None
-    state = Run()
+    history: list[AttemptRecord] = []
+    failures = 0
     try:
         found = cluster.membership()
     except LauncherError as exc:
@@ -387,12 +380,12 @@ def run(opts, run_attempt, exit_code, say: Callable[[str], None] = _say) -> int:
         membership = wait_for_membership(cluster, deadline, found, say)
         if isinstance(membership, _Wait):
             lines = [f"poprun-lite: {membership.text} (exit code {membership.code})"]
-            if state.history:
-                lines.append(format_attempts(state.history))
+            if history:
+                lines.append(format_attempts(history))
             print("\n".join(lines), file=sys.stderr, flush=True)
             return membership.code
-        record = AttemptRecord(len(state.history) + 1, membership, why)
-        state.history.append(record)
+        record = AttemptRecord(len(history) + 1, membership, why)
+        history.append(record)
         say(f"attempt {record.number}: {membership.describe()}" + (f" ({why})" if why else ""))
         left = None if deadline is None else max(0.001, deadline - time.monotonic())
         monitor: list[ResizeMonitor] = []
@@ -412,9 +405,9 @@ def run(opts, run_attempt, exit_code, say: Callable[[str], None] = _say) -> int:
             continue
         if clean:
             record.outcome = "succeeded"
-            if len(state.history) > 1:
+            if len(history) > 1:
                 print(f"poprun-lite: job succeeded on attempt {record.number}; "
-                      + format_attempts(state.history), file=sys.stderr, flush=True)
+                      + format_attempts(history), file=sys.stderr, flush=True)
             return 0
         code = exit_code(result)
         summary = report.summary(result.failures, reason=result.stop_reason, stalled=result.stall is not None)
@@ -431,9 +424,9 @@ def run(opts, run_attempt, exit_code, say: Callable[[str], None] = _say) -> int:
         if lost:
             record.outcome = f"{_hosts_text(lost)} lost: {summary} (exit code {code})"
         else:
-            state.failures += 1
+            failures += 1
             record.outcome = f"failed: {summary} (exit code {code})"
-            final = final or state.failures > opts.max_restarts
+            final = final or failures > opts.max_restarts
         text = report.format_report(
             result.failures, code, mpirun_tail=result.mpirun_tail, cause=result.stall,
             reason=(result.stop_reason if final and result.stop_reason else
@@ -442,7 +435,7 @@ def run(opts, run_attempt, exit_code, say: Callable[[str], None] = _say) -> int:
         if result.internal_error:
             text += f"\npoprun-lite: internal error: {result.internal_error}"
         if final:
-            print(text + "\n" + format_attempts(state.history), file=sys.stderr, flush=True)
+            print(text + "\n" + format_attempts(history), file=sys.stderr, flush=True)
             return code
         print(text, file=sys.stderr, flush=True)
         if lost:
@@ -455,5 +448,5 @@ def run(opts, run_attempt, exit_code, say: Callable[[str], None] = _say) -> int:
                 f"against --max-restarts)")
         else:
             why = "a failure"
-            say(f"restarting the job after failure {state.failures} of at most {opts.max_restarts} "
+            say(f"restarting the job after failure {failures} of at most {opts.max_restarts} "
                 f"(--max-restarts)")

@@ -11,7 +11,8 @@ identity ``role="probe"``, ``rank = replica = INDEX`` (the host's place in the c
 It prints one line and exits 0 when welcomed; otherwise it prints one line on stderr,
 ``poprun-lite probe on NAME: `` and what failed in words (``cannot connect to
 poprun-lite at ADDRESS over the job network: timed out after 5 s``, connection refused,
-no route to host, the key not accepted), and exits with :data:`FAILED`. The launcher's side is :func:`popdist_lite_launcher.network.probe_hosts`.
+no route to host, the key not accepted), and exits with :data:`FAILED`. The launcher's
+side is :func:`popdist_lite_launcher.network.probe_hosts`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ bridge address :data:`LAUNCHER_ADDRESS`; traffic never leaves these addresses.
 :class:`TestHosts` builds the hosts (removing leftovers of an earlier, killed run
 first, so setup is idempotent), can take a host down (:meth:`TestHosts.kill_host`) and
 bring it back (:meth:`TestHosts.restore_host`), lists what runs on one
-(:meth:`TestHosts.processes`), and removes everything on exit. A file lock keeps two test runs from sharing them.
+(:meth:`TestHosts.processes`), and removes everything on exit. A file lock keeps two
+test runs from sharing them.
 """
 
 from __future__ import annotations

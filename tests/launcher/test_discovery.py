@@ -126,7 +126,7 @@ echo localhost:2
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.split("\n")) == ["", "second attempt 0", "second attempt 1"]
     err = proc.stderr
-    assert f"host discovery failed during attempt (membership kept): host discovery script {path} " \
+    assert f"host discovery failed during the attempt (membership kept): host discovery script {path} " \
            f"exited with code 1: inventory down" in err
     assert "poprun-lite: attempt 1 failed (exit code 5)" in err
     assert f"poprun-lite: waiting for hosts: no replicas usable, --min-replicas 2\n" \

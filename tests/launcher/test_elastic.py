@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from popdist_lite_launcher import cli
-from popdist_lite_launcher.elastic import (AttemptRecord, Membership, capacity, change, format_attempts,
-                                          resize_reason, size_attempt)
+from popdist_lite_launcher.discovery import DiscoveryError
+from popdist_lite_launcher.elastic import (AttemptRecord, Cluster, Membership, ResizeMonitor, capacity, change,
+                                          format_attempts, resize_reason, size_attempt, wait_for_membership)
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 
@@ -114,6 +115,78 @@ def test_without_min_replicas_the_size_is_fixed():
     opts = cli.parse_args(["--num-replicas", "4", "--host-discovery-script", "d", "prog"])
     assert opts.elastic and opts.min_replicas == 4
     assert not cli.parse_args(["--num-replicas", "4", "prog"]).elastic
+
+
+class FakeCluster(Cluster):
+    """A cluster whose discovery returns the next of ``answers`` (a list of hosts, or an
+    exception to raise) and whose probe fails the hosts in ``down``."""
+
+    def __init__(self, answers, down=(), **options):
+        opts = cli.parse_args(["--num-replicas", "4", "--min-replicas", "2", "--host-discovery-script", "d",
+                               "--discovery-interval", "0.1", "--elastic-timeout", "1", "prog"])
+        vars(opts).update(options)
+        super().__init__(opts)
+        self.answers, self.down, self.probed = list(answers), set(down), []
+
+    def discover(self):
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def usable(self, available, trusted=()):
+        self.probed.append([h for h, _ in available if h not in trusted])
+        problems = {h: f"host {h} cannot connect" for h, _ in available if h in self.down and h not in trusted}
+        return [(h, s) for h, s in available if h not in problems], problems
+
+
+def test_monitor_asks_every_replica_once_more_slots_are_usable():
+    two = Membership((("a", 2),))
+    cluster = FakeCluster([[("a", 2)], [("a", 2), ("b", 2)]], down={"b"})
+    sent, said = [], []
+    reach = {0}  # replica 1's agent is not connected yet
+    monitor = ResizeMonitor(cluster, two, lambda rank, record: (sent.append((rank, record)), rank in reach)[1],
+                            say=said.append)
+    monitor.check()                      # only a, as before: nothing
+    assert monitor.reason is None and not sent and cluster.probed == [[]]  # a is the attempt's: not probed
+    monitor.check()                      # b listed, but its probe fails: nothing
+    assert monitor.reason is None and not sent and cluster.probed[-1] == ["b"]
+    cluster.down.clear()
+    monitor.check()                      # b usable: ask both replicas
+    assert monitor.reason == "host b added" and monitor.target.replicas == 4
+    assert said == ["asking the replicas to checkpoint and stop for a resize to 4 replicas on a (2), b (2) "
+                    "(host b added)"]
+    assert sent == [(0, {"kind": "resize_request", "replicas": 4}), (1, {"kind": "resize_request", "replicas": 4})]
+    reach.add(1)
+    monitor.check()                      # again to the one not reached
+    assert sent[2:] == [(1, {"kind": "resize_request", "replicas": 4})] and monitor.sent == {0, 1}
+    monitor.check()
+    assert len(sent) == 3 and len(said) == 1
+
+
+def test_monitor_keeps_the_membership_on_discovery_errors():
+    said = []
+    cluster = FakeCluster([DiscoveryError("script d exited with code 1"), DiscoveryError("script d exited with code 1"),
+                           [("a", 2)]])
+    monitor = ResizeMonitor(cluster, Membership((("a", 2),)), lambda rank, record: True, say=said.append)
+    for _ in range(3):
+        monitor.check()
+    assert monitor.reason is None
+    assert said == ["host discovery failed during the attempt (membership kept): script d exited with code 1"]
+
+
+def test_wait_for_membership_says_what_it_waits_for_and_gives_up():
+    said = []
+    cluster = FakeCluster([[("a", 1)], DiscoveryError("script d: still running after 10 s (killed)"),
+                           [("a", 1), ("b", 1)]], down={"b"})
+    got = wait_for_membership(cluster, None, say=said.append)
+    assert got.code == 1 and got.text == "fewer than --min-replicas 2 replicas usable for --elastic-timeout 1 s"
+    assert said == ["waiting for hosts: 1 replica on a (1) usable, --min-replicas 2",
+                    "waiting for hosts: no replicas usable, --min-replicas 2\n"
+                    "  script d: still running after 10 s (killed)",
+                    "waiting for hosts: 1 replica on a (1) usable, --min-replicas 2\n  host b cannot connect"]
+    cluster.down.clear()
+    assert wait_for_membership(cluster, None, say=said.append) == Membership((("a", 1), ("b", 1)))
 
 
 # ---------------------------------------------------------------- end to end, one host
