@@ -18,7 +18,8 @@ listing it (``loss``); the first step printed after that (step 20 again, from th
 step-20 checkpoint, at 2 replicas) ends ``loss_to_first_step_s``. Ten steps later pdlh2
 is brought back and listed again (``return``); the first step printed after the
 program's ``stopping at step S for a resize`` (step S, at 4 replicas) ends
-``return_to_first_step_s``. Times are taken when the lines reach this script.
+``return_to_first_step_s``; the job is then stopped (SIGINT). Times are taken when the
+lines reach this script.
 ``checkpoint_bytes`` is the size of the step-20 checkpoint directory. Every job runs
 under a timeout; medians over ``--runs``, every run's figures in ``all``, and the load
 average before and after.
@@ -31,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -66,10 +68,10 @@ def run(hosts, timeout: float) -> dict:
                "--min-replicas", "2", "--host-discovery-script", str(script), "--discovery-interval", "1",
                "--launch-agent", testhosts.LAUNCH_AGENT, "--network-interface", testhosts.CIDR,
                "--mpi-global-args=--mca btl tcp,self --mca mpi_yield_when_idle 1",
-               sys.executable, str(EXAMPLE), "--data", str(work / "text.txt"), "--steps", "80",
+               sys.executable, str(EXAMPLE), "--data", str(work / "text.txt"), "--steps", "100000",
                "--seq-len", "20", "--batch-size", "4", "--global-batch-size", "16", "--data-order", "global",
                "--log-every", "1", "--sample-chars", "0", "--checkpoint-dir", str(work / "ckpt"),
-               "--checkpoint-every", "10", "--resume"]
+               "--checkpoint-every", "10", "--checkpoint-keep", "100", "--resume"]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "POPDIST_"))}
         job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                                stdin=subprocess.DEVNULL)
@@ -99,6 +101,7 @@ def run(hosts, timeout: float) -> dict:
                         events["return"] = time.monotonic()
                 elif "stopped" in events and "first_large" not in events:
                     events["first_large"] = now
+                    job.send_signal(signal.SIGINT)  # measured: stop the job (no restart on SIGINT)
 
         err: list[str] = []
         threads = [threading.Thread(target=out, daemon=True),
@@ -115,7 +118,7 @@ def run(hosts, timeout: float) -> dict:
         for t in threads:
             t.join(5)
         missing = {"loss", "first_small", "return", "first_large"} - set(events)
-        if code != 0 or missing:
+        if code != 128 + signal.SIGINT or missing:
             raise RuntimeError(f"job failed (exit {code}) or events {sorted(missing)} missing:\n"
                                + "".join(err)[-4000:])
         step20 = work / "ckpt" / "step-00000020"
@@ -148,7 +151,7 @@ def main() -> None:
         "return_to_first_step_s": med("return_to_first_step_s"),
         "checkpoint_bytes": results[0]["checkpoint_bytes"],
         "setup": {"program": "examples/shakespeare.py --seq-len 20 --batch-size 4 --global-batch-size 16 "
-                             "--data-order global --checkpoint-every 10",
+                             "--data-order global --checkpoint-every 10 --checkpoint-keep 100",
                   "transport": "tcp (btl tcp,self) between network-namespace test hosts",
                   "discovery_interval_s": 1, "host_lost_at_step": LOSS_AT,
                   "host_back_after_steps": RETURN_AFTER},
