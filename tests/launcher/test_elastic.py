@@ -2,7 +2,7 @@
 membership report, the resize decision, and poprun-lite --min-replicas end to end: a grow
 asked through should_checkpoint (not counted against --max-restarts), a shrink after a
 failure, the attempts in the report, the options' checks. Multi-host shrink and grow are
-in tests/multihost/test_elastic.py. Every process runs under a timeout."""
+in tests/multihost/test_hosts_elastic.py. Every process runs under a timeout."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The reachability probe (a process started through the launch agent must reach the
 launcher with the check's key) and the cleanup of an attempt's leftovers (every process
 carrying the attempt's mark is killed, nothing else), on this host with a launch agent
-that runs the command here. The multi-host side is in tests/multihost/test_elastic.py.
+that runs the command here. The multi-host side is in tests/multihost/test_hosts_elastic.py.
 Every process runs under a timeout."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The elastic job of tests/multihost/test_elastic.py (and scripts/bench_elastic.py): a
+"""The elastic job of tests/multihost/test_hosts_elastic.py (and scripts/bench_elastic.py): a
 tiny model trained for one epoch of numbered samples, with the global batch kept fixed
 at any replica count by gradient accumulation, resumable at any replica count, stopping
 at a step boundary when the launcher asks for a resize.
