@@ -26,7 +26,19 @@ What each replica does, as in the example of the TensorFlow-IPU host-embedding g
   optimizer state, dense weights and momentum, loss scaler, feed position, step) every N
   steps; ``--resume`` continues from the newest complete checkpoint in DIR, at any replica
   count (docs/checkpoint.md), with exactly the losses of an uninterrupted run at the same
-  replica and feeder counts.
+  replica and feeder counts;
+* runs as an elastic job (docs/elastic.md)::
+
+      poprun-lite --num-replicas 4 --min-replicas 2 --host-discovery-script ./hosts.sh \
+          python examples/shakespeare.py --checkpoint-dir ckpt --checkpoint-every 10 --resume \
+          --data-order global --global-batch-size 64
+
+  at every step boundary it asks ``popdist_lite.should_checkpoint()`` and, when the
+  launcher wants to grow the job, saves a checkpoint and stops (the next attempt resumes
+  there at the new size); ``--data-order global`` reads the text in one order whatever the
+  replica count, so a resize neither repeats nor skips a sequence, and
+  ``--global-batch-size`` keeps the global batch (and so the math of every step) at any
+  replica count by gradient accumulation.
 
 By default the model predicts every next character (labels = the input shifted by one).
 ``--guide-config`` reproduces the guide's example exactly: 100-character sequences whose
@@ -97,7 +109,7 @@ def encode_text(text: str) -> tuple[list[str], np.ndarray]:
 
 
 def make_dataset(shard_index: int, num_shards: int, *, text_ids: np.ndarray, seq_len: int,
-                 batch_size: int, seed: int):
+                 batch_size: int, seed: int, offset: int | None = None):
     """An endless iterator of batches ``{"ids": int32 (batch_size, seq_len + 1)}`` for one
     shard of the text.
 
@@ -106,6 +118,14 @@ def make_dataset(shard_index: int, num_shards: int, *, text_ids: np.ndarray, seq
     ``k`` of ``n`` keeps chunks ``k, k + n, k + 2n, ...`` (``ds.shard(n, k)``), and the
     chunks are shuffled (a full permutation per epoch rather than the example's 256-element
     buffer), batched and repeated forever; batches run on across epoch boundaries.
+
+    With ``offset`` (``--data-order global``, for elastic jobs), one order of the whole
+    text instead, the same at every shard count: the chunks of epoch ``e`` in a
+    permutation seeded by ``(seed, e)``, epochs one after the other, cut into global
+    batches of ``batch_size`` chunks; shard ``k`` of ``n`` yields global batches
+    ``offset + k, offset + k + n, ...`` (the ``offset`` contract of
+    ``popdist_lite.infeed``: a feed resumed at global position ``offset`` continues exactly
+    there at any replica count).
 
     A pure function of its arguments: the same arguments give the same batches, whatever
     process calls it.
@@ -123,8 +143,11 @@ def make_dataset(shard_index: int, num_shards: int, *, text_ids: np.ndarray, seq
         raise ValueError(
             f"text of {len(text_ids)} characters is too short for {num_shards} shard(s) of "
             f"{chunk}-character sequences: need at least {num_shards * chunk} characters")
-    chunks = text_ids[: n_chunks * chunk].reshape(n_chunks, chunk)[shard_index::num_shards]
-    chunks = np.ascontiguousarray(chunks, dtype=np.int32)
+    chunks = text_ids[: n_chunks * chunk].reshape(n_chunks, chunk)
+    if offset is not None:
+        return _global_batches(np.ascontiguousarray(chunks, dtype=np.int32), shard_index, num_shards,
+                               batch_size, seed, offset)
+    chunks = np.ascontiguousarray(chunks[shard_index::num_shards], dtype=np.int32)
 
     def batches():
         rng = np.random.default_rng([seed, shard_index, num_shards])
@@ -136,6 +159,27 @@ def make_dataset(shard_index: int, num_shards: int, *, text_ids: np.ndarray, seq
             yield {"ids": chunks[take]}
 
     return batches()
+
+
+def _global_batches(chunks: np.ndarray, shard_index: int, num_shards: int, batch_size: int, seed: int,
+                    offset: int):
+    """Global batches ``offset + shard_index + j * num_shards`` (j = 0, 1, ...) of the text in
+    one order (:func:`make_dataset` with ``offset``)."""
+    n = len(chunks)
+    orders: dict[int, np.ndarray] = {}  # epoch -> permutation of the chunks (the latest few)
+
+    def order(epoch: int) -> np.ndarray:
+        if epoch not in orders:
+            if len(orders) > 2:
+                orders.pop(min(orders))
+            orders[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
+        return orders[epoch]
+
+    g = offset + shard_index
+    while True:
+        samples = np.arange(g * batch_size, (g + 1) * batch_size)
+        yield {"ids": chunks[[order(q // n)[q % n] for q in samples]]}
+        g += num_shards
 
 
 def ensure_data(path: Path, is_default: bool) -> None:
@@ -181,6 +225,25 @@ def clip_by_global_norm(arrays: list[np.ndarray], max_norm: float) -> float:
     return norm
 
 
+def accumulate(params: dict, emb: np.ndarray, labels: np.ndarray, micro: int, loss_scale: float):
+    """Gradient accumulation over ``micro`` equal micro-batches (consecutive blocks of the
+    batch axis of ``emb`` and ``labels``): the mean loss and the mean of their gradients,
+    as ``char_model.loss_and_grads`` gives them for one batch (``d_emb`` for every row,
+    divided by ``micro``). With ``micro == 1``, one call."""
+    if micro == 1:
+        return char_model.loss_and_grads(params, emb, labels, loss_scale=loss_scale)
+    size = len(emb) // micro
+    losses, total, d_embs = [], None, []
+    for k in range(micro):
+        part = slice(k * size, (k + 1) * size)
+        loss, grads, d_emb = char_model.loss_and_grads(params, emb[part], labels[part], loss_scale=loss_scale)
+        losses.append(loss)
+        total = grads if total is None else {name: total[name] + g for name, g in grads.items()}
+        d_embs.append(d_emb)
+    return (float(np.mean(losses)), {name: g / micro for name, g in total.items()},
+            np.concatenate(d_embs) / micro)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Show "(default: X)" except for options whose default depends on other options."""
 
@@ -201,6 +264,9 @@ def parse_args(argv=None):
                "  python examples/shakespeare.py --guide-config --steps 200\n"
                "  poprun-lite --num-replicas 2 python examples/shakespeare.py --checkpoint-dir ckpt "
                "--checkpoint-every 100 --resume\n"
+               "  poprun-lite --num-replicas 4 --min-replicas 2 --host-discovery-script ./hosts.sh "
+               "python examples/shakespeare.py --checkpoint-dir ckpt --checkpoint-every 10 --resume "
+               "--data-order global --global-batch-size 64\n"
                "  mpirun -n 2 python examples/shakespeare.py --data my.txt --steps 50")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per replica per step")
@@ -250,6 +316,14 @@ def parse_args(argv=None):
                    help="save in the background (training continues while the files are written)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
+    p.add_argument("--data-order", choices=["shard", "global"], default="shard",
+                   help="shard: each replica shuffles its own shard of the text (the guide's "
+                        "pipeline); global: one order of the whole text whatever the replica count, "
+                        "so that an elastic job's resize neither repeats nor skips a sequence")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="sequences per step over all replicas, kept at any replica count by "
+                        "gradient accumulation: each replica takes G / (replicas x --batch-size) "
+                        "micro-batches per step (default: --batch-size per replica, no accumulation)")
     args = p.parse_args(argv)
     if args.lr is None:
         args.lr = GUIDE_LR if args.guide_config else DEFAULT_LR
@@ -268,6 +342,9 @@ def parse_args(argv=None):
         p.error("--resume and --checkpoint-every need --checkpoint-dir")
     if args.checkpoint_every is not None and args.checkpoint_every < 1 or args.checkpoint_keep < 1:
         p.error("--checkpoint-every and --checkpoint-keep must be >= 1")
+    if args.global_batch_size is not None and (args.global_batch_size < 1
+                                               or args.global_batch_size % args.batch_size):
+        p.error(f"--global-batch-size must be a positive multiple of --batch-size {args.batch_size}")
     min_len = 2 if args.guide_config else 1
     if args.seq_len < min_len:
         p.error(f"--seq-len must be >= {min_len}")
@@ -294,18 +371,29 @@ def main(argv=None) -> int:
     chunk_len = args.seq_len if args.guide_config else args.seq_len + 1
     data = args.data if args.data is not None else DEFAULT_DATA
 
-    def load_batches(shard_index, num_shards):
+    def load_batches(shard_index, num_shards, **position):
         # Runs where the data is prepared: on this replica's feed processes
         # (poprun-lite --feeders-per-replica F) or, with F = 0, in a thread of the
         # replica; it starts at the first next(dataset), after ensure_data() below.
         _, ids = encode_text(data.read_bytes().decode("utf-8"))
         return make_dataset(shard_index, num_shards, text_ids=ids, seq_len=chunk_len - 1,
-                            batch_size=args.batch_size, seed=args.seed)
+                            batch_size=args.batch_size, seed=args.seed, **position)
+
+    if args.data_order == "global":  # the feed's offset contract: resumes at the exact position
+        def load_global_batches(shard_index, num_shards, offset=0):
+            return load_batches(shard_index, num_shards, offset=offset)
 
     # Before any collective: on a feeder this call serves its replica and never returns.
-    dataset = popdist_lite.infeed(load_batches, prefetch_depth=3)
+    dataset = popdist_lite.infeed(load_global_batches if args.data_order == "global" else load_batches,
+                                  prefetch_depth=3)
     rank, replicas = popdist_lite.replica_id(), popdist_lite.num_replicas()
     lead = rank == 0
+    micro = 1  # micro-batches per replica per step (gradient accumulation)
+    if args.global_batch_size is not None:
+        micro, rest = divmod(args.global_batch_size, replicas * args.batch_size)
+        if rest or micro < 1:  # the same verdict on every replica
+            raise SystemExit(f"shakespeare.py: --global-batch-size {args.global_batch_size} is not a "
+                             f"multiple of {replicas} replica(s) x --batch-size {args.batch_size}")
 
     def log(msg: str) -> None:
         if lead:
@@ -381,7 +469,8 @@ def main(argv=None) -> int:
                                      blocking=not args.checkpoint_async)
 
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x "
-        f"batch {args.batch_size}, sequences of {model_len}, {args.partition_strategy} "
+        f"batch {args.batch_size}" + (f" x {micro} micro-batches" if micro > 1 else "") +
+        f", sequences of {model_len}, {args.partition_strategy} "
         f"embedding, {'guide config (last-char label)' if args.guide_config else 'next-char labels'}, "
         f"lr {args.lr:g}, momentum {args.momentum:g}, embedding lr {args.emb_lr:g}, "
         f"clip norm {args.clip_norm:g}")
@@ -396,13 +485,13 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     with embedding.register():
         for step in range(first, args.steps):
-            ids = next(dataset)["ids"]
+            ids = np.concatenate([next(dataset)["ids"] for _ in range(micro)])
             inputs = ids[:, :-1]
             labels = ids[:, 1:] if mode == "next" else ids[:, -1]
             emb = embedding.lookup(inputs).astype(np.float32)  # the model computes in float32
             compute = params if args.precision != "fp16" else {k: v.astype(np.float32) for k, v in params.items()}
             scale = scaler.scale if scaler is not None else 1.0
-            loss, grads, d_emb = char_model.loss_and_grads(compute, emb, labels, loss_scale=scale)
+            loss, grads, d_emb = accumulate(compute, emb, labels, micro, scale)
             if args.clip_norm > 0:
                 # Early on a GRU sees occasional gradient spikes (|g| ~ 5-10x the usual)
                 # that throw training off; clip_by_global_norm on each replica's own
@@ -432,6 +521,14 @@ def main(argv=None) -> int:
                     say(f"Step {step}, loss = {float(mean):.4f}")
             if bar is not None:
                 bar.update(1)
+            if args.checkpoint_dir is not None and popdist_lite.should_checkpoint():
+                # an elastic job's launcher asks for a resize: every replica stops at this step
+                save(step + 1)
+                popdist_lite.wait_checkpoint()
+                if bar is not None:
+                    bar.close()
+                log(f"stopping at step {step + 1} for a resize (checkpoint saved)")
+                return 0
             if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
                 save(step + 1)
     if args.checkpoint_dir is not None:

@@ -28,8 +28,16 @@ Two paths (``--path``):
   dense gradients exist, so the joint clipping of the split path cannot apply: this
   path needs ``--clip-norm 0``.
 
+Checkpoints as shakespeare.py's: ``--checkpoint-dir DIR --checkpoint-every N`` saves
+the table and its optimizer state, the dense parameters and Optax state (a
+``popdist_lite.jax.PytreeState``), the feed position and the step every N steps;
+``--resume`` continues from the newest complete checkpoint in DIR (at any replica
+count; the tables reshard), with exactly the losses of an uninterrupted run at the same
+replica count (tests/test_shakespeare_jax.py). A checkpoint loads into the path that
+saved it (the in-jit path's parameters also hold the handle).
+
 Options of shakespeare.py that this job does not have: ``--precision``,
-``--loss-scaling``, ``--stochastic-rounding`` (float32 only) and the checkpoint options.
+``--loss-scaling`` and ``--stochastic-rounding`` (float32 only).
 """
 
 from __future__ import annotations
@@ -190,6 +198,15 @@ def parse_args(argv=None):
     p.add_argument("--sample-chars", type=int, default=400,
                    help="characters of text to generate at the end (0: none)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="save checkpoints under this directory (one path every replica sees)")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="save a checkpoint every N steps (default: at the end only)")
+    p.add_argument("--checkpoint-keep", type=int, default=2, help="keep the newest K checkpoints")
+    p.add_argument("--checkpoint-async", action="store_true",
+                   help="save in the background (training continues while the files are written)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
     args = p.parse_args(argv)
     if args.lr is None:
         args.lr = shakespeare.GUIDE_LR if args.guide_config else shakespeare.DEFAULT_LR
@@ -204,6 +221,10 @@ def parse_args(argv=None):
         args.log_every = max(1, args.steps // 30)
     if args.steps < 0 or args.log_every < 1:
         p.error("--steps must be >= 0 and --log-every >= 1")
+    if (args.resume or args.checkpoint_every is not None) and args.checkpoint_dir is None:
+        p.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1 or args.checkpoint_keep < 1:
+        p.error("--checkpoint-every and --checkpoint-keep must be >= 1")
     if args.seq_len < (2 if args.guide_config else 1):
         p.error(f"--seq-len must be >= {2 if args.guide_config else 1}")
     if args.path == "in-jit" and args.clip_norm > 0:
@@ -305,6 +326,28 @@ def main(argv=None) -> int:
                               output_shape=(args.batch_size, model_len, shakespeare.TABLE_SHAPE[1]))
     embeddings = plj.EmbeddingCollection([feature])
     job = Job(args, model, from_char_model(init), embeddings)
+    # Everything a resumed run needs to continue exactly (docs/checkpoint.md, docs/jax.md).
+    dense = plj.PytreeState({"params": job.params, "opt_state": job.opt_state})
+    state = {"step": 0, "dense": dense, "embedding": embeddings, "feed": dataset}
+    first = 0
+    if args.resume:
+        latest = popdist_lite.latest_checkpoint(args.checkpoint_dir)
+        if latest is None:
+            log(f"no checkpoint in {args.checkpoint_dir}; starting from step 0")
+        else:
+            popdist_lite.load_checkpoint(latest, state)
+            job.params, job.opt_state = dense.tree["params"], dense.tree["opt_state"]
+            first = state["step"]
+            log(f"resumed from {latest} (step {first})")
+
+    def saves_after(step: int) -> bool:
+        return bool(args.checkpoint_every) and (step + 1) % args.checkpoint_every == 0
+
+    def save(step: int) -> None:
+        dense.tree = {"params": job.params, "opt_state": job.opt_state}
+        state["step"] = step
+        popdist_lite.save_checkpoint(args.checkpoint_dir, state, step=step, keep=args.checkpoint_keep,
+                                     blocking=not args.checkpoint_async)
 
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x batch {args.batch_size}, "
         f"sequences of {model_len}, {args.partition_strategy} embedding, "
@@ -315,7 +358,7 @@ def main(argv=None) -> int:
     bar = None
     if lead and args.steps > 0 and shakespeare.stdout_is_terminal():
         from tqdm import tqdm
-        bar = tqdm(total=args.steps, unit="step", file=sys.stdout)
+        bar = tqdm(total=args.steps, initial=min(first, args.steps), unit="step", file=sys.stdout)
     say = bar.write if bar is not None else log
 
     def split(batch):
@@ -323,11 +366,18 @@ def main(argv=None) -> int:
         ids = batch["ids"]
         return {FEATURE: ids[:, :-1]}, (ids[:, 1:] if mode == "next" else ids[:, -1])
 
+    def take(step: int):
+        """The batch of ``step``, or None past the last step."""
+        return split(next(dataset)) if step < args.steps else None
+
     window = []  # this replica's losses since the last print (jax.Arrays: read when printed)
     start = time.perf_counter()
-    upcoming = split(next(dataset)) if args.steps > 0 else None
-    for step in range(args.steps):
-        current, upcoming = upcoming, split(next(dataset)) if step + 1 < args.steps else None
+    upcoming = take(first)
+    for step in range(first, args.steps):
+        # The next batch is taken one step ahead (TrainStep looks it up while this step
+        # computes), except before a checkpoint: the feed position saved is then exactly
+        # the batches trained on.
+        current, upcoming = upcoming, None if saves_after(step) else take(step + 1)
         window.append(job.step(*current, next_features=upcoming and upcoming[0]))
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             local = np.array([np.mean([float(x) for x in window])], dtype=np.float32)
@@ -339,11 +389,19 @@ def main(argv=None) -> int:
                 say(f"Step {step}, loss = {float(mean):.4f}")
         if bar is not None:
             bar.update(1)
+        if saves_after(step):
+            save(step + 1)
+            upcoming = take(step + 1)
+    if args.checkpoint_dir is not None:
+        if first < args.steps and (not args.checkpoint_every or args.steps % args.checkpoint_every):
+            save(args.steps)
+        popdist_lite.wait_checkpoint()  # a background save, if any, is committed before we exit
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    if args.steps > 0:
-        log(f"trained {args.steps} steps in {elapsed:.1f} s ({1000 * elapsed / args.steps:.1f} ms/step) on "
+    trained = args.steps - first
+    if trained > 0:
+        log(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} ms/step) on "
             f"{replicas} replica(s), JAX {args.path} path")
 
     full = np.asarray(embeddings.tables[table.name].get_embedding_tensor())  # collective

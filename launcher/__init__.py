@@ -1,7 +1,9 @@
 """poprun-lite: a PopRun-style launcher over mpirun (Open MPI or MPICH).
 
 Modules: ``cli`` (options, rank plan, main), ``hosts`` (host names, hostfiles),
-``network`` (the launcher's address, the reachability check), ``mpirun`` (finding
+``network`` (the launcher's address, the reachability check), ``probe`` (its host side),
+``elastic`` (an elastic job's attempts and memberships), ``discovery`` (host discovery
+scripts), ``cleanup`` (killing what an attempt left on every host), ``mpirun`` (finding
 mpirun, MPMD command), ``job`` (running it), ``channel`` (the job's key, the handshake
 and authenticated framing between agents and launcher), ``collector`` (the records of
 the ranks' agents), ``agent`` (per-rank supervisor), ``report`` (failure report),

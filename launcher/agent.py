@@ -15,7 +15,10 @@ connection, a valid record of :data:`records.TO_AGENT
 <popdist_lite.records.TO_AGENT>`): :data:`REQUESTS` maps a record kind to its handler
 (``signal``: send one of :data:`records.REQUEST_SIGNALS
 <popdist_lite.records.REQUEST_SIGNALS>` to the program; ``stack_request``: answer with
-the program's Python stacks).
+the program's Python stacks; ``resize_request``: tell the program, with one byte on its
+socket, that the launcher wants it to checkpoint and stop for a resize). The program's
+``resize_stop`` record (its replicas agreed to stop for that resize) is relayed like its
+``error`` record.
 
 With ``POPRUN_LITE_STALL_INSPECTOR=1`` the agent also gives its program a progress slot
 and a stack file on this host (:mod:`popdist_lite_launcher.rank_progress`) and sends a
@@ -166,21 +169,7 @@ class Link:
             OSError: cannot connect, closed or no answer before the welcome.
             ValueError: a bad address, or a refused challenge or welcome (ChannelError).
         """
-        host, _, port = self.address.rpartition(":")
-        sock = socket.create_connection((host.strip("[]"), int(port)),
-                                        timeout=max(0.1, deadline - time.monotonic()))
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            lines = _Lines(sock, channel.MAX_HELLO_BYTES)
-            session, hello = channel.answer(self.key, _line(lines, deadline), ident)
-            sock.sendall(hello)
-            channel.check_welcome(session, _line(lines, deadline))
-            sock.settimeout(None)
-        except BaseException:
-            sock.close()
-            raise
-        lines.buffer.max_line = records.MAX_LINE_BYTES
-        self.sock, self.session = sock, session
+        self.sock, self.session, lines = connect(self.address, self.key, ident, deadline)
         return lines
 
     def send(self, record: dict) -> bool:
@@ -235,6 +224,34 @@ class Link:
                 self.sock.close()
 
 
+def connect(address: str, key: bytes, ident: dict,
+            deadline: float) -> tuple[socket.socket, channel.Session, _Lines]:
+    """Connect to the collector at ``address`` (``host:port``) and authenticate as
+    ``ident`` with ``key`` (challenge, hello, welcome), by ``deadline`` (monotonic):
+    ``(socket, session, reader of its later lines)``.
+
+    Raises:
+        OSError: cannot connect, closed or no answer before the welcome (TimeoutError
+            once ``deadline`` has passed).
+        ValueError: a bad address, or a refused challenge or welcome (ChannelError).
+    """
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host.strip("[]"), int(port)),
+                                    timeout=max(0.1, deadline - time.monotonic()))
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        lines = _Lines(sock, channel.MAX_HELLO_BYTES)
+        session, hello = channel.answer(key, _line(lines, deadline), ident)
+        sock.sendall(hello)
+        channel.check_welcome(session, _line(lines, deadline))
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    lines.buffer.max_line = records.MAX_LINE_BYTES
+    return sock, session, lines
+
+
 def _line(lines: _Lines, deadline: float) -> bytes:
     """The next handshake line.
 
@@ -247,11 +264,32 @@ def _line(lines: _Lines, deadline: float) -> bytes:
     return line
 
 
-def _relay(sock: socket.socket, link: Link, ident: dict) -> None:
-    """Pass the program's ``error`` records to the launcher, stamped with this agent's
+class _ProgramSocket:
+    """The agent's end of the socket pair to its program: bytes to the program
+    (:data:`records.ACK <popdist_lite.records.ACK>`, :data:`records.RESIZE
+    <popdist_lite.records.RESIZE>`) are written under one lock, from the relay and the
+    request threads."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.lock = threading.Lock()
+
+    def write(self, data: bytes) -> None:
+        if data:
+            with self.lock:
+                try:
+                    self.sock.sendall(data)
+                except OSError:  # the program is gone
+                    pass
+
+
+def _relay(program: _ProgramSocket, link: Link, ident: dict) -> None:
+    """Pass the program's records (:data:`records.FROM_PROGRAM
+    <popdist_lite.records.FROM_PROGRAM>`) to the launcher, stamped with this agent's
     identity (``ident``; the program's own ``time`` is kept), and acknowledge every line
     with one byte (the program may wait for that before aborting the job). Anything
     else the program sends is dropped."""
+    sock = program.sock
     lines = records.LineBuffer()
     while True:
         try:
@@ -268,17 +306,10 @@ def _relay(sock: socket.socket, link: Link, ident: dict) -> None:
                 _warn(f"dropped a record from the program: {exc}")
             else:
                 link.send({**record, **ident, "time": record["time"]})
-            _acknowledge(sock, 1)
-        _acknowledge(sock, lines.overlong - overlong)
-    sock.close()
-
-
-def _acknowledge(sock: socket.socket, lines: int) -> None:
-    if lines:
-        try:
-            sock.sendall(b"\x06" * lines)
-        except OSError:
-            pass
+            program.write(records.ACK)
+        program.write(records.ACK * (lines.overlong - overlong))
+    with program.lock:
+        sock.close()
 
 
 def _signal_program(state: dict, request: dict) -> None:
@@ -302,8 +333,17 @@ def _dump_stack(state: dict, request: dict) -> None:
     threading.Thread(target=answer, daemon=True).start()
 
 
+def _request_resize(state: dict, request: dict) -> None:
+    """``{"kind": "resize_request", "replicas": N}``: tell the program (one
+    :data:`records.RESIZE <popdist_lite.records.RESIZE>` byte on its socket), where
+    :func:`popdist_lite.should_checkpoint` finds it."""
+    program = state.get("program")
+    if program is not None:
+        program.write(records.RESIZE)
+
+
 #: The launcher's requests this agent understands: record kind -> handler(state, request).
-REQUESTS = {"signal": _signal_program, "stack_request": _dump_stack}
+REQUESTS = {"signal": _signal_program, "stack_request": _dump_stack, "resize_request": _request_resize}
 
 
 def _signal_name(signum: int) -> str:
@@ -342,7 +382,8 @@ def run(program: list[str]) -> int:
     if pmi_fd and pmi_fd.isdigit():
         pass_fds.append(int(pmi_fd))
 
-    stop = {"signal": None, "time": None, "child": None, "ident": ident, "progress": None}
+    stop = {"signal": None, "time": None, "child": None, "ident": ident, "progress": None,
+            "program": _ProgramSocket(ours)}
     if environ.get(records.INSPECTOR_ENV) == "1":  # the launcher's stall inspector is on
         try:
             stop["progress"] = RankProgress()
@@ -391,7 +432,7 @@ def run(program: list[str]) -> int:
         theirs.close()
         tail_reader = Tee(read_fd, sys.stderr.fileno() if shown else None, TAIL_LINES)
         ident["pid"] = child.pid
-        relay = threading.Thread(target=_relay, args=(ours, link, ident), daemon=True)
+        relay = threading.Thread(target=_relay, args=(stop["program"], link, ident), daemon=True)
         relay.start()
         stop["child"] = child
         link.start(ident, on_request)

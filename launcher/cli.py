@@ -17,7 +17,7 @@ import time
 
 from popdist_lite import records
 
-from . import __version__, channel, hosts, job, network, report
+from . import __version__, channel, cleanup, elastic, hosts, job, network, report
 from .collector import Collector
 from .inspector import StallInspector
 from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,
@@ -38,8 +38,13 @@ examples:
   poprun-lite --num-replicas 2 --feeders-per-replica 2 --print-topology python3 train.py
       2 replicas, each fed by 2 host feed processes (popdist_lite.infeed)
   poprun-lite --num-replicas 8 -H node0:4,node1:4 --network-interface 10.1.0.0/16 python3 train.py
-      4 replicas on each host, traffic on 10.1.0.0/16; every host is checked with
-      `ssh -- HOST true` first (--launch-agent replaces ssh, --no-host-check skips the check)
+      4 replicas on each host, traffic on 10.1.0.0/16; every host is checked first: a probe
+      started with `ssh -- HOST` must reach poprun-lite over that network (--launch-agent
+      replaces ssh, --no-host-check skips the check)
+  poprun-lite --num-replicas 4 --min-replicas 2 --host-discovery-script ./hosts.sh \
+      python3 train.py --checkpoint-dir ckpt --resume
+      an elastic job: 2 to 4 replicas on the hosts ./hosts.sh prints (host:slots lines);
+      it shrinks when a host is lost and grows when one comes back (docs/elastic.md)
 
 Each rank gets POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_IPUS_PER_REPLICA,
 POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
@@ -132,8 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "name (eth1) or a CIDR (10.1.0.0/16) (Open MPI oob_tcp_if_include "
                           "and btl_tcp_if_include; MPICH -iface for a name)")
     net.add_argument("--no-host-check", dest="host_check", action="store_false",
-                     help="skip running `AGENT -- HOST true` on every remote host before the "
-                          "launch (the check fails fast naming the host and the agent's error)")
+                     help="skip the check of every remote host before the launch: a probe run "
+                          "with `AGENT -- HOST` connects back to poprun-lite over the job "
+                          "network and proves it holds the check's key (the check fails fast "
+                          "naming the host and what failed)")
 
     mpi = parser.add_argument_group("mpirun")
     mpi.add_argument("--mpirun", default=None, metavar="PATH",
@@ -181,6 +188,27 @@ def build_parser() -> argparse.ArgumentParser:
                                "attempt in POPDIST_LITE_RESTART_COUNT (0, 1, ...). SIGINT and "
                                "SIGTERM stop without restarting (default 0)")
 
+    grow = parser.add_argument_group("elastic jobs (docs/elastic.md)")
+    grow.add_argument("--min-replicas", type=_positive_int, default=None, metavar="N",
+                      help="make the job elastic: run with N to --num-replicas replicas on the "
+                           "usable hosts, restart on the hosts left when one is lost, and grow "
+                           "(the program checkpoints at a step boundary when "
+                           "popdist_lite.should_checkpoint() says so) when more come; "
+                           "--max-restarts then counts failures only (default: not elastic)")
+    grow.add_argument("--host-discovery-script", default=None, metavar="PATH",
+                      help="executable printing the hosts available now, one `host:slots` line "
+                           "each (Horovod's contract); run at the start, before every attempt "
+                           "and every --discovery-interval seconds (makes the job elastic; "
+                           "without --min-replicas its size stays --num-replicas)")
+    grow.add_argument("--discovery-interval", type=_number(float, 0.1, "at least 0.1"),
+                      default=elastic.DISCOVERY_INTERVAL_SECONDS, metavar="SECONDS",
+                      help="seconds between two checks of the hosts (discovery and probes) "
+                           f"(default {elastic.DISCOVERY_INTERVAL_SECONDS:g})")
+    grow.add_argument("--elastic-timeout", type=_non_negative_float,
+                      default=elastic.ELASTIC_TIMEOUT_SECONDS, metavar="SECONDS",
+                      help="longest wait for --min-replicas usable replicas before an attempt "
+                           f"(default {elastic.ELASTIC_TIMEOUT_SECONDS:g}; --timeout bounds it too)")
+
     parser.add_argument("program", help="the program to run in every instance")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
     return parser
@@ -217,6 +245,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts.slots = {name: slots for name, slots in listed or () if slots is not None}
     if opts.hosts and len(set(opts.hosts)) != len(opts.hosts):
         parser.error(f"hosts named more than once: {', '.join(opts.hosts)}")
+    opts.elastic = opts.min_replicas is not None or opts.host_discovery_script is not None
+    if opts.elastic:
+        if opts.host_discovery_script and opts.hosts:
+            parser.error("--host-discovery-script and -H/--hostfile exclude each other: the "
+                         "script says which hosts are available")
+        if opts.min_replicas is None:
+            opts.min_replicas = opts.num_replicas
+        if opts.min_replicas > opts.num_replicas:
+            parser.error(f"--min-replicas {opts.min_replicas} is more than --num-replicas "
+                         f"{opts.num_replicas} (the most replicas)")
+        return opts  # hosts and slots are sized per attempt (elastic.size_attempt)
     if opts.hosts and opts.num_instances % len(opts.hosts):
         parser.error(f"{opts.num_instances} instances cannot be divided evenly among "
                      f"{len(opts.hosts)} hosts")
@@ -230,14 +269,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return opts
 
 
-def plan_ranks(opts: argparse.Namespace, attempt: int = 0) -> list[RankSpec]:
+def placement(opts: argparse.Namespace) -> tuple[tuple[str | None, int], ...]:
+    """``(host, instances)`` of a job that is not elastic: ``--num-instances`` divided
+    evenly among the hosts, in their order, or all on this machine (host None)."""
+    n = opts.num_instances
+    if not opts.hosts:
+        return ((None, n),)
+    return tuple((host, n // len(opts.hosts)) for host in opts.hosts)
+
+
+def plan_ranks(opts: argparse.Namespace, attempt: int = 0,
+               membership: "elastic.Membership | None" = None) -> list[RankSpec]:
     """One :class:`RankSpec` per MPI rank, in rank order, with its PopDist environment.
     (The collector's address and the job's key, the same for every rank, are not in the
     specs: :func:`job_environment` puts them in mpirun's environment, forwarded by name.)
 
-    Instance ``i`` drives replica ``i``; with hosts, instances are divided evenly
-    (consecutive blocks) among them and ``POPDIST_LOCAL_INSTANCE_INDEX`` counts
-    instances per host. With ``--feeders-per-replica F`` the replicas keep ranks
+    Instance ``i`` drives replica ``i``; instances are placed on the hosts of
+    ``membership`` (an elastic job's attempt: its replica count is the attempt's),
+    else divided evenly (consecutive blocks) among ``--host`` (:func:`placement`), and
+    ``POPDIST_LOCAL_INSTANCE_INDEX`` counts instances per host. With
+    ``--feeders-per-replica F`` the replicas keep ranks
     ``0..R-1`` and feeder ``k`` of replica ``r`` is rank ``R + r*F + k``, on its
     replica's host, with its replica's environment and MPI arguments plus the role
     variables (``POPDIST_LITE_ROLE=feeder``, ``POPDIST_LITE_FEEDER_OF=r``,
@@ -245,15 +296,15 @@ def plan_ranks(opts: argparse.Namespace, attempt: int = 0) -> list[RankSpec]:
     and ``POPRUN_LITE_STALL_INSPECTOR=1`` when ``--stall-warning`` or ``--stall-timeout``
     is on (its agent then records its progress).
     """
-    n = opts.num_instances
-    per_host = n // len(opts.hosts) if opts.hosts else n
+    hosts = membership.hosts if membership is not None else placement(opts)
+    n = sum(count for _, count in hosts)
     local_args = [a for text in opts.mpi_local_args for a in shlex.split(text)]
     instance_args: dict[int, list[str]] = {}
     for index, args in opts.instance_mpi_local_args:
         instance_args.setdefault(index, []).extend(args)
     common = default_rank_env()
     common.update({
-        "POPDIST_NUM_TOTAL_REPLICAS": str(opts.num_replicas),
+        "POPDIST_NUM_TOTAL_REPLICAS": str(n),
         "POPDIST_NUM_IPUS_PER_REPLICA": str(opts.ipus_per_replica),
         "POPDIST_NUM_LOCAL_REPLICAS": "1",
         "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE": "1",
@@ -269,16 +320,17 @@ def plan_ranks(opts: argparse.Namespace, attempt: int = 0) -> list[RankSpec]:
     if getattr(opts, "timeline", None):
         common["POPDIST_LITE_TIMELINE"] = os.path.abspath(opts.timeline)
     ranks = []
-    for i in range(n):
-        env = dict(common)
-        env.update({
-            "POPDIST_REPLICA_INDEX_OFFSET": str(i),
-            "POPDIST_LOCAL_INSTANCE_INDEX": str(i % per_host),
-            "POPDIST_LITE_ROLE": "replica",
-        })
-        ranks.append(RankSpec(role="replica", replica=i,
-                              host=opts.hosts[i // per_host] if opts.hosts else None,
-                              env=env, mpi_args=local_args + instance_args.get(i, [])))
+    for host, count in hosts:
+        for local in range(count):
+            i = len(ranks)
+            env = dict(common)
+            env.update({
+                "POPDIST_REPLICA_INDEX_OFFSET": str(i),
+                "POPDIST_LOCAL_INSTANCE_INDEX": str(local),
+                "POPDIST_LITE_ROLE": "replica",
+            })
+            ranks.append(RankSpec(role="replica", replica=i, host=host, env=env,
+                                  mpi_args=local_args + instance_args.get(i, [])))
     feeders = []
     for replica in ranks:
         for k in range(opts.feeders_per_replica):
@@ -326,7 +378,13 @@ def main(argv: list[str] | None = None) -> None:
 
     seen = {"history": [], "result": None, "refused": {}, "dropped": {}}
     try:
-        code = _run_attempts(opts, mpirun, implementation, seen)
+        if opts.elastic:
+            def attempt(index, membership, timeout, monitor_factory):
+                return _noted(seen, _run_attempt(opts, mpirun, implementation, index, timeout,
+                                                 membership, monitor_factory))
+            code = elastic.run(opts, attempt, _exit_code)
+        else:
+            code = _run_attempts(opts, mpirun, implementation, seen)
     except Exception as exc:  # noqa: BLE001 - a bug in the launcher: report, never orphan
         code = 1
         _print_internal_error(exc, seen)
@@ -351,10 +409,7 @@ def _run_attempts(opts: argparse.Namespace, mpirun: str, implementation: str, se
         left = opts.timeout or None  # --timeout covers all attempts together
         if deadline is not None and attempt:
             left = max(0.001, deadline - time.monotonic())
-        result = seen["result"] = _run_attempt(opts, mpirun, implementation, attempt, left)
-        for total, counts in ((seen["refused"], result.refused), (seen["dropped"], result.dropped)):
-            for reason, count in counts.items():
-                total[reason] = total.get(reason, 0) + count
+        result = _noted(seen, _run_attempt(opts, mpirun, implementation, attempt, left))
         if result.returncode == 0 and not result.stop_reason and not result.failures \
                 and not result.internal_error:
             if opts.timeline:
@@ -386,6 +441,15 @@ def _run_attempts(opts: argparse.Namespace, mpirun: str, implementation: str, se
         print(f"poprun-lite: restarting the job: attempt {attempt + 2} of {attempts} "
               f"({RESTART_COUNT_ENV}={attempt + 1})", file=sys.stderr, flush=True)
     raise AssertionError("unreachable: the last attempt is final")
+
+
+def _noted(seen: dict, result: job.JobResult) -> job.JobResult:
+    """``result``, kept in ``seen`` as the last one, its collector's counts added up."""
+    seen["result"] = result
+    for total, counts in ((seen["refused"], result.refused), (seen["dropped"], result.dropped)):
+        for reason, count in counts.items():
+            total[reason] = total.get(reason, 0) + count
+    return result
 
 
 def _print_internal_error(exc: Exception, seen: dict) -> None:
@@ -431,64 +495,109 @@ def processes_of(ranks: list[RankSpec]) -> dict[int, list[tuple[str, int]]]:
     return processes
 
 
-def job_environment(collector: Collector) -> dict[str, str]:
+def job_environment(collector: Collector, mark: str, launch_agent: str | None = None) -> dict[str, str]:
     """mpirun's environment: the launcher's, plus the collector's address and the job's
-    key, which mpirun forwards to every rank by name (never on a command line)."""
-    return {**os.environ, records.COLLECTOR_ENV: collector.address,
-            channel.KEY_ENV: collector.key.hex()}
+    key, which mpirun forwards to every rank by name (never on a command line), the
+    attempt's mark (:mod:`popdist_lite_launcher.cleanup`) and, for remote hosts, the real
+    launch agent behind :data:`cleanup.ATTEMPT_AGENT
+    <popdist_lite_launcher.cleanup.ATTEMPT_AGENT>`."""
+    env = {**os.environ, records.COLLECTOR_ENV: collector.address,
+           channel.KEY_ENV: collector.key.hex(), cleanup.MARK_ENV: mark}
+    if launch_agent is not None:
+        env[cleanup.LAUNCH_AGENT_ENV] = launch_agent
+    return env
 
 
 def _run_attempt(opts: argparse.Namespace, mpirun: str, implementation: str, attempt: int,
-                 timeout: float | None) -> job.JobResult:
+                 timeout: float | None, membership: "elastic.Membership | None" = None,
+                 monitor_factory=None) -> job.JobResult:
     """Launch the job once (attempt ``attempt``, counted from 0; each with its own
-    collector, key and stall inspector) and return its result, with the collector's
-    counts of what it refused. Exits with code 2 when the collector or mpirun cannot be
-    started."""
-    remote = [host for host in opts.hosts or () if not is_local_host(host)]
-    ranks = plan_ranks(opts, attempt)
+    collector, key, mark and stall inspector; on ``membership`` for an elastic job, whose
+    hosts were checked already) and return its result, with the collector's counts of
+    what it refused and the ``resize_stop`` records it got. ``monitor_factory(send)``
+    makes the attempt's :class:`~popdist_lite_launcher.elastic.ResizeMonitor`. When the
+    attempt has ended, whatever is left of it is killed on every host
+    (:mod:`popdist_lite_launcher.cleanup`). Exits with code 2 when the hosts fail their
+    check or the collector or mpirun cannot be started."""
+    ranks = plan_ranks(opts, attempt, membership)
+    remote = list(dict.fromkeys(spec.host for spec in ranks if not is_local_host(spec.host)))
     try:
         address = network.launcher_address(opts.network_interface, remote) if remote \
             else "127.0.0.1"
-        if remote and opts.host_check:
-            network.check_hosts(opts.launch_agent, remote)
+        if remote and opts.host_check and membership is None:
+            network.check_hosts(opts.launch_agent, remote, address=address)
         collector = Collector(address, ranks=len(ranks))
     except (OSError, LauncherError) as exc:
         print(f"poprun-lite: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    with collector:
-        inspector = None
-        if opts.stall_warning or opts.stall_timeout:
-            inspector = StallInspector(
-                opts.num_replicas, processes_of(ranks),
-                lambda rank, request: collector.send(rank, records.make("stack_request",
-                                                                        request=request)),
-                warning=opts.stall_warning, timeout=opts.stall_timeout)
-            collector.subscribe("progress", inspector.on_progress)
-            collector.subscribe("stack", inspector.on_stack)
-        export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
-        cmd = build_command(
-            mpirun, implementation, ranks, [opts.program, *opts.args],
-            global_args=[a for text in opts.mpi_global_args for a in shlex.split(text)],
-            tag_output=opts.tag_output,
-            oversubscribe=not remote or len(ranks) > (os.cpu_count() or 1),
-            allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
-            export=[*export, records.COLLECTOR_ENV, channel.KEY_ENV],
-            launch_agent=opts.launch_agent if remote and opts.launch_agent != "ssh" else None,
-            network=opts.network_interface if remote else None,
-            launcher_address=address if remote else None)
-        if opts.print_topology and attempt == 0:
-            print(format_topology(ranks), flush=True)
-        if opts.verbose:
-            print(shlex.join(cmd), file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        try:
-            result = job.run_job(cmd, collector, timeout=timeout, inspector=inspector,
-                                 env=job_environment(collector))
-        except OSError as exc:
-            print(f"poprun-lite: error: cannot run {mpirun}: {exc}", file=sys.stderr)
-            sys.exit(2)
+    mark = cleanup.new_mark()
+    try:
+        with collector:
+            result = _launch(opts, mpirun, implementation, attempt, timeout, ranks, remote, address,
+                             collector, mark, monitor_factory)
+    finally:
+        _clean_up(opts, ranks, remote, mark)
     result.refused, result.dropped = collector.ignored()
     return result
+
+
+def _launch(opts, mpirun, implementation, attempt, timeout, ranks, remote, address, collector,
+            mark, monitor_factory) -> job.JobResult:
+    """Build the attempt's mpirun command and run it (:func:`job.run_job`) with its stall
+    inspector and resize monitor."""
+    inspector = None
+    if opts.stall_warning or opts.stall_timeout:
+        inspector = StallInspector(
+            len([spec for spec in ranks if spec.role == "replica"]), processes_of(ranks),
+            lambda rank, request: collector.send(rank, records.make("stack_request", request=request)),
+            warning=opts.stall_warning, timeout=opts.stall_timeout)
+        collector.subscribe("progress", inspector.on_progress)
+        collector.subscribe("stack", inspector.on_stack)
+    export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
+    cmd = build_command(
+        mpirun, implementation, ranks, [opts.program, *opts.args],
+        global_args=[a for text in opts.mpi_global_args for a in shlex.split(text)],
+        tag_output=opts.tag_output,
+        oversubscribe=not remote or len(ranks) > (os.cpu_count() or 1),
+        allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        export=[*export, records.COLLECTOR_ENV, channel.KEY_ENV, cleanup.MARK_ENV],
+        launch_agent=cleanup.ATTEMPT_AGENT if remote else None,
+        network=opts.network_interface if remote else None,
+        launcher_address=address if remote else None)
+    if opts.print_topology and (attempt == 0 or opts.elastic):
+        print(format_topology(ranks), flush=True)
+    env = job_environment(collector, mark, opts.launch_agent if remote else None)
+    if opts.verbose:
+        shown = [f"{name}={env[name]}" for name in (cleanup.LAUNCH_AGENT_ENV, cleanup.MARK_ENV)
+                 if remote and name in env]
+        print(shlex.join([*shown, *cmd]), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    monitor = monitor_factory(collector.send).start() if monitor_factory is not None else None
+    try:
+        result = job.run_job(cmd, collector, timeout=timeout, inspector=inspector, env=env)
+    except OSError as exc:
+        print(f"poprun-lite: error: cannot run {mpirun}: {exc}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if monitor is not None:
+            monitor.stop()
+    result.resize_stops = len(collector.records("resize_stop"))
+    return result
+
+
+def _clean_up(opts: argparse.Namespace, ranks: list[RankSpec], remote: list[str], mark: str) -> None:
+    """Kill what is left of the attempt ``mark``: on this machine if it ran ranks here,
+    on every remote host through the launch agent; print every host where that failed."""
+    problems = {}
+    if any(is_local_host(spec.host) for spec in ranks):
+        _, left = cleanup.kill_marked(mark)
+        if left:
+            problems["this host"] = f"{len(left)} process(es) still running (pids {left[:10]})"
+    if remote:
+        problems.update(cleanup.clean_hosts(opts.launch_agent, remote, mark))
+    for host, problem in problems.items():
+        print(f"poprun-lite: cleanup after the attempt failed on {host}: {problem}",
+              file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ class JobResult:
     internal_error: str | None = None    # a bug in the launcher that ended the job
     refused: dict = field(default_factory=dict)  # connections the collector refused, by reason
     dropped: dict = field(default_factory=dict)  # lines it dropped, by reason
+    resize_stops: int = 0                # resize_stop records: the replicas stopped for a resize
 
 
 def session_pids(sid: int) -> list[int]:

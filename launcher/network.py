@@ -1,6 +1,8 @@
 """The job's network: the launcher's address on it, and checking that every host is
-reachable with the launch agent before mpirun starts (host names are checked earlier,
-by :mod:`popdist_lite_launcher.hosts`).
+usable before mpirun starts: reachable with the launch agent, and able to reach the
+launcher over the job's network with the check's key (the probe,
+:mod:`popdist_lite_launcher.probe`). Host names are checked earlier, by
+:mod:`popdist_lite_launcher.hosts`.
 
 ``--network-interface`` takes an interface name (``eth1``) or a CIDR (``10.1.0.0/16``),
 as horovodrun's option of that name and Open MPI's ``*_if_include`` parameters do.
@@ -15,12 +17,14 @@ import shlex
 import socket
 import struct
 import subprocess
+import sys
+import time
 
 from .mpirun import LauncherError
 
 _SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
 
-#: Seconds a host gets to answer the reachability check.
+#: Seconds a host gets to answer the reachability check (the launch agent's whole run).
 HOST_CHECK_TIMEOUT_SECONDS = 20.0
 
 
@@ -76,42 +80,122 @@ def launcher_address(network: str | None, hosts: list[str]) -> str:
         raise LauncherError(f"no route to host {hosts[0]!r}: {exc}") from exc
 
 
-def check_command(launch_agent: str, host: str) -> list[str]:
-    """The command that checks ``host``: ``AGENT -- HOST true`` (``--``: nothing after it
-    is an option, whatever the host's name; ssh also gets ``-o BatchMode=yes`` and a
-    connect timeout so that a password prompt or a dead host fails at once)."""
+def check_command(launch_agent: str, host: str, command=("true",)) -> list[str]:
+    """The command that runs ``command`` on ``host``: ``AGENT -- HOST COMMAND`` (``--``:
+    nothing after it is an option, whatever the host's name; ssh also gets ``-o
+    BatchMode=yes`` and a connect timeout so that a password prompt or a dead host fails
+    at once)."""
     agent = shlex.split(launch_agent)
     if agent and agent[0].rsplit("/", 1)[-1] == "ssh":
         agent += ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
-    return [*agent, "--", host, "true"]
+    return [*agent, "--", host, *command]
 
 
-def check_hosts(launch_agent: str, hosts: list[str],
-                timeout: float = HOST_CHECK_TIMEOUT_SECONDS) -> None:
-    """Run ``true`` on every host with the launch agent, all at once.
-
-    Raises:
-        LauncherError: naming the first host (in the given order) that failed, the
-            agent's exit status and the last lines of its output.
-    """
-    def probe(host: str) -> str | None:
-        cmd = check_command(launch_agent, host)
+def run_on_hosts(launch_agent: str, hosts: list[str], command, *, timeout: float,
+                 input_text: str | None = None) -> dict[str, "subprocess.CompletedProcess | str"]:
+    """Run ``command(host, index)`` (an argument list) on every host of ``hosts`` with the
+    launch agent, all at once, ``input_text`` on its standard input: for each host its
+    completed process, or why it did not complete (no answer within ``timeout`` s, cannot
+    be run)."""
+    def run(index_host):
+        index, host = index_host
+        cmd = check_command(launch_agent, host, command(host, index))
         try:
-            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True,
-                                  text=True, timeout=timeout)
+            return subprocess.run(cmd, input=input_text, stdin=None if input_text is not None
+                                  else subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=timeout)
         except subprocess.TimeoutExpired:
             return f"no answer within {timeout:g} s from `{shlex.join(cmd)}`"
         except OSError as exc:
             return f"cannot run `{shlex.join(cmd)}`: {exc}"
-        if proc.returncode != 0:
-            said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-5:]
-            return (f"`{shlex.join(cmd)}` exited with {proc.returncode}"
-                    + (": " + " / ".join(said) if said else ""))
-        return None
 
     unique = list(dict.fromkeys(hosts))
+    if not unique:
+        return {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(unique))) as pool:
-        for host, problem in zip(unique, pool.map(probe, unique)):
-            if problem:
-                raise LauncherError(f"host {host} is not reachable with the launch agent "
-                                    f"{launch_agent!r}: {problem}")
+        return dict(zip(unique, pool.map(run, enumerate(unique))))
+
+
+def _agent_problem(launch_agent: str, host: str, outcome) -> str | None:
+    """The sentence naming ``host`` when the launch agent did not run the command there
+    (``outcome``: from :func:`run_on_hosts`), else None."""
+    if isinstance(outcome, str):
+        problem = outcome
+    elif outcome.returncode != 0:
+        said = (outcome.stderr.strip() or outcome.stdout.strip()).splitlines()[-5:]
+        problem = (f"`{shlex.join(outcome.args)}` exited with {outcome.returncode}"
+                   + (": " + " / ".join(said) if said else ""))
+    else:
+        return None
+    return f"host {host} is not reachable with the launch agent {launch_agent!r}: {problem}"
+
+
+def probe_hosts(launch_agent: str, hosts: list[str], address: str,
+                timeout: float = HOST_CHECK_TIMEOUT_SECONDS) -> dict[str, str | None]:
+    """Check that every host of ``hosts`` is usable, all at once: a probe started there
+    with the launch agent (:mod:`popdist_lite_launcher.probe`) reaches a check server the
+    launcher runs on ``address`` (its address on the job's network) and authenticates
+    with a new key, passed on the probe's standard input.
+
+    Returns:
+        for each host None (usable) or a sentence naming it and what failed: the launch
+        agent (``host H is not reachable with the launch agent ...``, its exit code and
+        output), or the network (``host H cannot connect to poprun-lite at ADDRESS over
+        the job network: timed out after 5 s``, in the probe's words).
+
+    Raises:
+        OSError: the check server cannot listen on ``address``.
+    """
+    from . import probe  # the host's side: its exit code and words
+    from .collector import Collector
+
+    with Collector(address, ranks=len(hosts)) as server:
+        outcomes = run_on_hosts(
+            launch_agent, hosts, lambda host, index: [sys.executable, "-m", "popdist_lite_launcher.probe",
+                                                      server.address, str(index)],
+            timeout=timeout, input_text=server.key.hex() + "\n")
+        deadline = time.monotonic() + 2.0  # a hello is recorded just after its welcome left
+        index = {host: i for i, host in enumerate(outcomes)}
+        want = {index[h] for h, o in outcomes.items() if not isinstance(o, str) and o.returncode == 0}
+        while time.monotonic() < deadline and not want <= _welcomed(server):
+            time.sleep(0.02)
+        welcomed = _welcomed(server)
+    problems: dict[str, str | None] = {}
+    for host, outcome in outcomes.items():
+        said = "" if isinstance(outcome, str) else outcome.stderr.strip()
+        if not isinstance(outcome, str) and outcome.returncode == probe.FAILED and probe.PREFIX in said:
+            line = said[said.rindex(probe.PREFIX):].splitlines()[0]
+            problems[host] = f"host {host} {line.split(': ', 1)[-1]}"
+        elif _agent_problem(launch_agent, host, outcome) is not None:
+            problems[host] = _agent_problem(launch_agent, host, outcome)
+        elif index[host] not in welcomed:
+            problems[host] = (f"host {host}: the probe exited 0 but never authenticated to "
+                              f"poprun-lite at {server.address}")
+        else:
+            problems[host] = None
+    return problems
+
+
+def _welcomed(server) -> set[int]:
+    """The indices of the probes the check server has welcomed."""
+    return {r["replica"] for r in server.records("hello") if r["role"] == "probe"}
+
+
+def check_hosts(launch_agent: str, hosts: list[str], timeout: float = HOST_CHECK_TIMEOUT_SECONDS,
+                *, address: str | None = None) -> None:
+    """Check every host at once: with ``address`` the probe of :func:`probe_hosts`,
+    without it ``AGENT -- HOST true`` (the launch agent alone).
+
+    Raises:
+        LauncherError: naming the first host (in the given order) that failed and how
+            (the agent's exit status and the last lines of its output, or what the probe
+            could not reach).
+    """
+    if address is None:
+        outcomes = run_on_hosts(launch_agent, hosts, lambda host, index: ["true"], timeout=timeout)
+        problems = {host: _agent_problem(launch_agent, host, o) for host, o in outcomes.items()}
+    else:
+        problems = probe_hosts(launch_agent, hosts, address, timeout)
+    for host in dict.fromkeys(hosts):
+        if problems.get(host):
+            raise LauncherError(problems[host])

@@ -14,8 +14,10 @@ mount namespace with a fresh tmpfs on /tmp. The launcher's side of the network i
 bridge address :data:`LAUNCHER_ADDRESS`; traffic never leaves these addresses.
 
 :class:`TestHosts` builds the hosts (removing leftovers of an earlier, killed run
-first, so setup is idempotent), can take a host down (:meth:`TestHosts.kill_host`),
-and removes everything on exit. A file lock keeps two test runs from sharing them.
+first, so setup is idempotent), can take a host down (:meth:`TestHosts.kill_host`) and
+bring it back (:meth:`TestHosts.restore_host`), lists what runs on one
+(:meth:`TestHosts.processes`), and removes everything on exit. A file lock keeps two
+test runs from sharing them.
 """
 
 from __future__ import annotations
@@ -158,6 +160,15 @@ class TestHosts:
         _ip("link", "set", f"{PREFIX}v{host[len(PREFIX):]}", "down")
         if kill_processes:
             _kill_namespace_processes(host)
+
+    def restore_host(self, host: str) -> None:
+        """Bring ``host`` back after :meth:`kill_host`: its link up again (its address,
+        name and routes were kept)."""
+        _ip("link", "set", f"{PREFIX}v{host[len(PREFIX):]}", "up")
+
+    def processes(self, host: str) -> list[int]:
+        """PIDs of the processes running on ``host`` (``ip netns pids``)."""
+        return [int(pid) for pid in _ip("netns", "pids", host, check=False).stdout.split()]
 
     def hostfile(self, path: Path, slots: int, style: str = "openmpi") -> Path:
         """Write a hostfile naming every host with ``slots`` slots (``openmpi``:

@@ -11,9 +11,10 @@ arrays, sharded host embeddings with their optimizer specs, ID limits, minibatch
 and combiners, data-parallel helpers, dense optimizers, stochastic rounding, loss
 scaling, the per-replica counters (:func:`stats`, :func:`reset_stats`), the host feed
 (``infeed``: batches computed by feed processes or a thread, with prefetch) and
-checkpoints (``save_checkpoint``, ``load_checkpoint``, ``latest_checkpoint``) are
-re-exported here (see docs/precision.md, docs/performance.md, docs/infeed.md,
-docs/minibatching.md, docs/checkpoint.md).
+checkpoints (``save_checkpoint``, ``load_checkpoint``, ``latest_checkpoint``) and elastic
+jobs' ``should_checkpoint`` are re-exported here (see docs/precision.md,
+docs/performance.md, docs/infeed.md, docs/minibatching.md, docs/checkpoint.md,
+docs/elastic.md).
 
 Importing the package starts nothing: no MPI, no exit handler, no thread. MPI is
 imported by :func:`init` (which every collective calls first) or when a name that
@@ -43,6 +44,7 @@ _LAZY = {
     ".collectives": ("all_gather", "all_gather_v", "all_reduce", "all_to_all", "all_to_all_v", "broadcast",
                      "reduce_scatter_sum", "set_collective_checks"),
     ".counters": ("reset_stats", "stats"),
+    ".elastic": ("should_checkpoint",),
     ".data_parallel": ("CrossReplicaOptimizer", "all_reduce_gradients", "broadcast_parameters"),
     ".embedding": ("COMBINERS", "EmbeddingOptimizerSpec", "HostEmbedding", "HostEmbeddingAdagradOptimizerSpec",
                    "HostEmbeddingAdamOptimizerSpec", "HostEmbeddingMomentumOptimizerSpec",

@@ -9,8 +9,10 @@ legs:
   ``POPDIST_LITE_RECORD_FD``; :func:`send` writes a record there. The agent answers every
   line with one byte once it has passed the record on, so a rank that is about to abort
   the job (the excepthook) knows its record has left the host. A program may send only
-  ``error`` records (:data:`FROM_PROGRAM`); the agent replaces their identity fields with
-  its own, so a program cannot speak for another rank.
+  ``error`` and ``resize_stop`` records (:data:`FROM_PROGRAM`); the agent replaces their
+  identity fields with its own, so a program cannot speak for another rank. The other
+  way, the socket carries single bytes: :data:`ACK` (one per line passed on) and
+  :data:`RESIZE` (the launcher asked for a resize), which :func:`resize_requested` reads.
 * **agent <-> launcher**, over the network: every agent opens ONE TCP connection to the
   launcher's collector, whose address is in ``POPRUN_LITE_COLLECTOR=host:port``. The
   connection is authenticated with the job's secret key and every line on it carries a
@@ -20,7 +22,7 @@ legs:
   :data:`HEARTBEAT_SECONDS`, its rank's records as they come (and, for the stall
   inspector, ``progress`` whenever the rank enters another collective call), and
   ``exit`` last (:data:`FROM_AGENT`). The launcher may send requests the other way
-  (:data:`TO_AGENT`: ``signal``, ``stack_request``).
+  (:data:`TO_AGENT`: ``signal``, ``stack_request``, ``resize_request``).
 
 Every record that crosses a process boundary is checked against :data:`SCHEMA` (its
 kind's fields, exactly, with their types; strings bounded) by :func:`decode`; the
@@ -55,6 +57,15 @@ receiver drops what does not match. Kinds (fields besides ``kind``):
     Python stack of every thread and answers with ``stack``.
 ``stack`` (agent -> launcher)
     identity + ``request`` and ``text`` (faulthandler's dump, "" if none came).
+``resize_request`` (launcher -> agent; elastic jobs, docs/elastic.md)
+    ``replicas``: the size the launcher will give the next attempt. The agent passes it
+    to its program as one :data:`RESIZE` byte; the program's
+    :func:`popdist_lite.should_checkpoint` then answers True on every replica at the same
+    step, and the program saves a checkpoint and exits.
+``resize_stop`` (rank -> agent -> launcher)
+    identity only: the replicas agreed to stop at this step boundary for the resize
+    (sent by :func:`popdist_lite.should_checkpoint` when it first answers True), so the
+    attempt's clean end is a resize, not the end of the job.
 
 Identity fields: ``rank`` (MPI rank or None), ``replica`` (the replica driven, or fed by a
 feeder), ``role`` (``"replica"`` or ``"feeder"``), ``feeder`` (a feeder's index, else
@@ -119,15 +130,20 @@ SCHEMA = {
     "progress": {**IDENTITY, "call": "count", "op": "name", "since": "number"},
     "stack_request": {"request": "count"},
     "stack": {**IDENTITY, "request": "count", "text": "text"},
+    "resize_request": {"replicas": "count"},
+    "resize_stop": {**IDENTITY},
 }
 IDENTITY_FIELDS = tuple(IDENTITY)
 FIELDS = {kind: tuple(fields) for kind, fields in SCHEMA.items()}
 #: Kinds an agent may send the launcher after its ``hello``.
-FROM_AGENT = ("heartbeat", "error", "exit", "progress", "stack")
+FROM_AGENT = ("heartbeat", "error", "exit", "progress", "stack", "resize_stop")
 #: Kinds the launcher may send an agent after its ``welcome`` (requests).
-TO_AGENT = ("signal", "stack_request")
+TO_AGENT = ("signal", "stack_request", "resize_request")
 #: Kinds a program may send its agent.
-FROM_PROGRAM = ("error",)
+FROM_PROGRAM = ("error", "resize_stop")
+#: The bytes an agent writes to its program's socket: one ``ACK`` per line it passed on,
+#: ``RESIZE`` when the launcher asked for a resize (``resize_request``).
+ACK, RESIZE = b"\x06", b"\x05"
 #: Kinds that describe how a rank failed (read by the launcher's failure report).
 FAILURE_KINDS = ("error", "exit", "lost")
 
@@ -340,7 +356,8 @@ class LineBuffer:
 
 # ---------------------------------------------------------------- rank side
 
-_channel: dict = {"sock": None, "fd": None, "lock": threading.Lock(), "sent": 0, "acked": 0}
+_channel: dict = {"sock": None, "fd": None, "lock": threading.Lock(), "sent": 0, "acked": 0,
+                  "resize": False}
 
 
 def _agent_socket():
@@ -355,6 +372,14 @@ def _agent_socket():
             _channel["sock"] = None
         _channel["fd"], _channel["sent"], _channel["acked"] = value, 0, 0
     return _channel["sock"]
+
+
+def _absorb(data: bytes) -> None:
+    """Take in bytes the agent wrote: acknowledgements and the resize request (any other
+    byte is ignored)."""
+    _channel["acked"] += data.count(ACK)
+    if RESIZE in data:
+        _channel["resize"] = True
 
 
 def send(record: dict, timeout: float = 0.0) -> bool:
@@ -396,7 +421,25 @@ def send(record: dict, timeout: float = 0.0) -> bool:
                         return timeout <= 0
                 if not acks:
                     return False
-                _channel["acked"] += len(acks)
+                _absorb(acks)
             return True
         except OSError:  # includes socket.timeout
             return False
+
+
+def resize_requested() -> bool:
+    """Whether this rank's agent has passed on a ``resize_request`` from the launcher
+    (once True, True for the rest of the process). Reads what the agent wrote without
+    waiting; False without an agent. Local to this rank: replicas agree on it with
+    :func:`popdist_lite.should_checkpoint`."""
+    with _channel["lock"]:
+        sock = _agent_socket()
+        if sock is None or _channel["resize"]:
+            return _channel["resize"]
+        try:
+            sock.setblocking(False)
+            while data := sock.recv(4096):
+                _absorb(data)
+        except OSError:  # BlockingIOError: nothing more for now; others: the agent is gone
+            pass
+        return _channel["resize"]

@@ -4,7 +4,8 @@
 
 The dataset is one global sequence of batches ``g = 0, 1, 2, ...`` sharded as
 ``tf.data``'s ``shard``: shard ``i`` of ``n`` yields ``i, i + n, ...`` (VARIANT ``start``:
-its ``make_dataset`` takes ``start=`` and jumps there). Each replica takes STEPS batches
+its ``make_dataset`` takes ``start=`` and jumps there; VARIANT ``offset``: it takes
+``offset=P`` and yields ``P + i, P + i + n, ...``, the exact contract). Each replica takes STEPS batches
 (after loading the checkpoint with ``load``; saving one after them with ``save``) and
 replica 0 writes every replica's batch numbers to OUT as JSON.
 """
@@ -29,10 +30,18 @@ def make_dataset_start(shard, shards, start=0):
         yield {"g": np.array([g])}
 
 
+def make_dataset_offset(shard, shards, offset=0):
+    for g in range(offset + shard, N, shards):
+        yield {"g": np.array([g])}
+
+
+DATASETS = {"iterate": make_dataset, "start": make_dataset_start, "offset": make_dataset_offset}
+
+
 def main():
     command, ckpt, out, steps, variant = sys.argv[1:6]
     pl.init()
-    feed = pl.infeed(make_dataset_start if variant == "start" else make_dataset)
+    feed = pl.infeed(DATASETS[variant])
     state = {"feed": feed}
     if command == "load":
         pl.load_checkpoint(pl.latest_checkpoint(ckpt), state)

@@ -5,7 +5,10 @@ dataset sharded as tf.data's shard, for any number of feeders F.
 - Same replica count (any F): the resumed run takes exactly the batches the
   uninterrupted run would have taken next.
 - R -> R': every replica resumes at step ceil(S*R/R'): no batch taken before is taken
-  again, and fewer than R' batches are skipped."""
+  again, and fewer than R' batches are skipped.
+- A dataset with an ``offset`` parameter resumes exactly at the global position S*R at
+  any R' and F': every batch taken exactly once (also from a checkpoint of the older
+  form, which holds no ``position``)."""
 
 import json
 import subprocess
@@ -43,6 +46,26 @@ def test_feed_position(tmp_path, before, after, variant):
     assert len(set(taken)) == len(taken), "a batch was taken twice"
     skipped = set(range(max(taken))) - set(taken)
     assert len(skipped) < r2 if r2 != r else not skipped
+
+
+@pytest.mark.parametrize("before,after,old_form", [((2, 0), (3, 1), False), ((3, 1), (2, 2), False),
+                                                  ((2, 2), (3, 0), True)])
+def test_feed_position_exact(tmp_path, before, after, old_form):
+    (r, f), (r2, f2) = before, after
+    ckpt = tmp_path / "ckpt"
+    _run(r, f, "save", ckpt, tmp_path / "first.json", STEPS, "offset")
+    if old_form:  # as saved before positions were kept: steps, replicas and feeders only
+        [manifest] = ckpt.glob("step-*/manifest.json")
+        content = json.loads(manifest.read_text())
+        assert content["values"]["feed"].pop("position") == STEPS * r
+        manifest.write_text(json.dumps(content))
+    _run(r2, f2, "load", ckpt, tmp_path / "second.json", STEPS, "offset")
+    first = json.loads((tmp_path / "first.json").read_text())
+    second = json.loads((tmp_path / "second.json").read_text())
+    assert first == [[k + s * r for s in range(STEPS)] for k in range(r)]
+    assert second == [[STEPS * r + k + s * r2 for s in range(STEPS)] for k in range(r2)]
+    taken = sorted(g for part in first + second for g in part)
+    assert taken == list(range(STEPS * (r + r2)))  # every batch once, none skipped
 
 
 def test_open_dataset_and_feeder_skip():

@@ -1,10 +1,13 @@
 """examples/shakespeare_jax.py against examples/shakespeare.py (the numpy job) under
-poprun-lite, and the JAX extra staying optional."""
+poprun-lite, its checkpoints (a resumed run against a straight one), and the JAX extra
+staying optional."""
 
 import re
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import ROOT, TINY, clean_env
@@ -42,12 +45,17 @@ def tiny(tmp_path):
     return p
 
 
-def _losses(example: str, args: list, replicas: int = 2) -> list[tuple[int, float]]:
+def _run(example: str, args: list, replicas: int = 2) -> str:
+    """The example's stdout under poprun-lite (a failure fails the test)."""
     cmd = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas), "--timeout", "240",
-           sys.executable, str(EXAMPLES / example), *args]
+           sys.executable, str(EXAMPLES / example), *map(str, args)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return [(int(n), float(x)) for n, x in STEP_RE.findall(r.stdout)]
+    return r.stdout
+
+
+def _losses(example: str, args: list, replicas: int = 2) -> list[tuple[int, float]]:
+    return [(int(n), float(x)) for n, x in STEP_RE.findall(_run(example, args, replicas))]
 
 
 @needs_jax
@@ -91,6 +99,17 @@ def test_in_jit_path_refuses_joint_clipping():
 
 
 @needs_jax
+@pytest.mark.parametrize("args,message", [
+    (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
+    (["--checkpoint-dir", "ckpt", "--checkpoint-keep", "0"], "--checkpoint-every and --checkpoint-keep must be >= 1"),
+])
+def test_checkpoint_options_are_checked(args, message):
+    r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), *args], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=clean_env())
+    assert r.returncode == 2 and message in r.stderr
+
+
+@needs_jax
 def test_guide_config_losses_equal_the_numpy_job(tiny):
     """The guide's set-up (all T outputs flattened into the dense layer, last-character
     label), one process."""
@@ -99,3 +118,37 @@ def test_guide_config_losses_equal_the_numpy_job(tiny):
     got, reference = _losses("shakespeare_jax.py", args, replicas=1), _losses("shakespeare.py", args, replicas=1)
     assert [n for n, _ in got] == [0, 1, 2, 3] and [n for n, _ in reference] == [0, 1, 2, 3]
     assert max(abs(a - b) for (_, a), (_, b) in zip(got, reference)) <= 2e-4, (got, reference)
+
+
+@needs_jax
+@pytest.mark.parametrize("options", [
+    [],  # the split path, TOKEN, SGD table, blocking saves
+    ["--path", "in-jit", "--clip-norm", "0", "--lr", "0.3", "--partition-strategy", "ENCODING", "--emb-optimizer",
+     "adam", "--checkpoint-async"],
+], ids=["split-token-sgd", "in-jit-encoding-adam-async"])
+def test_resumed_run_prints_the_losses_of_a_straight_run_at_2_replicas(tiny, tmp_path, options):
+    """40 straight steps against a run resumed from its step-20 checkpoint to 40: the
+    same printed losses for steps 20-39 and bit-identical step-40 checkpoints (table and
+    its optimizer state, dense parameters, Optax state). The first run goes on past its
+    step-20 checkpoint (to 30, whose checkpoint is then removed), so the checkpoint is
+    one taken mid-run, with the next batch already due."""
+    common = ["--data", tiny, "--seq-len", 20, "--batch-size", 4, "--log-every", 1, "--sample-chars", 0,
+              "--checkpoint-every", 20, *options]
+    example = "shakespeare_jax.py"
+    straight = dict(STEP_RE.findall(_run(example, common + ["--steps", 40, "--checkpoint-dir", tmp_path / "a"])))
+    assert sorted(map(int, straight)) == list(range(40))
+    _run(example, common + ["--steps", 30, "--checkpoint-dir", tmp_path / "b"])
+    shutil.rmtree(tmp_path / "b" / "step-00000030")
+    out = _run(example, common + ["--steps", 40, "--checkpoint-dir", tmp_path / "b", "--resume"])
+    assert f"resumed from {tmp_path / 'b' / 'step-00000020'} (step 20)" in out
+    resumed = dict(STEP_RE.findall(out))
+    assert sorted(map(int, resumed)) == list(range(20, 40))
+    assert resumed == {n: straight[n] for n in resumed}
+    a, b = tmp_path / "a" / "step-00000040", tmp_path / "b" / "step-00000040"
+    names = sorted(p.name for p in a.glob("*.npy"))
+    assert names == sorted(p.name for p in b.glob("*.npy"))
+    for part in ("embedding.char_embedding.weights.r1", "dense.params.", "dense.opt_state."):
+        assert any(n.startswith(part) for n in names), (part, names)
+    for name in names:
+        np.testing.assert_array_equal(np.load(b / name, allow_pickle=False), np.load(a / name, allow_pickle=False),
+                                      err_msg=name)

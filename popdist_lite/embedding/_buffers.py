@@ -1,4 +1,5 @@
-"""Scratch arrays reused between steps (no allocation on the hot path once warm)."""
+"""Scratch arrays reused between steps (no allocation on the hot path once warm), and
+new arrays aligned for zero-copy hand-over."""
 
 from __future__ import annotations
 
@@ -35,3 +36,19 @@ class Buffers:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self._arrays.values())
+
+
+#: Byte alignment of the lookup results handed to the caller: XLA's CPU client (JAX's
+#: ``jax.numpy.from_dlpack``) shares a host buffer only when its data starts on a
+#: 64-byte boundary and copies it otherwise; numpy aligns to 16.
+ALIGNMENT = 64
+
+
+def aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """A new C-contiguous array whose data starts on an :data:`ALIGNMENT`-byte boundary
+    (a view into a slightly larger byte array, which it keeps alive)."""
+    dtype = np.dtype(dtype)
+    nbytes = prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)

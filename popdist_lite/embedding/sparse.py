@@ -56,7 +56,7 @@ import numpy as np
 from .. import counters
 from ..collectives.all_to_all import exchange_rows
 from ..collectives import Problem, agree, register_op
-from ._buffers import Buffers
+from ._buffers import Buffers, aligned_empty
 from ._segment import group, inverse_of, runs_of, sum_groups
 from .bitmap import Bitmap
 from .table_spec import TableSpec
@@ -248,7 +248,9 @@ class SparseTokenExchange:
         exchange_rows(found, recv_counts, send_counts, comm, out=rows, skip_self=True)
         self._phase("lookup.rows", start, recv_counts, send_counts, e * found.itemsize)
         start = perf_counter()
-        out = rows.take(inverse, axis=0, mode="clip") if flat.size else np.zeros((0, e), shard.dtype)
+        out = aligned_empty((flat.size, e), shard.dtype)  # a new array, which DLPack consumers can share
+        if flat.size:
+            rows.take(inverse, axis=0, mode="clip", out=out)
         counters.record("lookup.expand", start, kind=counters.PHASE, detail=self.name)
         return out
 

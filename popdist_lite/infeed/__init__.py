@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from .. import topology
+from .position import takes_offset
 from .stream import Infeed
 
 __all__ = ["infeed", "Infeed", "feed_shard"]
@@ -53,7 +54,12 @@ def infeed(make_dataset: Callable[[int, int], Iterable[Any]],
             batches: a tuple or dict (``str`` keys) of numpy arrays, or one array, with
             the same keys, dtypes and numbers of dimensions in every batch (shapes may
             change). Called with the shard of :func:`feed_shard`, on each feeder (or in
-            a thread of the replica when F = 0), at the start of each session.
+            a thread of the replica when F = 0), at the start of each session. With an
+            ``offset`` parameter it is called as ``make_dataset(shard_index, num_shards,
+            offset=P)`` and must yield batches ``P + shard_index, P + shard_index +
+            num_shards, ...`` of one global sequence: a checkpoint then resumes exactly
+            at its global position at any replica count (elastic jobs; the contract is
+            in :mod:`popdist_lite.infeed.position`).
         prefetch_depth: most batches in flight per replica, >= 1 (default 3, section
             4.4.1 of the IPU performance optimisation guide): batches sent by feeders (or handed
             over by the thread) that the training loop has not released yet.
@@ -83,10 +89,11 @@ def infeed(make_dataset: Callable[[int, int], Iterable[Any]],
         k = topo.feeder_index
         shard_index, num_shards = feed_shard(r, n, f, k)
         feeder.serve(make_dataset, topo.feed, shard_index, num_shards, f"feeder {k} of replica {r}")
+    exact = takes_offset(make_dataset)
     if f == 0:
         from .local import ThreadSource
 
-        return Infeed(ThreadSource(make_dataset, r, n, prefetch_depth, r), prefetch_depth)
+        return Infeed(ThreadSource(make_dataset, r, n, prefetch_depth, r), prefetch_depth, exact)
     from .receiver import FeederSource
 
-    return Infeed(FeederSource(topo.feed, prefetch_depth, r), prefetch_depth)
+    return Infeed(FeederSource(topo.feed, prefetch_depth, r), prefetch_depth, exact)

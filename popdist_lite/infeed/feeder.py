@@ -28,12 +28,12 @@ class _Shutdown(Exception):
     """The replica asked this feeder to exit."""
 
 
-def _receive_control(comm, pending: list | None = None) -> tuple[int, int]:
+def _receive_control(comm, pending: list | None = None) -> tuple[int, int, int]:
     """The next control message, waited for politely (:func:`protocol.wait_until`: a
     short spin, then sleeps), testing the ``pending`` sends meanwhile so MPI can move
     them along and their buffers are freed. Not a busy wait: a spinning feeder takes a core
     from its replica whenever feeders outnumber free cores."""
-    message = np.empty(2, dtype=np.int64)
+    message = np.empty(protocol.CONTROL_WORDS, dtype=np.int64)
     request = comm.Irecv(message, source=0, tag=protocol.CONTROL)
 
     def arrived() -> bool:
@@ -42,15 +42,16 @@ def _receive_control(comm, pending: list | None = None) -> tuple[int, int]:
         return request.Test()
 
     protocol.wait_until(arrived)
-    return int(message[0]), int(message[1])
+    return int(message[0]), int(message[1]), int(message[2])
 
 
 def _session(make_dataset: Callable[[int, int], Iterable[Any]], comm, shard_index: int,
-             num_shards: int, name: str, first_step: int = 0) -> None:
-    """One feed session from the replica's step ``first_step``; returns on ``STOP``,
-    raises :class:`_Shutdown` on ``SHUTDOWN``."""
+             num_shards: int, name: str, first_step: int = 0, offset: int | None = None) -> None:
+    """One feed session from the replica's step ``first_step`` (or, for a dataset with an
+    ``offset`` parameter, from global position ``offset``); returns on ``STOP``, raises
+    :class:`_Shutdown` on ``SHUTDOWN``."""
     skip = feeder_skip(first_step, comm.Get_size() - 1, comm.Get_rank() - 1)
-    batches = open_dataset(make_dataset, shard_index, num_shards, skip)
+    batches = open_dataset(make_dataset, shard_index, num_shards, skip, offset)
     batch = next(batches, _END)
     structure, arrays = (None, None) if batch is _END else flatten(batch)
     comm.send(structure, dest=0, tag=protocol.STRUCTURE)  # small: kind, keys, dtypes, ndims
@@ -58,7 +59,7 @@ def _session(make_dataset: Callable[[int, int], Iterable[Any]], comm, shard_inde
     pending: list[tuple[list, np.ndarray, list]] = []  # requests and the buffers they use
     try:
         while True:
-            code, slot = _receive_control(comm, pending)
+            code, slot, _ = _receive_control(comm, pending)
             if code == protocol.STOP:
                 return
             if code == protocol.SHUTDOWN:
@@ -97,12 +98,13 @@ def serve(make_dataset: Callable[[int, int], Iterable[Any]], comm, shard_index: 
     """
     try:
         while True:
-            code, first_step = _receive_control(comm)
+            code, first_step, offset = _receive_control(comm)
             if code == protocol.SHUTDOWN:
                 break
             if code != protocol.START:
                 raise RuntimeError(f"infeed: {name} expected START or SHUTDOWN, got control code {code}")
-            _session(make_dataset, comm, shard_index, num_shards, name, max(first_step, 0))
+            _session(make_dataset, comm, shard_index, num_shards, name, max(first_step, 0),
+                     offset if offset >= 0 else None)
     except _Shutdown:
         pass
     except BaseException as exc:  # noqa: BLE001 - see the docstring

@@ -39,18 +39,22 @@ class ThreadSource:
         self.stopping = threading.Event()
         self.fetched = 0
         self.first_step = 0
+        self.offset: int | None = None
         self.ended = False
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"popdist-lite-infeed-{replica}")
 
-    def start(self, first_step: int = 0) -> None:
-        self.first_step = first_step
+    def start(self, first_step: int = 0, offset: int | None = None) -> None:
+        """Start the thread at step ``first_step`` of this replica's sequence, or (an
+        exact dataset) at global position ``offset`` (:mod:`.position`)."""
+        self.first_step, self.offset = first_step, offset
         self.thread.start()
 
     def _run(self) -> None:
         try:
             structure = None
-            batches = open_dataset(self.make_dataset, self.shard_index, self.num_shards, self.first_step)
+            batches = open_dataset(self.make_dataset, self.shard_index, self.num_shards, self.first_step,
+                                   self.offset)
             for count, batch in enumerate(batches, start=self.first_step):
                 got, _ = flatten(batch)
                 if structure is None:

@@ -1,12 +1,13 @@
 """The messages between a replica (rank 0 of its feed communicator) and its feeders
 (rank ``1 + k``), and a polite way to wait for them.
 
-Replica -> feeder, tag ``CONTROL``, ``int64[2] = [code, slot]``:
+Replica -> feeder, tag ``CONTROL``, ``int64[3] = [code, slot, offset]``:
 
 * ``START``: a new feed session (a call of :func:`popdist_lite.infeed` on the replica)
-  from the replica's step ``slot`` (0, or where :meth:`Infeed.seek` put it); the feeder
-  calls ``make_dataset``, skips its batches of earlier steps and answers with its
-  ``STRUCTURE``;
+  from the replica's step ``slot`` (0, or where :meth:`Infeed.seek` put it), and for a
+  dataset with an ``offset`` parameter from global position ``offset`` (-1: none;
+  :mod:`.position`); the feeder calls ``make_dataset``, skips its batches of earlier
+  steps and answers with its ``STRUCTURE``;
 * ``CREDIT``: the replica has posted the receive for step ``slot``; the feeder answers
   with exactly one ``HEADER`` (a batch, or the end of its data);
 * ``STOP``: the session is over (every credit has been answered); wait for the next;
@@ -39,9 +40,12 @@ SPIN_SECONDS = 2e-4
 MAX_SLEEP_SECONDS = 1e-3
 
 
-def control(code: int, slot: int = -1) -> np.ndarray:
-    """A control message buffer."""
-    return np.array([code, slot], dtype=np.int64)
+CONTROL_WORDS = 3  # [code, slot, offset]
+
+
+def control(code: int, slot: int = -1, offset: int | None = None) -> np.ndarray:
+    """A control message buffer (``offset`` None is sent as -1)."""
+    return np.array([code, slot, -1 if offset is None else offset], dtype=np.int64)
 
 
 def wait(request) -> None:

@@ -57,15 +57,17 @@ class FeederSource:
         self.fetched = 0
         self.ended = False
 
-    def start(self, first_step: int = 0) -> None:
-        """Start a session at step ``first_step``: feeders call ``make_dataset`` (and skip
+    def start(self, first_step: int = 0, offset: int | None = None) -> None:
+        """Start a session at step ``first_step`` (and, for a dataset with an ``offset``
+        parameter, at global position ``offset``): feeders call ``make_dataset`` (and skip
         their batches of earlier steps); check their structures agree.
 
         Raises:
             TypeError: two feeders of this replica yield batches of different structure.
         """
         for k in range(self.num_feeders):
-            self.comm.Send(protocol.control(protocol.START, first_step), dest=1 + k, tag=protocol.CONTROL)
+            self.comm.Send(protocol.control(protocol.START, first_step, offset), dest=1 + k,
+                           tag=protocol.CONTROL)
         structures = []
         for k in range(self.num_feeders):
             protocol.wait_until(lambda: self.comm.Iprobe(source=1 + k, tag=protocol.STRUCTURE))

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import topology
 from . import protocol
+from .position import session_start
 
 _active: "Infeed | None" = None  # the open session of this replica, if any
 
@@ -30,16 +31,22 @@ class Infeed:
     steps); starting another feed (a new epoch) or exiting the process closes it too.
 
     Attributes:
-        steps: batches returned so far.
+        steps: batches this replica has taken (plus the step :meth:`seek` started at).
         prefetch_depth: most batches in flight (sent and not yet released; a batch is
             released when the loop asks for the next one).
+        exact: whether ``make_dataset`` has an ``offset`` parameter, so that a session
+            can start at any global position (:mod:`popdist_lite.infeed.position`).
     """
 
-    def __init__(self, source, prefetch_depth: int):
+    def __init__(self, source, prefetch_depth: int, exact: bool = False):
         self._source = source
         self.prefetch_depth = prefetch_depth
+        self.exact = exact
         self.steps = 0
-        self._first_step = 0
+        self._seeked = 0      # the value seek() gave steps
+        self._start = 0       # global position of the session's first batch
+        self._first_step = 0  # the sources' first step (their round robin over feeders)
+        self._offset = 0 if exact else None  # what an exact dataset is opened at
         self._started = False
         self._closed = False
         comm = topology.replica_comm()
@@ -59,7 +66,7 @@ class Infeed:
                 _active.close()
             self._started = True
             _active = self
-            self._source.start(self._first_step)
+            self._source.start(self._first_step, self._offset)
         return self
 
     @property
@@ -67,24 +74,46 @@ class Infeed:
         """Whether the session has started (the first batch was asked for, or :meth:`start`)."""
         return self._started
 
-    def seek(self, step: int) -> None:
-        """Start the session at batch ``step`` of this replica's sequence instead of 0
-        (resuming from a checkpoint); :attr:`steps` becomes ``step``. No communication.
+    def seek(self, step: int | None = None, *, position: int | None = None) -> None:
+        """Start the session after the batches already taken instead of at the beginning
+        (resuming from a checkpoint). No communication. Give one of:
 
-        The batches before are skipped where they are made (on the feeders, or in the
-        thread): ``make_dataset(shard_index, num_shards, start=k)`` is called when it has
-        a ``start`` parameter (``k`` = batches of that shard to skip), otherwise the
-        first ``k`` batches are computed and dropped. With feeders, step ``s`` still
-        comes from feeder ``s % F``, so the batches equal those of an uninterrupted run.
+        ``step``: batch ``step`` of this replica's sequence (:attr:`steps` becomes
+        ``step``). The batches before are skipped where they are made (on the feeders,
+        or in the thread): ``make_dataset(shard_index, num_shards, start=k)`` is called
+        when it has a ``start`` parameter (``k`` = batches of that shard to skip),
+        otherwise the first ``k`` batches are computed and dropped. With feeders, step
+        ``s`` still comes from feeder ``s % F``, so the batches equal those of an
+        uninterrupted run.
+
+        ``position``: after ``position`` global batches (taken by all replicas together,
+        :attr:`position`), at any replica count: exactly there when ``make_dataset`` has
+        an ``offset`` parameter (:attr:`exact`), else at step ``ceil(position / R)``
+        (docs/checkpoint.md, "Feed position").
 
         Raises:
-            ValueError: the session has started, or ``step`` is not an integer >= 0.
+            ValueError: the session has started, or not exactly one of ``step`` and
+                ``position`` is given as an integer >= 0.
         """
         if self._started:
             raise ValueError("Infeed.seek: the session has started; seek before the first batch")
-        if isinstance(step, bool) or int(step) != step or step < 0:
-            raise ValueError(f"Infeed.seek: argument step: expected an integer >= 0, got {step!r}")
-        self._first_step = self.steps = int(step)
+        if (step is None) == (position is None):
+            raise ValueError("Infeed.seek: give exactly one of step and position")
+        name, value = ("step", step) if position is None else ("position", position)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"Infeed.seek: argument {name}: expected an integer >= 0, got {value!r}")
+        replicas = topology.num_replicas()
+        target = int(position) if position is not None else int(step) * replicas
+        self._first_step, self._offset = session_start(target, replicas, self.exact)
+        self._start = target if self.exact else self._first_step * replicas
+        self.steps = self._seeked = int(step) if step is not None else \
+            target // replicas if self.exact else self._first_step
+
+    @property
+    def position(self) -> int:
+        """Global batches taken so far by all replicas together (the same on every
+        replica): where the session started plus R per step since."""
+        return self._start + (self.steps - self._seeked) * topology.num_replicas()
 
     def __iter__(self) -> "Infeed":
         return self
@@ -121,8 +150,12 @@ class Infeed:
 
     # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -----------------
     def state_dict(self) -> dict:
-        """The feed position: ``{"steps": batches taken, "replicas": R, "feeders": F}``."""
-        return {"steps": self.steps, "replicas": topology.num_replicas(), "feeders": topology.feeders_per_replica()}
+        """The feed position: ``{"position": global batches taken, "steps": position // R,
+        "replicas": R, "feeders": F}`` (``steps`` for readers of the older form, which had
+        no ``position``)."""
+        replicas = topology.num_replicas()
+        return {"position": self.position, "steps": self.position // replicas, "replicas": replicas,
+                "feeders": topology.feeders_per_replica()}
 
     def validate_state_dict(self, state_dict: dict, saved) -> None:
         """Refuse a position that is not one (non-negative counts), or a load into a feed
@@ -134,19 +167,21 @@ class Infeed:
         if self._started:
             raise ValueError(f"state {saved.name!r}: the Infeed has started; load the checkpoint before taking "
                              f"its first batch")
-        for field, low in (("steps", 0), ("replicas", 1), ("feeders", 0)):
+        optional = ("position",) if "position" in state_dict else ()
+        for field, low in (("steps", 0), ("replicas", 1), ("feeders", 0), *((name, 0) for name in optional)):
             value = state_dict.get(field)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"state {saved.name!r}: {field} must be an integer >= {low}, got {value!r}")
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Resume after the batches already taken (:meth:`seek`). At the same replica count
-        the session continues at the same step; at another, at the first step whose
-        batches follow every batch already taken, ``ceil(steps * R / R')`` (no batch
-        repeated, fewer than ``R'`` skipped; docs/checkpoint.md)."""
-        steps, replicas = state_dict["steps"], state_dict["replicas"]
-        now = topology.num_replicas()
-        self.seek(steps if replicas == now else -(-steps * replicas // now))
+        """Resume after the batches already taken: :meth:`seek` to the saved ``position``
+        (a checkpoint of the older form, without it: ``steps * replicas``). At the same
+        replica count the session continues at the same step; at another, exactly after
+        the position when ``make_dataset`` has an ``offset`` parameter, else at the first
+        step whose batches follow every batch already taken, ``ceil(position / R')`` (no
+        batch repeated, fewer than ``R'`` skipped; docs/checkpoint.md)."""
+        position = state_dict.get("position", state_dict["steps"] * state_dict["replicas"])
+        self.seek(position=position)
 
     def __enter__(self) -> "Infeed":
         return self

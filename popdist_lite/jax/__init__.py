@@ -15,9 +15,12 @@ only when :class:`SparseCoreEmbed` is used). Two ways in:
 
 Flax: :class:`SparseCoreEmbed` (after jax-tpu-embedding's layer of that name). Dense
 data parallelism: :func:`allreduce_gradients`, :func:`broadcast_params` and the Optax
-transformation :func:`cross_replica_mean`.
+transformation :func:`cross_replica_mean`. Checkpoints (``popdist_lite.save_checkpoint``
+/ ``load_checkpoint``): :class:`PytreeState` holds a pytree (params, Optax state);
+:class:`HostEmbedding` and :class:`EmbeddingCollection` join as they are.
 """
 
+from .checkpoint import PytreeState
 from .collection import EmbeddingCollection
 from .data_parallel import allreduce_gradients, broadcast_params, cross_replica_mean
 from .embedding import HostEmbedding, create_host_embedding
@@ -36,5 +39,5 @@ def __getattr__(name):  # Flax is imported only when its layer is asked for
 
 
 __all__ = ["HostEmbedding", "create_host_embedding", "TableSpec", "FeatureSpec", "PADDING_ID", "EmbeddingCollection",
-           "TrainStep", "allreduce_gradients", "broadcast_params", "cross_replica_mean", "SparseCoreEmbed",
-           "EmbeddingLookupInput", "HANDLE_PARAM_NAME"]
+           "TrainStep", "allreduce_gradients", "broadcast_params", "cross_replica_mean", "PytreeState",
+           "SparseCoreEmbed", "EmbeddingLookupInput", "HANDLE_PARAM_NAME"]

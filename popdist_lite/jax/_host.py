@@ -1,16 +1,22 @@
 """What every part of the JAX binding shares: moving arrays between JAX and the host,
 the binding's dedicated communicator, and raising one replica's argument error on
-every replica."""
+every replica (through the library's agreement, :mod:`popdist_lite.collectives.agreement`)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 import popdist_lite as pl
 
-#: Exceptions a replica's argument check may report (their index travels as one byte).
-ERRORS = (ValueError, TypeError, IndexError, KeyError)
+if TYPE_CHECKING:  # popdist_lite.collectives imports MPI: imported where a check runs
+    from popdist_lite.collectives import Problem
+
+#: What the binding's input checks compare besides the call itself: no array.
+_NO_ARRAY = np.zeros(0, np.int8)
+_REGISTERED: set[str] = set()  # operation names registered with the agreement
 
 _DEDICATED: dict[int, tuple] = {}  # id(parent) -> (parent, its duplicate)
 
@@ -61,37 +67,30 @@ def to_jax(a: np.ndarray) -> jax.Array:
         return jax.device_put(a)
 
 
-def agree(comm, op: str, problem: tuple[type, str] | None) -> None:
-    """Raise on every replica the error of the lowest replica that found one. Collective.
+def problem_of(exc: Exception) -> Problem:
+    """This replica's exception as the :class:`~popdist_lite.collectives.Problem` every
+    replica raises: ``ValueError``, ``TypeError``, ``IndexError`` and ``KeyError`` (and
+    their subclasses) keep their class; anything else becomes a ``TypeError`` naming its
+    own (an argument of the wrong kind: an ``AttributeError`` from weights that are not a
+    mapping, say)."""
+    from popdist_lite.collectives import Problem
 
-    Args:
-        comm: the communicator.
-        op: the operation, prefixed to the message (``f"{op}: replica {k}: {message}"``).
-        problem: this replica's ``(exception class from ERRORS, message)``, or ``None``.
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        return Problem(type(exc), exc.args[0])  # str(KeyError) would quote the message
+    return Problem.of(exc, otherwise=TypeError)
 
-    One ``Allgather`` of one byte per replica; only when some replica has a problem,
-    the messages follow (UTF-8 bytes through :func:`popdist_lite.all_gather_v`: nothing
-    received is unpickled).
 
-    Raises:
-        ValueError, TypeError, IndexError, KeyError: some replica's problem.
-        RuntimeError: a replica sent an error code outside ``ERRORS``.
-    """
-    mine = np.zeros(1, np.uint8)
-    if problem is not None:
-        mine[0] = 1 + ERRORS.index(problem[0])
-    codes = np.empty(comm.size, np.uint8)
-    comm.Allgather(mine, codes)
-    if not codes.any():
-        return
-    text = np.frombuffer(problem[1].encode(), np.uint8) if problem is not None else np.zeros(0, np.uint8)
-    values, counts = pl.all_gather_v(text, comm=comm)
-    r = int(np.flatnonzero(codes)[0])
-    start = int(counts[:r].sum())
-    message = values[start:start + int(counts[r])].tobytes().decode("utf-8", errors="replace")
-    if codes[r] > len(ERRORS):
-        raise RuntimeError(f"{op}: replica {r} sent the unknown error code {int(codes[r])}: {message}")
-    raise ERRORS[codes[r] - 1](f"{op}: replica {r}: {message}")
+def agree_inputs(op: str, problem: Problem | None, comm) -> None:
+    """Raise on every replica the lowest replica's ``problem`` (``f"{op}: replica {k}:
+    {message}"``), else return. Collective: one
+    :func:`popdist_lite.collectives.agree` (a 112-byte ``Allgather`` per replica; the
+    messages travel only when some replica has a problem); a replica that called another
+    collective at this point is named instead of deadlocking."""
+    from popdist_lite.collectives import agree, register_op
+
+    if op not in _REGISTERED:
+        _REGISTERED.add(register_op(op))
+    agree(op, _NO_ARRAY, comm, problem=problem, same_from=0)
 
 
 def is_traced(tree) -> bool:

@@ -16,7 +16,6 @@ Shapes are static: a feature's activation always has its ``FeatureSpec.output_sh
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 
 import jax
@@ -24,9 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-import popdist_lite as pl
-
-from ._host import ERRORS, agree, dedicated_comm, host_array, to_jax
+from ._host import agree_inputs, dedicated_comm, host_array, problem_of, to_jax
+from .checkpoint import checkpoint_name
 from .embedding import HostEmbedding
 from .specs import PADDING_ID, FeatureSpec
 
@@ -58,27 +56,20 @@ class EmbeddingCollection:
     """
 
     def __init__(self, feature_specs, *, comm=None):
+        from popdist_lite.collectives import agree_objects  # imports MPI: not at import time
+
         self.comm = dedicated_comm(comm)
         problem, specs, tables = None, (), {}
         try:
             specs, tables = _tables_of(feature_specs)
         except Exception as exc:  # raised below on every replica, not here alone
-            problem = _problem(exc)
-        agree(self.comm, "EmbeddingCollection", problem)
+            problem = problem_of(exc)
+        _same_everywhere(agree_objects("EmbeddingCollection", _signature(specs), self.comm, problem=problem))
         self.feature_specs = specs
-        self._agree_on_specs()
         self.tables = {name: HostEmbedding(tables[name].create(self.comm)) for name in sorted(tables)}
         #: (table name, its features' indices in feature_specs), in table-name order.
         self._groups = [(name, [i for i, s in enumerate(specs) if s.table_spec.name == name]) for name in self.tables]
         self._in_jit = _in_jit_lookup(self)
-
-    def _agree_on_specs(self) -> None:
-        signature = repr([(s.name, s.table_spec.name, s.input_shape, s.output_shape) for s in self.feature_specs])
-        codes = pl.all_gather(np.array([zlib.crc32(signature.encode())], np.int64), comm=self.comm)[:, 0]
-        if (codes != codes[0]).any():
-            r = int(np.flatnonzero(codes != codes[0])[0])
-            raise ValueError(f"EmbeddingCollection: replica {r} has other feature specs (names, tables, input and "
-                             f"output shapes) than replica 0; every replica must pass the same")
 
     # -- the split API --------------------------------------------------------------
     def lookup(self, features: Mapping, weights: Mapping | None = None) -> dict[str, jax.Array]:
@@ -159,6 +150,31 @@ class EmbeddingCollection:
         ws = {s.name: jnp.asarray(weights[s.name]) for s in self.feature_specs if weights and s.name in weights}
         return self._in_jit(float(loss_scale), handle, ids, ws)
 
+    # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -------------------
+    def checkpoint_info(self) -> dict:
+        """The manifest's entry: the table names."""
+        return {"tables": sorted(self.tables)}
+
+    def state_dict(self) -> dict:
+        """Every table (a :class:`popdist_lite.HostEmbedding`, saved and resharded as the
+        numpy API's), under its name as a checkpoint name component
+        (:func:`~popdist_lite.jax.checkpoint.checkpoint_name`). Local."""
+        return {checkpoint_name(name): table.table for name, table in self.tables.items()}
+
+    def validate_state_dict(self, state_dict: dict, saved) -> None:
+        """Refuse a checkpoint of a collection with other tables.
+
+        Raises:
+            ValueError: naming the collection and both lists of tables.
+        """
+        theirs = saved.info.get("tables")
+        if theirs != sorted(self.tables):
+            raise ValueError(f"collection {saved.name!r}: the checkpoint holds the tables {str(theirs)[:200]}, this "
+                             f"collection has {sorted(self.tables)}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Nothing left to do: the tables loaded themselves."""
+
     # -- host side ----------------------------------------------------------------------
     def _host_inputs(self, op: str, features: Mapping, weights: Mapping | None, grads: Mapping | None = None):
         """Every feature's ``(ids, weights or None)`` as numpy arrays of ``input_shape``
@@ -174,8 +190,8 @@ class EmbeddingCollection:
                 for s in self.feature_specs:
                     _check_gradient(s, grads)
         except Exception as exc:  # raised below on every replica, not here alone
-            problem = _problem(exc)
-        agree(self.comm, op, problem)
+            problem = problem_of(exc)
+        agree_inputs(op, problem, self.comm)
         return inputs
 
     def _convert(self, features: Mapping, weights: Mapping | None) -> list:
@@ -265,14 +281,25 @@ def _tables_of(feature_specs) -> tuple[tuple, dict]:
     return specs, tables
 
 
-def _problem(exc: Exception) -> tuple[type, str]:
-    """A local exception as the ``(class, message)`` :func:`agree` raises everywhere
-    (unexpected classes become TypeError, named in the message)."""
-    message = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
-    for error in ERRORS:
-        if isinstance(exc, error):
-            return error, message
-    return TypeError, f"{type(exc).__name__}: {message}"
+def _signature(specs) -> list:
+    """What every replica's feature specs must agree on: each feature's name, table,
+    input and output shapes (the tables' own arguments are agreed by
+    :func:`popdist_lite.create_host_embedding`)."""
+    return [(s.name, s.table_spec.name, list(s.input_shape), list(s.output_shape)) for s in specs]
+
+
+def _same_everywhere(signatures: list) -> None:
+    """Raise on every replica (each checks the same gathered list) when a replica's
+    feature specs differ from replica 0's, naming the replica and the first difference."""
+    first = signatures[0]
+    for replica, mine in enumerate(signatures):
+        if mine != first:
+            i = next((i for i, (a, b) in enumerate(zip(mine, first)) if a != b), min(len(mine), len(first)))
+            got = f"feature {mine[i]}" if i < len(mine) else "no more features"
+            want = f"feature {first[i]}" if i < len(first) else "no more features"
+            raise ValueError(f"EmbeddingCollection: replica {replica} has other feature specs than replica 0: at "
+                             f"position {i} (name, table, input_shape, output_shape) it has {got}, replica 0 has "
+                             f"{want}; every replica must pass the same")
 
 
 def _feature_input(spec: FeatureSpec, features: Mapping, weights: Mapping | None):

@@ -88,6 +88,23 @@ class HostEmbedding:
                                        _optional(weights, where), combiner, padding_id, clip_indices,
                                        loss_scale=loss_scale)
 
+    # -- checkpoints: the table's own Stateful protocol (popdist_lite.checkpoint) ----------
+    def checkpoint_info(self) -> dict:
+        """As :meth:`popdist_lite.HostEmbedding.checkpoint_info` (the manifest's type is
+        ``HostEmbedding`` either way: a table saved from either API loads into the other)."""
+        return self.table.checkpoint_info()
+
+    def state_dict(self) -> dict:
+        """The table's partition and optimizer state (:meth:`popdist_lite.HostEmbedding.state_dict`),
+        resharded on load as the numpy API's tables. Local."""
+        return self.table.state_dict()
+
+    def validate_state_dict(self, state_dict: dict, saved) -> None:
+        self.table.validate_state_dict(state_dict, saved)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.table.load_state_dict(state_dict)
+
     def get_embedding_tensor(self, master: bool = False) -> jax.Array:
         """The full ``(t, e)`` table on every replica. Collective (an all-gather)."""
         return to_jax(self.table.get_embedding_tensor(master))

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import jax
 
-from ._host import ERRORS, to_jax
+from ._host import to_jax
 from .collection import EmbeddingCollection
 from .data_parallel import allreduce_gradients, broadcast_params
 
@@ -147,7 +147,7 @@ class TrainStep:
             return {}
         try:
             return _to_jax(self.embeddings._lookup_host(inputs, tables))
-        except ERRORS:
+        except (ValueError, TypeError, IndexError, KeyError):  # raised on every replica alike
             return None
 
     def _take_prefetched(self, features, weights) -> tuple:

@@ -71,6 +71,32 @@ def test_lookup_equals_jnp_take_and_flax_embed(comm, rng, strategy):
 
 
 @pytest.mark.mpi
+def test_sparse_lookups_reach_jax_without_a_copy_and_never_change_afterwards(comm, rng):
+    """The sparse exchange's results start on a 64-byte boundary, so JAX shares them
+    (DLPack) instead of copying, for any number of IDs; a lookup's jax.Array keeps its
+    values while the table is updated and looked up again (each lookup fills a new
+    buffer)."""
+    from popdist_lite.jax._host import to_jax
+
+    full = rng.standard_normal((T, E)).astype(np.float32)
+    emb = plj.create_host_embedding("shared_rows", [T, E], initializer=full,
+                                    optimizer_spec=pl.HostEmbeddingOptimizerSpec(0.5))
+    assert emb.table.lookup(np.zeros(0, np.int64)).shape == (0, E)
+    for n in (1, 3, 17, 64, 1000):
+        rows = emb.table.lookup(rng.integers(0, T, n))
+        assert rows.ctypes.data % 64 == 0 and rows.flags.c_contiguous
+        assert to_jax(rows).unsafe_buffer_pointer() == rows.ctypes.data
+    ids = rng.integers(0, T, (5, 3))
+    acts = emb.lookup(ids)
+    np.testing.assert_array_equal(acts, full[ids])
+    for _ in range(3):
+        emb.apply_gradients(ids, jnp.ones((5, 3, E)))
+        again = emb.lookup(ids)
+    assert not np.array_equal(again, full[ids])  # the table did change
+    np.testing.assert_array_equal(acts, full[ids])  # the first lookup's array did not
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("combiner", COMBINERS)
 def test_bags_equal_a_jax_reference(comm, rng, strategy, combiner):
@@ -370,6 +396,28 @@ def test_bad_specs_or_weights_on_one_replica_raise_on_every_replica(comm, rng):
     with pytest.raises(TypeError, match=rf"replica {last}: AttributeError"):
         coll.lookup({"a": bags}, {"a": [np.ones(2), np.ones(1)]} if comm.rank != last else [1, 2])
     assert pl.all_reduce(np.array([1.0]))[0] == comm.size  # still in step
+
+
+@pytest.mark.mpi
+def test_specs_that_differ_between_replicas_or_different_calls_raise_on_every_replica(comm):
+    """Feature specs valid on each replica but different on one are named (replica,
+    position, both specs); replicas calling different binding calls at the same point
+    get the library's collective-mismatch error instead of a deadlock."""
+    if comm.size == 1:
+        pytest.skip("needs two replicas")
+    last = comm.size - 1
+    table = plj.TableSpec("differ", T, E)
+    width = 4 if comm.rank == last else 3
+    specs = [plj.FeatureSpec("a", table, (2,), (2, E)), plj.FeatureSpec("b", table, (2, width), (2, width, E))]
+    with pytest.raises(ValueError, match=rf"replica {last} has other feature specs than replica 0: at position 1 "
+                                         rf".*\[2, 4\].*replica 0 has feature \('b', 'differ', \[2, 3\]"):
+        plj.EmbeddingCollection(specs)
+    coll = plj.EmbeddingCollection(specs[:1])
+    ids = {"a": np.array([1, 2])}
+    with pytest.raises(RuntimeError, match="collective mismatch: replica 0 called EmbeddingCollection.lookup"):
+        coll.prepare(ids) if comm.rank == last else coll.lookup(ids)
+    full = np.asarray(coll.tables["differ"].get_embedding_tensor())  # every replica still in step
+    np.testing.assert_array_equal(coll.lookup(ids)["a"], full[[1, 2]])
 
 
 @pytest.mark.mpi

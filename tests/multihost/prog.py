@@ -1,13 +1,14 @@
 """The program the multi-host launcher tests run on every rank (a file in the project,
 since /tmp is private to each test host).
 
-    python tests/multihost/prog.py topology | feed | raise R | sigkill R | loop | wait DIR
+    python tests/multihost/prog.py topology | feed | raise R | sigkill R | loop | wait DIR | detach R
 """
 
 import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -56,4 +57,11 @@ elif what == "wait":  # until DIR/go exists (DIR in the project: the hosts share
     deadline = time.monotonic() + 60
     while not os.path.exists(go) and time.monotonic() < deadline:
         time.sleep(0.05)
+    pl.all_reduce(np.ones(4))
+elif what == "detach":  # every rank leaves a process outside its session behind; replica R fails
+    subprocess.Popen(["sleep", "300"], start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pl.all_reduce(np.ones(4))
+    if me == int(sys.argv[2]):
+        os._exit(3)  # dies without finalizing MPI, as a crash does
     pl.all_reduce(np.ones(4))

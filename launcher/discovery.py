@@ -1,0 +1,125 @@
+"""Host discovery for elastic jobs: ``--host-discovery-script PATH`` (Horovod Elastic's
+contract, ``horovodrun --host-discovery-script``).
+
+The script is run without arguments and with an empty standard input, at the job's
+start, before every attempt and every ``--discovery-interval`` seconds during a run. It
+prints the hosts available now, one per line, in the hostfile grammar of
+:mod:`popdist_lite_launcher.hosts` (``host:slots`` as Horovod's scripts print, or Open
+MPI's ``host slots=N``; ``#`` comments and blank lines are ignored); a host without slots
+holds one replica (with its feeders). It exits with code 0; printing no host means none
+is available now. Its output is untrusted input: every host name must pass
+:func:`popdist_lite_launcher.hosts.check_host` (so none can be taken for an option), a host
+may be listed once, and at most :data:`MAX_OUTPUT_BYTES` are read.
+
+A script that fails (exit code, cannot be run), hangs (still running after
+:data:`DISCOVERY_TIMEOUT_SECONDS`: its whole process group is killed) or prints
+something that is not a host line raises :class:`DiscoveryError`, naming the script and
+the line or the exit code and the end of its stderr. What the launcher does with that
+(stop at the start, retry later) is in :mod:`popdist_lite_launcher.elastic`.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import time
+
+from . import hosts
+from .mpirun import LauncherError
+
+#: Seconds a discovery script may run before it is killed and the discovery fails.
+DISCOVERY_TIMEOUT_SECONDS = 10.0
+#: Most bytes of a discovery script's output read (stdout; stderr's end is kept).
+MAX_OUTPUT_BYTES = 1 << 20
+_STDERR_TAIL_BYTES = 2000
+
+
+class DiscoveryError(LauncherError):
+    """The discovery script failed, hung or printed something that is not a host line."""
+
+
+def parse(text: bytes, script: str) -> list[tuple[str, int | None]]:
+    """``(host, slots or None)`` for every host line of a discovery script's output.
+
+    Raises:
+        DiscoveryError: naming ``script`` and the line: a bad line, text that is not
+            UTF-8, or a host listed twice.
+    """
+    found: list[tuple[str, int | None]] = []
+    first_line: dict[str, int] = {}
+    for number, raw in enumerate(text.split(b"\n"), 1):
+        try:
+            host = hosts.parse_hostfile_line(raw.decode("utf-8"))
+        except ValueError as exc:  # UnicodeDecodeError too
+            problem = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc
+            raise DiscoveryError(f"host discovery script {script}, line {number}: {problem}") from None
+        if host is None:
+            continue
+        if host[0] in first_line:
+            raise DiscoveryError(f"host discovery script {script}, line {number}: host {host[0]} "
+                                 f"listed again (first on line {first_line[host[0]]})")
+        first_line[host[0]] = number
+        found.append(host)
+    return found
+
+
+def discover(script: str, timeout: float = DISCOVERY_TIMEOUT_SECONDS) -> list[tuple[str, int | None]]:
+    """Run the discovery ``script`` and return its hosts, in the order printed.
+
+    Raises:
+        DiscoveryError: the script cannot be run, exits with another code than 0, is
+            still running after ``timeout`` seconds, prints more than
+            :data:`MAX_OUTPUT_BYTES` or a line that is not a host (:func:`parse`).
+    """
+    try:
+        proc = subprocess.Popen([script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as exc:
+        raise DiscoveryError(f"host discovery script {script} cannot be run: {exc}") from None
+    out, err, problem = bytearray(), bytearray(), None
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ, out)
+        selector.register(proc.stderr, selectors.EVENT_READ, err)
+        while selector.get_map() and problem is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                problem = f"still running after {timeout:g} s (killed)"
+                break
+            for key, _ in selector.select(left):
+                chunk = os.read(key.fileobj.fileno(), 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                key.data.extend(chunk)
+                if len(out) > MAX_OUTPUT_BYTES:
+                    problem = f"printed more than {MAX_OUTPUT_BYTES} bytes (killed)"
+                del err[:-_STDERR_TAIL_BYTES]
+    if problem is None:
+        try:
+            code = proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            problem = f"still running after {timeout:g} s (killed)"
+    if problem is not None:
+        _kill_group(proc)
+    proc.stdout.close()
+    proc.stderr.close()
+    said = err.decode("utf-8", "replace").strip().splitlines()[-3:]
+    said = ": " + " / ".join(said) if said else ""
+    if problem is not None:
+        raise DiscoveryError(f"host discovery script {script}: {problem}{said}")
+    if code != 0:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        raise DiscoveryError(f"host discovery script {script} {how}{said}")
+    return parse(bytes(out), script)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the script's process group (its own session) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    proc.wait()

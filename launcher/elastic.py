@@ -1,0 +1,452 @@
+"""Elastic jobs: ``poprun-lite --min-replicas N`` (``--num-replicas`` is the most), hosts
+from ``--host-discovery-script`` (or ``-H``/``--hostfile``), a membership per attempt.
+
+Every attempt runs on a **membership**: the usable hosts' slots, taken in discovery
+order, up to ``--num-replicas`` replicas (a replica and its feeders on one host, so a
+host of S slots holds ``S // (1 + F)`` replicas; a host listed without slots holds one).
+Usable means the host is discovered and passes the probe
+(:func:`popdist_lite_launcher.network.probe_hosts`). Below ``--min-replicas`` the launcher
+waits, polling every ``--discovery-interval`` seconds and saying what it waits for, at
+most ``--elastic-timeout`` seconds (and within ``--timeout``).
+
+An attempt ends in one of four ways:
+
+* it **succeeds** (every rank exits 0, no resize asked): the job is done;
+* it **stops for a resize** (:class:`ResizeMonitor`): discovery found more usable slots
+  than the attempt uses (up to ``--num-replicas``), or stopped listing a host the
+  attempt uses; every replica's agent got a ``resize_request``, the replicas agreed at a
+  step boundary (:func:`popdist_lite.should_checkpoint`), saved a checkpoint, sent
+  ``resize_stop`` and exited 0. The next attempt starts on the new membership;
+* it **loses a host**: it failed, and at the check that follows a host it used is gone
+  (not discovered, or its probe fails). The next attempt runs on the hosts left;
+* it **fails** otherwise (an exception, a crash, a stall, on hosts that are all still
+  usable). The next attempt runs on the same hosts, up to ``--max-restarts`` times.
+
+Only failures count against ``--max-restarts``: a lost host or a resize is a change of
+membership (torchrun likewise restarts its workers for a new node without counting it).
+The program resumes from its newest checkpoint, whose tables, optimizer state and feed
+position reshard to the new replica count (docs/checkpoint.md). Discovery errors: at the
+job's start they stop it (exit code 2); later, during a run the current membership is
+kept and the error printed, and between attempts the launcher retries, waiting as for
+hosts.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from popdist_lite import records
+
+from . import discovery, network, report
+from .mpirun import LauncherError, is_local_host
+
+#: Default of ``--discovery-interval``: seconds between two checks of the hosts.
+DISCOVERY_INTERVAL_SECONDS = 2.0
+#: Default of ``--elastic-timeout``: seconds an elastic job waits for enough hosts
+#: (Horovod's ``--elastic-timeout`` default).
+ELASTIC_TIMEOUT_SECONDS = 600.0
+#: Seconds between two sends of a resize request to agents that did not get it yet.
+RESEND_SECONDS = 0.5
+
+
+def _say(text: str) -> None:
+    print(f"poprun-lite: {text}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ membership
+
+@dataclass(frozen=True)
+class Membership:
+    """An attempt's hosts: ``(host, replicas on it)`` in rank order (host None: this
+    machine, no ``-H``)."""
+
+    hosts: tuple[tuple[str | None, int], ...]
+
+    @property
+    def replicas(self) -> int:
+        return sum(count for _, count in self.hosts)
+
+    def names(self) -> list[str]:
+        return [host for host, _ in self.hosts if host is not None]
+
+    def describe(self) -> str:
+        """``4 replicas on pdlh1 (2), pdlh2 (2)``."""
+        where = ", ".join(f"{host or 'this host'} ({count})" for host, count in self.hosts)
+        return f"{self.replicas} replica{'s' if self.replicas != 1 else ''}" + (f" on {where}" if where else "")
+
+
+def capacity(slots: int | None, feeders: int) -> int:
+    """Replicas a host of ``slots`` slots holds (a replica and its ``feeders`` feeders
+    share a host); one for a host listed without slots."""
+    return 1 if slots is None else slots // (1 + feeders)
+
+
+def size_attempt(available: list[tuple[str, int | None]], max_replicas: int, feeders: int) -> Membership:
+    """The membership of an attempt on the ``available`` hosts, ``(host, slots)`` in
+    discovery order: each host's :func:`capacity`, in that order, up to ``max_replicas``."""
+    placed, left = [], max_replicas
+    for host, slots in available:
+        take = min(capacity(slots, feeders), left)
+        if take > 0:
+            placed.append((host, take))
+            left -= take
+    return Membership(tuple(placed))
+
+
+def _names(hosts) -> str:
+    return ", ".join(host or "this host" for host in hosts)
+
+
+def _hosts_text(names: list[str]) -> str:
+    return ("host " if len(names) == 1 else "hosts ") + _names(names)
+
+
+def change(before: Membership, after: Membership) -> str:
+    """How ``after`` differs from ``before``, in words: ``host b lost``, ``host c added``,
+    ``more replicas on a``; "" when nothing changed."""
+    old, new = dict(before.hosts), dict(after.hosts)
+    parts = []
+    lost = [h for h in old if h not in new]
+    added = [h for h in new if h not in old]
+    if lost:
+        parts.append(_hosts_text(lost) + " lost")
+    if added:
+        parts.append(_hosts_text(added) + " added")
+    more = [h for h in new if h in old and new[h] > old[h]]
+    fewer = [h for h in new if h in old and new[h] < old[h]]
+    if more:
+        parts.append("more replicas on " + _names(more))
+    if fewer:
+        parts.append("fewer replicas on " + _names(fewer))
+    return "; ".join(parts)
+
+
+def resize_reason(current: Membership, target: Membership,
+                  available: list[tuple[str, int | None]], feeders: int) -> str | None:
+    """Why the running attempt on ``current`` should stop for a resize, or None: the
+    ``target`` membership (from the usable discovered hosts) has more replicas (a grow),
+    or a host of ``current`` is no longer discovered or now holds fewer replicas."""
+    listed = dict(available)
+    gone = [h for h in current.names() if h not in listed]
+    if gone:
+        return _hosts_text(gone) + " no longer discovered"
+    smaller = [h for h, count in current.hosts if h is not None and capacity(listed[h], feeders) < count]
+    if smaller:
+        return _hosts_text(smaller) + " now with fewer slots"
+    if target.replicas > current.replicas:
+        return change(current, target) or f"{target.replicas} replicas usable"
+    return None
+
+
+@dataclass
+class AttemptRecord:
+    """One attempt in the report: its number (from 1), membership, why it has that
+    membership, and how it ended."""
+
+    number: int
+    membership: Membership
+    why: str = ""
+    outcome: str = "running"
+
+    def line(self) -> str:
+        why = f", after {self.why}" if self.why else ""
+        return f"  attempt {self.number}: {self.membership.describe()}{why}; {self.outcome}"
+
+
+def format_attempts(history: list[AttemptRecord]) -> str:
+    """``attempts:`` and one line per attempt (membership, why, outcome)."""
+    return "\n".join(["attempts:", *(record.line() for record in history)])
+
+
+# ------------------------------------------------------------------ hosts
+
+class Cluster:
+    """The hosts of an elastic job, as discovery and the probes see them now (``opts``:
+    poprun-lite's options)."""
+
+    def __init__(self, opts):
+        self.opts = opts
+
+    def discover(self) -> list[tuple[str, int | None]]:
+        """``(host, slots)`` available now: the discovery script's, else ``-H`` /
+        ``--hostfile`` (a host without slots holds an even share of ``--num-replicas``),
+        else this machine with room for every replica.
+
+        Raises:
+            DiscoveryError: the script failed, hung or printed garbage.
+        """
+        opts = self.opts
+        per_replica = 1 + opts.feeders_per_replica
+        if opts.host_discovery_script:
+            return discovery.discover(opts.host_discovery_script)
+        if opts.hosts:
+            share = math.ceil(opts.num_replicas / len(opts.hosts)) * per_replica
+            return [(host, opts.slots.get(host, share)) for host in opts.hosts]
+        return [("localhost", opts.num_replicas * per_replica)]
+
+    def usable(self, available: list[tuple[str, int | None]],
+               trusted=()) -> tuple[list[tuple[str, int | None]], dict[str, str]]:
+        """The ``available`` hosts that pass the probe (hosts in ``trusted``, this
+        machine, and every host with ``--no-host-check``, are not probed), in order, and
+        why each other one failed."""
+        opts = self.opts
+        remote = [host for host, _ in available if not is_local_host(host) and host not in trusted]
+        problems: dict[str, str] = {}
+        if remote and opts.host_check:
+            try:
+                address = self.address(remote)
+            except LauncherError as exc:
+                problems = {host: str(exc) for host in remote}
+            else:
+                problems = {h: p for h, p in network.probe_hosts(opts.launch_agent, remote, address).items() if p}
+        return [(host, slots) for host, slots in available if host not in problems], problems
+
+    def address(self, remote: list[str]) -> str:
+        """The launcher's address on the job's network, seen from ``remote`` hosts (the
+        route to the first of them that has one, without ``--network-interface``).
+
+        Raises:
+            LauncherError: no address for any of them.
+        """
+        error = None
+        for host in remote if not self.opts.network_interface else remote[:1]:
+            try:
+                return network.launcher_address(self.opts.network_interface, [host])
+            except LauncherError as exc:
+                error = error or exc
+        raise error
+
+    def membership(self, trusted=()) -> tuple[Membership, dict[str, str], list]:
+        """``(membership, problems, usable)`` now (see :meth:`discover`, :meth:`usable`,
+        :meth:`size`).
+
+        Raises:
+            DiscoveryError: as :meth:`discover`.
+        """
+        usable, problems = self.usable(self.discover(), trusted)
+        return self.size(usable), problems, usable
+
+    def size(self, usable: list[tuple[str, int | None]]) -> Membership:
+        """:func:`size_attempt` for this job; on this machine alone the membership's host
+        is None (no ``-H`` for mpirun)."""
+        target = size_attempt(usable, self.opts.num_replicas, self.opts.feeders_per_replica)
+        if all(is_local_host(host) for host in target.names()):
+            target = Membership(tuple((None, count) for _, count in target.hosts))
+        return target
+
+
+def waiting_note(membership: Membership | None, minimum: int, problems: dict[str, str],
+                 error: str | None = None) -> str:
+    """What the launcher waits for, in words."""
+    have = membership.describe() if membership is not None and membership.replicas else "no replicas"
+    lines = [f"waiting for hosts: {have} usable, --min-replicas {minimum}"]
+    if error:
+        lines.append(f"  {error}")
+    lines += [f"  {problem}" for problem in problems.values()]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the resize monitor
+
+class ResizeMonitor:
+    """During an attempt on ``membership``: every ``interval`` seconds, discovery and the
+    probe of the hosts the attempt does not use (:meth:`Cluster.discover`,
+    :meth:`Cluster.usable`); when :func:`resize_reason` finds one, ``send(rank,
+    resize_request)`` to every replica's agent (``rank`` 0 to R-1), again every
+    :data:`RESEND_SECONDS` to those not reached yet, until :meth:`stop`. A discovery
+    error is printed once per distinct message and changes nothing."""
+
+    def __init__(self, cluster: Cluster, membership: Membership, send: Callable[[int, dict], bool],
+                 interval: float = DISCOVERY_INTERVAL_SECONDS, say: Callable[[str], None] = _say):
+        self.cluster, self.membership, self.send = cluster, membership, send
+        self.interval, self.say = interval, say
+        self.reason: str | None = None   # why a resize was asked for
+        self.target: Membership | None = None
+        self.sent: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="poprun-lite resize monitor", daemon=True)
+        self._last_error: str | None = None
+
+    def start(self) -> "ResizeMonitor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def check(self) -> None:
+        """One round: discovery, probes, the decision (and the first requests)."""
+        if self.reason is None:
+            try:
+                available = self.cluster.discover()
+                usable, _ = self.cluster.usable(available, trusted=self.membership.names())
+            except LauncherError as exc:
+                if str(exc) != self._last_error:
+                    self._last_error = str(exc)
+                    self.say(f"host discovery failed during the attempt (membership kept): {exc}")
+                return
+            target = self.cluster.size(usable)
+            reason = resize_reason(self.membership, target, available, self.cluster.opts.feeders_per_replica)
+            if reason is None or self._stop.is_set():  # nothing new, or the attempt is over
+                return
+            self.reason, self.target = reason, target
+            self.say(f"asking the replicas to checkpoint and stop for a resize to {target.describe()} "
+                     f"({reason})")
+        request = records.make("resize_request", replicas=self.target.replicas)
+        for rank in range(self.membership.replicas):
+            if rank not in self.sent and self.send(rank, request):
+                self.sent.add(rank)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval if self.reason is None else RESEND_SECONDS):
+            try:
+                self.check()
+            except Exception as exc:  # noqa: BLE001 - a bug here must not end the job
+                self.say(f"resize monitor error: {type(exc).__name__}: {exc}")
+
+
+# ------------------------------------------------------------------ the attempts
+
+@dataclass
+class _Wait:
+    """How waiting for hosts ended without a membership: the exit code and the line."""
+    code: int
+    text: str
+
+
+def wait_for_membership(cluster: Cluster, deadline: float | None, first=None,
+                        say: Callable[[str], None] = _say):
+    """A membership of at least ``--min-replicas`` replicas: ``first`` (a
+    ``(membership, problems, available)`` already found) if it has enough, else polling
+    :meth:`Cluster.membership` every ``--discovery-interval`` seconds, saying what it
+    waits for whenever that changes; a :class:`_Wait` when ``--elastic-timeout`` or the
+    job's ``deadline`` (monotonic) passes first."""
+    opts = cluster.opts
+    until = time.monotonic() + opts.elastic_timeout
+    if deadline is not None:
+        until = min(until, deadline)
+    last = None
+    while True:
+        error, membership, problems = None, None, {}
+        if first is not None:
+            (membership, problems, _), first = first, None
+        else:
+            try:
+                membership, problems, _ = cluster.membership()
+            except LauncherError as exc:
+                error = str(exc)
+        if membership is not None and membership.replicas >= opts.min_replicas:
+            return membership
+        note = waiting_note(membership, opts.min_replicas, problems, error)
+        if note != last:
+            say(note)
+            last = note
+        now = time.monotonic()
+        if now >= until:
+            if deadline is not None and until >= deadline:
+                return _Wait(124, f"job timed out after {opts.timeout:g} s waiting for hosts")
+            return _Wait(1, f"fewer than --min-replicas {opts.min_replicas} replicas usable for "
+                            f"--elastic-timeout {opts.elastic_timeout:g} s")
+        time.sleep(max(0.0, min(opts.discovery_interval, until - now)))
+
+
+def run(opts, run_attempt, exit_code, say: Callable[[str], None] = _say) -> int:
+    """Run an elastic job's attempts; returns the job's exit code.
+
+    ``run_attempt(index, membership, timeout, monitor_factory)`` runs one attempt and
+    returns its :class:`~popdist_lite_launcher.job.JobResult` (with ``resize_stops``, the
+    ``resize_stop`` records received); ``monitor_factory(send)`` makes the attempt's
+    :class:`ResizeMonitor` once its collector can send. ``exit_code(result)`` is the exit
+    code of a failed attempt.
+    """
+    cluster = Cluster(opts)
+    start = time.monotonic()
+    deadline = start + opts.timeout if opts.timeout else None
+    history: list[AttemptRecord] = []
+    failures = 0
+    try:
+        found = cluster.membership()
+    except LauncherError as exc:
+        print(f"poprun-lite: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    why = ""
+    while True:
+        membership = wait_for_membership(cluster, deadline, found, say)
+        if isinstance(membership, _Wait):
+            lines = [f"poprun-lite: {membership.text} (exit code {membership.code})"]
+            if history:
+                lines.append(format_attempts(history))
+            print("\n".join(lines), file=sys.stderr, flush=True)
+            return membership.code
+        record = AttemptRecord(len(history) + 1, membership, why)
+        history.append(record)
+        say(f"attempt {record.number}: {membership.describe()}" + (f" ({why})" if why else ""))
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        monitor: list[ResizeMonitor] = []
+
+        def monitor_factory(send, membership=membership):
+            monitor.append(ResizeMonitor(cluster, membership, send, opts.discovery_interval, say))
+            return monitor[0]
+
+        result = run_attempt(record.number - 1, membership, left, monitor_factory)
+        reason = monitor[0].reason if monitor else None
+        clean = result.returncode == 0 and not result.stop_reason and not result.failures \
+            and not result.internal_error
+        if clean and result.resize_stops:
+            record.outcome = f"stopped at a step boundary for a resize ({reason or 'asked'})"
+            why, found = reason or "a resize", None
+            say(f"attempt {record.number} stopped for a resize ({reason}); starting the next")
+            continue
+        if clean:
+            record.outcome = "succeeded"
+            if len(history) > 1:
+                print(f"poprun-lite: job succeeded on attempt {record.number}; "
+                      + format_attempts(history), file=sys.stderr, flush=True)
+            return 0
+        code = exit_code(result)
+        summary = report.summary(result.failures, reason=result.stop_reason, stalled=result.stall is not None)
+        final = result.stop_signal is not None or result.timed_out or result.internal_error is not None
+        found, lost = None, []
+        if not final:
+            try:
+                found = cluster.membership()
+            except LauncherError as exc:
+                say(f"host discovery failed after attempt {record.number}: {exc}")
+            else:
+                usable = dict(found[2])
+                lost = [h for h in membership.names() if h not in usable]
+        if lost:
+            record.outcome = f"{_hosts_text(lost)} lost: {summary} (exit code {code})"
+        else:
+            failures += 1
+            record.outcome = f"failed: {summary} (exit code {code})"
+            final = final or failures > opts.max_restarts
+        text = report.format_report(
+            result.failures, code, mpirun_tail=result.mpirun_tail, cause=result.stall,
+            reason=(result.stop_reason if final and result.stop_reason else
+                    "job stopped after an internal error in poprun-lite" if result.internal_error else
+                    "job failed" if final else f"attempt {record.number} failed"))
+        if result.internal_error:
+            text += f"\npoprun-lite: internal error: {result.internal_error}"
+        if final:
+            print(text + "\n" + format_attempts(history), file=sys.stderr, flush=True)
+            return code
+        print(text, file=sys.stderr, flush=True)
+        if lost:
+            why = f"{_hosts_text(lost)} lost"
+            for host in lost:
+                problem = found[1].get(host)
+                if problem:
+                    say(problem)
+            say(f"{why}: restarting on the hosts left (a change of membership, not counted "
+                f"against --max-restarts)")
+        else:
+            why = "a failure"
+            say(f"restarting the job after failure {failures} of at most {opts.max_restarts} "
+                f"(--max-restarts)")

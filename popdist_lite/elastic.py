@@ -1,0 +1,66 @@
+"""Elastic jobs, the program's side: :func:`should_checkpoint`.
+
+``poprun-lite --min-replicas N`` (docs/elastic.md) restarts a job at another replica
+count when hosts are lost or come back. A loss ends the attempt at once (the program
+resumes from its newest checkpoint); a grow is asked for: the launcher sends every
+replica's agent a ``resize_request`` record, the agent passes it to its program as one
+byte on their socket pair (:func:`popdist_lite.records.resize_requested`), and the
+training loop, at a step boundary, asks::
+
+    if pl.should_checkpoint():          # the same answer on every replica, at the same step
+        pl.save_checkpoint(ckpt_dir, state, step=step + 1)
+        break                           # exit 0: the launcher starts the larger attempt
+
+so no step is lost or cut in half by a grow. The first True also sends the launcher a
+``resize_stop`` record: the replicas stopped for the resize (the attempt's clean end is
+then not the end of the job). Horovod Elastic's ``State.commit()`` checks for host
+changes at the same place (and raises ``HostsUpdatedInterrupt``); torchrun's agent
+restarts the workers of a changed membership without asking them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import records, topology
+
+_state = {"announced": False}
+
+
+def should_checkpoint() -> bool:
+    """Collective over the replicas: True when the launcher asked this attempt to end for
+    a resize (``poprun-lite --min-replicas``), on every replica at the same call.
+
+    Call it once per step at the step boundary; on True, save a checkpoint and end the
+    program normally (exit code 0): the launcher starts the next attempt at the new size,
+    which resumes from that checkpoint. Once True it stays True. Costs one all-reduce of
+    one ``int32`` (MAX) on the replica communicator; outside poprun-lite (plain mpirun,
+    one process) it is always False.
+
+    Returns:
+        bool, the same on every replica.
+    """
+    topology.init()
+    asked = np.array([records.resize_requested()], dtype=np.int32)
+    comm = topology.replica_comm()
+    if comm.Get_size() > 1:
+        from mpi4py import MPI
+
+        from .collectives import next_call_number
+
+        next_call_number(comm, "should_checkpoint")  # numbered for the stall inspector
+        comm.Allreduce(MPI.IN_PLACE, asked, op=MPI.MAX)
+    agreed = bool(asked[0])
+    if agreed and not _state["announced"]:
+        _state["announced"] = True
+        topo = topology.current()
+        records.send(records.make("resize_stop", records.identity(
+            rank=records.env_rank(), replica=topo.replica_id, pid=os.getpid())),
+            timeout=RECORD_TIMEOUT_SECONDS)
+    return agreed
+
+
+#: Seconds :func:`should_checkpoint` waits for its agent to pass ``resize_stop`` on.
+RECORD_TIMEOUT_SECONDS = 5.0

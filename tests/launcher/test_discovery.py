@@ -1,0 +1,135 @@
+"""Host discovery (--host-discovery-script, Horovod's contract): the output's grammar, a
+script that fails, hangs, prints garbage or too much, in the process and through
+poprun-lite; never a hang. Every process runs under a timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from peers import alive
+
+from popdist_lite_launcher import discovery
+from popdist_lite_launcher.discovery import DiscoveryError
+
+LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
+
+
+def script(tmp_path, body: str, name: str = "discover.sh"):
+    path = tmp_path / name
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_parse_reads_horovods_lines_and_hostfile_lines():
+    text = b"# available now\nnode1:4\n\n[fe80::1]:2\nnode2 slots=3\n10.0.0.7\n"
+    assert discovery.parse(text, "s") == [("node1", 4), ("fe80::1", 2), ("node2", 3), ("10.0.0.7", None)]
+    assert discovery.parse(b"", "s") == [] and discovery.parse(b"\n# none\n", "s") == []
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"node1:4\n-oProxyCommand=touch:2\n", r"script s, line 2: '-oProxyCommand=touch' is not a host name"),
+    (b"node1;reboot\n", r"script s, line 1: 'node1;reboot' is not a host name"),
+    (b"node1:0\n", r"script s, line 1: expected HOST or HOST:SLOTS \(SLOTS >= 1\)"),
+    (b"node1:4\nnode1:2\n", r"script s, line 2: host node1 listed again \(first on line 1\)"),
+    (b"ok\n\xff\xfe\n", r"script s, line 2: not UTF-8 text"),
+    (b"node1 slots=many\n", r"script s, line 1: bad slots value 'many'"),
+])
+def test_parse_refuses_garbage_naming_the_script_and_line(text, message):
+    with pytest.raises(DiscoveryError, match=message):
+        discovery.parse(text, "s")
+
+
+def test_discover_runs_the_script(tmp_path):
+    assert discovery.discover(script(tmp_path, "echo node1:2; echo node2:2\n")) == [("node1", 2), ("node2", 2)]
+
+
+def test_discover_fails_clearly(tmp_path):
+    with pytest.raises(DiscoveryError, match=r"discover.sh exited with code 3: no cluster today"):
+        discovery.discover(script(tmp_path, "echo node1:2; echo 'no cluster today' >&2; exit 3\n"))
+    with pytest.raises(DiscoveryError, match=r"nope.sh cannot be run: .*No such file"):
+        discovery.discover(str(tmp_path / "nope.sh"))
+    (tmp_path / "plain").write_text("node1:2\n")  # not executable
+    with pytest.raises(DiscoveryError, match=r"plain cannot be run: .*Permission denied"):
+        discovery.discover(str(tmp_path / "plain"))
+    with pytest.raises(DiscoveryError, match=rf"printed more than {discovery.MAX_OUTPUT_BYTES} bytes"):
+        discovery.discover(script(tmp_path, "yes node1:2\n"))
+
+
+def test_a_hanging_script_and_its_children_are_killed(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    hangs = script(tmp_path, f"echo node1:2\nsleep 300 & echo $! > {pid_file}\nsleep 300\n")
+    start = time.monotonic()
+    with pytest.raises(DiscoveryError, match=r"still running after 1 s \(killed\)"):
+        discovery.discover(hangs, timeout=1.0)
+    assert time.monotonic() - start < 5
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child), "the script's child survived"
+
+
+# ---------------------------------------------------------------- through poprun-lite
+
+def poprun(tmp_path, discover: str, *args, timeout: float = 90):
+    prog = tmp_path / "prog.py"
+    prog.write_text("print('ran', flush=True)\n")
+    return subprocess.run([*LAUNCHER, "--num-replicas", "2", "--min-replicas", "1", "--host-discovery-script",
+                           discover, "--timeout", "60", *args, sys.executable, str(prog)],
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("echo localhost:2\necho 'rm;reboot'\n", "host discovery script {s}, line 2: 'rm;reboot' is not a host name"),
+    ("echo 'inventory down' >&2\nexit 1\n", "host discovery script {s} exited with code 1: inventory down"),
+    ("sleep 300\n", "host discovery script {s}: still running after 10 s (killed)"),
+])
+def test_a_bad_script_stops_the_job_at_its_start(tmp_path, body, message):
+    """Garbage, a failure or a hang at the start: exit code 2 naming the script and what
+    was wrong, within the discovery timeout; nothing was launched."""
+    path = script(tmp_path, body)
+    start = time.monotonic()
+    proc = poprun(tmp_path, path)
+    assert time.monotonic() - start < discovery.DISCOVERY_TIMEOUT_SECONDS + 15
+    assert proc.returncode == 2, proc.stderr
+    assert f"poprun-lite: error: {message.format(s=path)}" in proc.stderr
+    assert "ran" not in proc.stdout
+
+
+def test_a_script_failing_between_attempts_is_retried(tmp_path):
+    """The script works at the start, then fails for 4 s from the moment the first
+    attempt's program starts (during the attempt the membership is kept; after the
+    attempt failed the launcher says what it waits for and retries at every interval),
+    then works again: the second attempt runs."""
+    broken = tmp_path / "broken"
+    path = script(tmp_path, f"""if [ -f {broken} ] && [ "$(date +%s)" -lt "$(cat {broken})" ]; then
+    echo "inventory down" >&2; exit 1
+fi
+echo localhost:2
+""")
+    prog = tmp_path / "prog.py"
+    prog.write_text("import os, sys, time\n"
+                    "if os.environ['POPDIST_LITE_RESTART_COUNT'] == '0':\n"
+                    f"    open({str(broken)!r}, 'w').write(str(int(time.time()) + 4))\n"
+                    "    time.sleep(1.5)\n"
+                    "    sys.exit(5)\n"
+                    "print('second attempt', os.environ['POPDIST_REPLICA_INDEX_OFFSET'], flush=True)\n")
+    proc = subprocess.run([*LAUNCHER, "--num-replicas", "2", "--min-replicas", "2", "--max-restarts", "1",
+                           "--host-discovery-script", path, "--discovery-interval", "0.5", "--timeout", "60",
+                           sys.executable, str(prog)], capture_output=True, text=True, timeout=90,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split("\n")) == ["", "second attempt 0", "second attempt 1"]
+    err = proc.stderr
+    assert f"host discovery failed during the attempt (membership kept): host discovery script {path} " \
+           f"exited with code 1: inventory down" in err
+    assert "poprun-lite: attempt 1 failed (exit code 5)" in err
+    assert f"poprun-lite: waiting for hosts: no replicas usable, --min-replicas 2\n" \
+           f"  host discovery script {path} exited with code 1: inventory down" in err
+    assert "restarting the job after failure 1 of at most 1 (--max-restarts)" in err
+    assert "attempt 2: 2 replicas on this host (2), after a failure; succeeded" in err

@@ -1,0 +1,95 @@
+"""The resize request's path (docs/elastic.md): launcher -> agent (``resize_request``,
+authenticated) -> program (one byte on the socket pair) -> ``should_checkpoint`` ->
+``resize_stop`` record -> agent (stamped with its identity) -> launcher. Every process
+runs under a timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+from peers import wait_for
+
+from popdist_lite import records
+from popdist_lite_launcher import channel
+from popdist_lite_launcher.collector import Collector
+
+LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
+
+
+def test_the_program_socket_carries_acks_and_the_resize_byte(monkeypatch):
+    """records.send counts only ACK bytes as acknowledgements, and a RESIZE byte among
+    them (before, between or after) is remembered for resize_requested."""
+    ours, theirs = socket.socketpair()
+    monkeypatch.setenv(records.RECORD_FD_ENV, str(theirs.fileno()))
+    monkeypatch.setitem(records._channel, "fd", None)
+    monkeypatch.setitem(records._channel, "resize", False)
+    try:
+        assert records.resize_requested() is False
+        ours.sendall(records.ACK)  # an early ACK, no resize yet
+        assert records.resize_requested() is False
+        ours.sendall(records.ACK + records.RESIZE)  # the second send's ACK, then RESIZE
+        assert records.send(records.make("heartbeat"), timeout=5) is True
+        assert records.send(records.make("heartbeat"), timeout=0.5) is True
+        assert records.resize_requested() is True
+        # a third record gets no ACK: not confirmed, and the RESIZE byte was not taken for one
+        assert records.send(records.make("heartbeat"), timeout=0.3) is False
+        assert records.resize_requested() is True  # sticky
+        lines = ours.recv(4096).split(b"\n")
+        assert [records.decode(line)["kind"] for line in lines if line] == ["heartbeat"] * 3
+    finally:
+        ours.close()
+        theirs.close()
+        records._channel["sock"] = None
+
+
+PROGRAM = """
+import os, sys, time
+import popdist_lite as pl
+from popdist_lite import records
+before = records.resize_requested()
+print("READY", flush=True)
+deadline = time.monotonic() + 30
+while not pl.should_checkpoint():
+    if time.monotonic() > deadline:
+        sys.exit("no resize request within 30 s")
+    time.sleep(0.02)
+print("ASKED", before, pl.should_checkpoint(), flush=True)
+"""
+
+
+def test_resize_request_reaches_should_checkpoint_and_resize_stop_comes_back():
+    with Collector(ranks=1) as collector:
+        env = {**os.environ, records.COLLECTOR_ENV: collector.address,
+               channel.KEY_ENV: collector.key.hex(), "PMI_RANK": "0",
+               "POPDIST_REPLICA_INDEX_OFFSET": "0", "POPDIST_LITE_ROLE": "replica"}
+        proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
+                                 sys.executable, "-c", PROGRAM], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert proc.stdout.readline().strip() == "READY"
+            wait_for(lambda: collector.records("hello"), timeout=30, what="the agent's hello")
+            assert collector.send(0, records.make("resize_request", replicas=4))
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert collector.wait_closed(5)
+        assert proc.returncode == 0, err
+        assert out.strip() == "ASKED False True"  # not asked before the request; sticky after
+        [stop] = collector.records("resize_stop")
+        [hello] = collector.records("hello")
+        assert {k: stop[k] for k in ("rank", "replica", "role", "host", "pid")} == \
+            {k: hello[k] for k in ("rank", "replica", "role", "host", "pid")}
+        assert collector.records("exit")[0]["exitcode"] == 0
+
+
+def test_should_checkpoint_is_false_outside_poprun_lite():
+    proc = subprocess.run([sys.executable, "-c", "import popdist_lite as pl; print(pl.should_checkpoint())"],
+                          capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items()
+                               if not k.startswith(("POPDIST", "OMPI_", "PMIX_", "PMI_", "POPRUN"))})
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr

@@ -1,0 +1,127 @@
+"""examples/shakespeare.py in elastic jobs, on this host (docs/elastic.md): with
+``--data-order global --global-batch-size G`` a step does the same math at any replica
+count (gradient accumulation), so
+
+- 2 replicas x 2 micro-batches from a 4-replica run's step-10 checkpoint end with the
+  4-replica run's tables, optimizer state and dense weights (float32 tolerance), with
+  its losses;
+- grown from 2 to 4 replicas by the launcher (the discovery script offers 4 slots once
+  the step-10 checkpoint exists), the job stops at a step boundary, resumes there at 4
+  replicas and prints the losses of an uninterrupted 4-replica run.
+
+Every run is under a timeout."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import EXAMPLE, ROOT, TINY, clean_env
+
+STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
+ARGS = ["--seq-len", "20", "--batch-size", "2", "--log-every", "1", "--sample-chars", "0", "--steps", "20",
+        "--checkpoint-every", "10", "--data-order", "global", "--global-batch-size", "8", "--clip-norm", "0",
+        "--emb-optimizer", "adam"]
+
+
+def launch(replicas: str, *args, timeout: float = 200) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", replicas,
+                           "--timeout", "150", *args], capture_output=True, text=True, timeout=timeout,
+                          env=clean_env(), cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
+def example(tmp_path, ckpt) -> list[str]:
+    data = tmp_path / "tiny.txt"
+    data.write_text(TINY)
+    return [sys.executable, str(EXAMPLE), "--data", str(data), *ARGS, "--checkpoint-dir", str(ckpt), "--resume"]
+
+
+def losses(stdout: str) -> dict[int, float]:
+    return {int(n): float(x) for n, x in STEP_RE.findall(stdout)}
+
+
+def arrays(ckpt) -> dict[str, np.ndarray]:
+    """Every array of a checkpoint at its global shape (python -m popdist_lite.checkpoint export)."""
+    from popdist_lite.checkpoint.__main__ import export
+    from popdist_lite.checkpoint.manifest import read_manifest
+
+    out = {}
+    for name in read_manifest(ckpt)["arrays"]:
+        path = ckpt.parent / (name.replace("/", ".") + ".npy")
+        export(ckpt, name, path)
+        out[name] = np.load(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An uninterrupted 4-replica run: its losses and checkpoints (steps 10 and 20)."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    proc = launch("4", *example(tmp_path, tmp_path / "ckpt"))
+    assert proc.returncode == 0, proc.stderr
+    assert "4 replica(s) x batch 2," in proc.stdout
+    return losses(proc.stdout), tmp_path / "ckpt"
+
+
+def test_accumulation_at_2_replicas_equals_4(tmp_path, straight):
+    want, ckpt = straight
+    shutil.copytree(ckpt / "step-00000010", tmp_path / "ckpt" / "step-00000010")
+    proc = launch("2", *example(tmp_path, tmp_path / "ckpt"))
+    assert proc.returncode == 0, proc.stderr
+    assert "2 replica(s) x batch 2 x 2 micro-batches" in proc.stdout
+    got = losses(proc.stdout)
+    assert sorted(got) == list(range(10, 20))
+    np.testing.assert_allclose([got[s] for s in range(10, 20)], [want[s] for s in range(10, 20)], atol=2e-4)
+    mine, theirs = arrays(tmp_path / "ckpt" / "step-00000020"), arrays(ckpt / "step-00000020")
+    assert sorted(mine) == sorted(theirs) and "embedding/weights" in mine and "params/dense_kernel" in mine
+    for name in theirs:
+        np.testing.assert_allclose(mine[name], theirs[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_grown_by_the_launcher_at_a_step_boundary(tmp_path, straight):
+    want, _ = straight
+    ckpt = tmp_path / "ckpt"
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/usr/bin/env bash\nif [ -d {ckpt}/step-00000010 ]; then echo localhost:4; "
+                        f"else echo localhost:2; fi\n")
+    discover.chmod(0o755)
+    proc = launch("4", "--min-replicas", "2", "--host-discovery-script", str(discover), "--discovery-interval",
+                  "0.5", *example(tmp_path, ckpt))
+    assert proc.returncode == 0, proc.stderr
+    stop = re.search(r"^stopping at step (\d+) for a resize \(checkpoint saved\)$", proc.stdout, re.M)
+    assert stop, proc.stdout
+    grown = int(stop[1])
+    assert 10 <= grown < 20
+    assert f"resumed from {ckpt}/step-{grown:08d} (step {grown})" in proc.stdout
+    got = losses(proc.stdout)
+    assert sorted(got) == list(range(20))  # no step lost or repeated
+    np.testing.assert_allclose([got[s] for s in range(20)], [want[s] for s in range(20)], atol=2e-4)
+    assert "poprun-lite: job succeeded on attempt 2; attempts:\n" \
+           "  attempt 1: 2 replicas on this host (2); stopped at a step boundary for a resize " \
+           "(more replicas on this host)\n" in proc.stderr
+
+
+def test_global_order_is_one_sequence_at_every_shard_count():
+    """make_dataset with offset: shard k of n from offset P yields global batches P+k,
+    P+k+n, ... of one sequence, the same for every n, in which each epoch holds every
+    chunk of the text exactly once."""
+    sys.path.insert(0, str(EXAMPLE.parent))
+    from shakespeare import make_dataset
+
+    ids = np.arange(21 * 30, dtype=np.int32)  # 30 distinct chunks of 21 characters
+    kw = dict(text_ids=ids, seq_len=20, batch_size=4, seed=3)
+    one = make_dataset(0, 1, offset=0, **kw)
+    sequence = [next(one)["ids"] for _ in range(45)]  # 180 samples: 6 epochs of 30 chunks
+    starts = np.concatenate(sequence)[:, 0] // 21
+    for epoch in range(6):
+        assert sorted(starts[30 * epoch:30 * (epoch + 1)]) == list(range(30))
+    for n, offset in ((3, 0), (2, 7), (4, 13)):
+        for k in range(n):
+            shard = make_dataset(k, n, offset=offset, **kw)
+            for g in range(offset + k, 45, n):
+                assert np.array_equal(next(shard)["ids"], sequence[g]), (n, offset, k, g)
