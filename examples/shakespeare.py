@@ -253,6 +253,53 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return super()._get_help_string(action)
 
 
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """The checkpoint and data-order options every Shakespeare example takes."""
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="save checkpoints under this directory (one path every replica sees)")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="save a checkpoint every N steps (default: at the end only)")
+    p.add_argument("--checkpoint-keep", type=int, default=2,
+                   help="keep the newest K checkpoints")
+    p.add_argument("--checkpoint-async", action="store_true",
+                   help="save in the background (training continues while the files are written)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
+    p.add_argument("--data-order", choices=["shard", "global"], default="shard",
+                   help="shard: each replica shuffles its own shard of the text (the guide's "
+                        "pipeline); global: one order of the whole text whatever the replica count, "
+                        "so that an elastic job's resize neither repeats nor skips a sequence")
+
+
+def check_checkpoint_args(p: argparse.ArgumentParser, args) -> None:
+    """``p.error`` on checkpoint options that do not go together."""
+    if (args.resume or args.checkpoint_every is not None) and args.checkpoint_dir is None:
+        p.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1 or args.checkpoint_keep < 1:
+        p.error("--checkpoint-every and --checkpoint-keep must be >= 1")
+
+
+def batch_loader(data: Path, *, seq_len: int, batch_size: int, seed: int, data_order: str):
+    """The ``make_dataset`` argument of :func:`popdist_lite.infeed`: the text of ``data``
+    through :func:`make_dataset`, in chunks of ``seq_len + 1``, in the ``data_order``
+    (``"global"``: it takes the feed's ``offset``, so a resumed feed continues exactly).
+
+    It runs where the data is prepared: on the replica's feed processes
+    (``poprun-lite --feeders-per-replica F``) or, with F = 0, in a thread of the replica;
+    it reads the file at the first ``next(dataset)``, after :func:`ensure_data`.
+    """
+    def load(shard_index, num_shards, **position):
+        _, ids = encode_text(data.read_bytes().decode("utf-8"))
+        return make_dataset(shard_index, num_shards, text_ids=ids, seq_len=seq_len,
+                            batch_size=batch_size, seed=seed, **position)
+
+    if data_order == "global":  # the feed's offset contract: resumes at the exact position
+        def load_global(shard_index, num_shards, offset=0):
+            return load(shard_index, num_shards, offset=offset)
+        return load_global
+    return load
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -306,20 +353,7 @@ def parse_args(argv=None):
     p.add_argument("--sample-chars", type=int, default=400,
                    help="characters of text to generate at the end (0: none)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
-    p.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="save checkpoints under this directory (one path every replica sees)")
-    p.add_argument("--checkpoint-every", type=int, default=None,
-                   help="save a checkpoint every N steps (default: at the end only)")
-    p.add_argument("--checkpoint-keep", type=int, default=2,
-                   help="keep the newest K checkpoints")
-    p.add_argument("--checkpoint-async", action="store_true",
-                   help="save in the background (training continues while the files are written)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
-    p.add_argument("--data-order", choices=["shard", "global"], default="shard",
-                   help="shard: each replica shuffles its own shard of the text (the guide's "
-                        "pipeline); global: one order of the whole text whatever the replica count, "
-                        "so that an elastic job's resize neither repeats nor skips a sequence")
+    add_checkpoint_args(p)
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="sequences per step over all replicas, kept at any replica count by "
                         "gradient accumulation: each replica takes G / (replicas x --batch-size) "
@@ -338,10 +372,7 @@ def parse_args(argv=None):
         args.log_every = max(1, args.steps // 30)
     if args.steps < 0 or args.log_every < 1:
         p.error("--steps must be >= 0 and --log-every >= 1")
-    if (args.resume or args.checkpoint_every is not None) and args.checkpoint_dir is None:
-        p.error("--resume and --checkpoint-every need --checkpoint-dir")
-    if args.checkpoint_every is not None and args.checkpoint_every < 1 or args.checkpoint_keep < 1:
-        p.error("--checkpoint-every and --checkpoint-keep must be >= 1")
+    check_checkpoint_args(p, args)
     if args.global_batch_size is not None and (args.global_batch_size < 1
                                                or args.global_batch_size % args.batch_size):
         p.error(f"--global-batch-size must be a positive multiple of --batch-size {args.batch_size}")
@@ -371,21 +402,9 @@ def main(argv=None) -> int:
     chunk_len = args.seq_len if args.guide_config else args.seq_len + 1
     data = args.data if args.data is not None else DEFAULT_DATA
 
-    def load_batches(shard_index, num_shards, **position):
-        # Runs where the data is prepared: on this replica's feed processes
-        # (poprun-lite --feeders-per-replica F) or, with F = 0, in a thread of the
-        # replica; it starts at the first next(dataset), after ensure_data() below.
-        _, ids = encode_text(data.read_bytes().decode("utf-8"))
-        return make_dataset(shard_index, num_shards, text_ids=ids, seq_len=chunk_len - 1,
-                            batch_size=args.batch_size, seed=args.seed, **position)
-
-    if args.data_order == "global":  # the feed's offset contract: resumes at the exact position
-        def load_global_batches(shard_index, num_shards, offset=0):
-            return load_batches(shard_index, num_shards, offset=offset)
-
     # Before any collective: on a feeder this call serves its replica and never returns.
-    dataset = popdist_lite.infeed(load_global_batches if args.data_order == "global" else load_batches,
-                                  prefetch_depth=3)
+    dataset = popdist_lite.infeed(batch_loader(data, seq_len=chunk_len - 1, batch_size=args.batch_size,
+                                               seed=args.seed, data_order=args.data_order), prefetch_depth=3)
     rank, replicas = popdist_lite.replica_id(), popdist_lite.num_replicas()
     lead = rank == 0
     micro = 1  # micro-batches per replica per step (gradient accumulation)

@@ -34,7 +34,10 @@ the table and its optimizer state, the dense parameters and Optax state (a
 ``--resume`` continues from the newest complete checkpoint in DIR (at any replica
 count; the tables reshard), with exactly the losses of an uninterrupted run at the same
 replica count (tests/test_shakespeare_jax.py). A checkpoint loads into the path that
-saved it (the in-jit path's parameters also hold the handle).
+saved it (the in-jit path's parameters also hold the handle). In an elastic job
+(``poprun-lite --min-replicas``, docs/elastic.md) it asks
+``popdist_lite.should_checkpoint()`` at every step boundary and stops there for a
+resize; ``--data-order global`` reads the text in one order at every replica count.
 
 Options of shakespeare.py that this job does not have: ``--precision``,
 ``--loss-scaling`` and ``--stochastic-rounding`` (float32 only).
@@ -198,15 +201,7 @@ def parse_args(argv=None):
     p.add_argument("--sample-chars", type=int, default=400,
                    help="characters of text to generate at the end (0: none)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
-    p.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="save checkpoints under this directory (one path every replica sees)")
-    p.add_argument("--checkpoint-every", type=int, default=None,
-                   help="save a checkpoint every N steps (default: at the end only)")
-    p.add_argument("--checkpoint-keep", type=int, default=2, help="keep the newest K checkpoints")
-    p.add_argument("--checkpoint-async", action="store_true",
-                   help="save in the background (training continues while the files are written)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
+    shakespeare.add_checkpoint_args(p)
     args = p.parse_args(argv)
     if args.lr is None:
         args.lr = shakespeare.GUIDE_LR if args.guide_config else shakespeare.DEFAULT_LR
@@ -221,10 +216,7 @@ def parse_args(argv=None):
         args.log_every = max(1, args.steps // 30)
     if args.steps < 0 or args.log_every < 1:
         p.error("--steps must be >= 0 and --log-every >= 1")
-    if (args.resume or args.checkpoint_every is not None) and args.checkpoint_dir is None:
-        p.error("--resume and --checkpoint-every need --checkpoint-dir")
-    if args.checkpoint_every is not None and args.checkpoint_every < 1 or args.checkpoint_keep < 1:
-        p.error("--checkpoint-every and --checkpoint-keep must be >= 1")
+    shakespeare.check_checkpoint_args(p, args)
     if args.seq_len < (2 if args.guide_config else 1):
         p.error(f"--seq-len must be >= {2 if args.guide_config else 1}")
     if args.path == "in-jit" and args.clip_norm > 0:
@@ -290,13 +282,10 @@ def main(argv=None) -> int:
     chunk_len = args.seq_len if args.guide_config else args.seq_len + 1
     data = args.data if args.data is not None else shakespeare.DEFAULT_DATA
 
-    def load_batches(shard_index, num_shards):
-        _, ids = shakespeare.encode_text(data.read_bytes().decode("utf-8"))
-        return shakespeare.make_dataset(shard_index, num_shards, text_ids=ids, seq_len=chunk_len - 1,
-                                        batch_size=args.batch_size, seed=args.seed)
-
     # Before any collective: on a feeder this call serves its replica and never returns.
-    dataset = popdist_lite.infeed(load_batches, prefetch_depth=3)
+    dataset = popdist_lite.infeed(shakespeare.batch_loader(data, seq_len=chunk_len - 1, batch_size=args.batch_size,
+                                                           seed=args.seed, data_order=args.data_order),
+                                  prefetch_depth=3)
     rank, replicas = popdist_lite.replica_id(), popdist_lite.num_replicas()
     lead = rank == 0
 
@@ -374,10 +363,14 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     upcoming = take(first)
     for step in range(first, args.steps):
+        # An elastic job's launcher may ask for a resize (docs/elastic.md): asked before the
+        # next batch is taken, so that every replica stops after this step with the feed
+        # at the batches trained on.
+        resize = args.checkpoint_dir is not None and popdist_lite.should_checkpoint()
         # The next batch is taken one step ahead (TrainStep looks it up while this step
         # computes), except before a checkpoint: the feed position saved is then exactly
         # the batches trained on.
-        current, upcoming = upcoming, None if saves_after(step) else take(step + 1)
+        current, upcoming = upcoming, None if resize or saves_after(step) else take(step + 1)
         window.append(job.step(*current, next_features=upcoming and upcoming[0]))
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             local = np.array([np.mean([float(x) for x in window])], dtype=np.float32)
@@ -389,6 +382,13 @@ def main(argv=None) -> int:
                 say(f"Step {step}, loss = {float(mean):.4f}")
         if bar is not None:
             bar.update(1)
+        if resize:
+            save(step + 1)
+            popdist_lite.wait_checkpoint()
+            if bar is not None:
+                bar.close()
+            log(f"stopping at step {step + 1} for a resize (checkpoint saved)")
+            return 0
         if saves_after(step):
             save(step + 1)
             upcoming = take(step + 1)

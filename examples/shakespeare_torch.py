@@ -34,6 +34,17 @@ table updates inside backward. ``--precision mixed`` keeps the table in float16 
 master weights and the dense layers in float32 (the numpy example also sends float16 dense
 gradients). Without clipping, in float32, the two examples compute the same losses (test:
 tests/test_torch_example.py).
+
+Checkpoints as shakespeare.py's: ``--checkpoint-dir DIR --checkpoint-every N`` saves the
+table and its optimizer state, the GRU and dense weights, the ``torch.optim`` optimizer's
+state, the loss scaler, the feed position and the step every N steps (the torch objects
+join ``popdist_lite.save_checkpoint`` as they are: docs/torch.md); ``--resume`` continues
+from the newest complete checkpoint in DIR at any replica count (the table reshards), with
+exactly the losses of an uninterrupted run at the same replica count
+(tests/test_torch_example.py). In an elastic job (``poprun-lite --min-replicas``,
+docs/elastic.md) it asks ``popdist_lite.should_checkpoint()`` at every step boundary and
+stops there for a resize; ``--data-order global`` reads the text in one order at every
+replica count, so a resize neither repeats nor skips a sample.
 """
 
 from __future__ import annotations
@@ -124,6 +135,7 @@ def parse_args(argv=None):
                    help="round the float16 table's updates stochastically")
     p.add_argument("--sample-chars", type=int, default=400, help="characters to generate at the end (0: none)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    shakespeare.add_checkpoint_args(p)
     args = p.parse_args(argv)
     if args.emb_lr is None:
         args.emb_lr = shakespeare.DEFAULT_EMB_ADAM_LR if args.emb_optimizer == "adam" else shakespeare.DEFAULT_EMB_LR
@@ -131,6 +143,7 @@ def parse_args(argv=None):
         args.log_every = max(1, args.steps // 30)
     if args.steps < 0 or args.log_every < 1 or args.seq_len < 1:
         p.error("--steps must be >= 0, --log-every and --seq-len >= 1")
+    shakespeare.check_checkpoint_args(p, args)
     return args
 
 
@@ -158,13 +171,9 @@ def main(argv=None) -> int:
     pl.init()
     data = args.data if args.data is not None else shakespeare.DEFAULT_DATA
 
-    def load_batches(shard_index, num_shards):
-        _, ids = shakespeare.encode_text(data.read_bytes().decode("utf-8"))
-        return shakespeare.make_dataset(shard_index, num_shards, text_ids=ids, seq_len=args.seq_len,
-                                        batch_size=args.batch_size, seed=args.seed)
-
     # Before any collective: on a feeder this call serves its replica and never returns.
-    dataset = pl.infeed(load_batches, prefetch_depth=3)
+    dataset = pl.infeed(shakespeare.batch_loader(data, seq_len=args.seq_len, batch_size=args.batch_size,
+                                                 seed=args.seed, data_order=args.data_order), prefetch_depth=3)
     rank, replicas = pl.replica_id(), pl.num_replicas()
 
     def log(msg: str) -> None:
@@ -197,12 +206,30 @@ def main(argv=None) -> int:
         dtype=torch.float16 if mixed else torch.float32, master_weights=torch.float32 if mixed else None,
         stochastic_rounding="ON" if args.stochastic_rounding else "OFF", seed=args.seed, grad_scaler=scaler)
 
+    # Everything a resumed run needs to continue exactly (docs/checkpoint.md, docs/torch.md).
+    state = {"step": 0, "model": ddp, "optimizer": optimizer, "embedding": embedding, "feed": dataset,
+             **({"scaler": scaler} if scaler is not None else {})}
+    first = 0
+    if args.resume:
+        latest = pl.latest_checkpoint(args.checkpoint_dir)
+        if latest is None:
+            log(f"no checkpoint in {args.checkpoint_dir}; starting from step 0")
+        else:
+            pl.load_checkpoint(latest, state)
+            first = state["step"]
+            log(f"resumed from {latest} (step {first})")
+
+    def save(step: int) -> None:
+        state["step"] = step
+        pl.save_checkpoint(args.checkpoint_dir, state, step=step, keep=args.checkpoint_keep,
+                           blocking=not args.checkpoint_async)
+
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x batch "
         f"{args.batch_size}, sequences of {args.seq_len}, {args.partition_strategy} embedding (torch), "
         f"lr {args.lr:g}, momentum {args.momentum:g}, embedding lr {args.emb_lr:g}, clip norm {args.clip_norm:g}")
     window = []
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         ids = torch.from_numpy(next(dataset)["ids"]).long()
         inputs, labels = ids[:, :-1], ids[:, 1:]
         logits, _ = ddp(embedding(inputs).float())
@@ -227,9 +254,22 @@ def main(argv=None) -> int:
             if not np.isfinite(mean):
                 raise FloatingPointError(f"loss became {float(mean)} at step {step}; try a smaller --lr / --emb-lr")
             log(f"Step {step}, loss = {float(mean):.4f}")
+        if args.checkpoint_dir is not None and pl.should_checkpoint():
+            # an elastic job's launcher asks for a resize: every replica stops at this step
+            save(step + 1)
+            pl.wait_checkpoint()
+            log(f"stopping at step {step + 1} for a resize (checkpoint saved)")
+            return 0
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            save(step + 1)
+    if args.checkpoint_dir is not None:
+        if first < args.steps and (not args.checkpoint_every or args.steps % args.checkpoint_every):
+            save(args.steps)
+        pl.wait_checkpoint()  # a background save, if any, is committed before we exit
     elapsed = time.perf_counter() - start
-    if args.steps:
-        log(f"trained {args.steps} steps in {elapsed:.1f} s ({1000 * elapsed / args.steps:.1f} ms/step) on "
+    trained = args.steps - first
+    if trained > 0:
+        log(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} ms/step) on "
             f"{replicas} replica(s), precision {args.precision}"
             + (f", final loss scale {scaler.get_scale():g}, {scaler.loss_scaler.skipped_steps} step(s) skipped"
                if scaler else ""))

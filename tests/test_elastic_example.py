@@ -83,27 +83,60 @@ def test_accumulation_at_2_replicas_equals_4(tmp_path, straight):
         np.testing.assert_allclose(mine[name], theirs[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_grown_by_the_launcher_at_a_step_boundary(tmp_path, straight):
-    want, _ = straight
+def grow(tmp_path, command: list[str], steps: int = 20) -> tuple[int, subprocess.CompletedProcess]:
+    """Run ``command`` (an example with ``--checkpoint-dir tmp_path/ckpt --resume``) at 2
+    replicas, offered 4 once its step-10 checkpoint exists: ``(the step it stopped at for
+    the resize, the finished job)``, checked to have stopped at a step boundary, resumed
+    there at 4 replicas and printed every step once."""
     ckpt = tmp_path / "ckpt"
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/usr/bin/env bash\nif [ -d {ckpt}/step-00000010 ]; then echo localhost:4; "
                         f"else echo localhost:2; fi\n")
     discover.chmod(0o755)
     proc = launch("4", "--min-replicas", "2", "--host-discovery-script", str(discover), "--discovery-interval",
-                  "0.5", *example(tmp_path, ckpt))
+                  "0.5", *command)
     assert proc.returncode == 0, proc.stderr
     stop = re.search(r"^stopping at step (\d+) for a resize \(checkpoint saved\)$", proc.stdout, re.M)
     assert stop, proc.stdout
     grown = int(stop[1])
-    assert 10 <= grown < 20
+    assert 10 <= grown < steps
     assert f"resumed from {ckpt}/step-{grown:08d} (step {grown})" in proc.stdout
-    got = losses(proc.stdout)
-    assert sorted(got) == list(range(20))  # no step lost or repeated
-    np.testing.assert_allclose([got[s] for s in range(20)], [want[s] for s in range(20)], atol=2e-4)
+    assert sorted(losses(proc.stdout)) == list(range(steps))  # no step lost or repeated
     assert "poprun-lite: job succeeded on attempt 2; attempts:\n" \
            "  attempt 1: 2 replicas on this host (2); stopped at a step boundary for a resize " \
            "(more replicas on this host)\n" in proc.stderr
+    return grown, proc
+
+
+def test_grown_by_the_launcher_at_a_step_boundary(tmp_path, straight):
+    want, _ = straight
+    _, proc = grow(tmp_path, example(tmp_path, tmp_path / "ckpt"))
+    got = losses(proc.stdout)
+    np.testing.assert_allclose([got[s] for s in range(20)], [want[s] for s in range(20)], atol=2e-4)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_framework_examples_grow_at_a_step_boundary(tmp_path, framework):
+    """shakespeare_torch.py and shakespeare_jax.py ask should_checkpoint() too: grown from
+    2 to 4 replicas, each stops at a step boundary and the 4-replica attempt resumes
+    there; its first step's loss is that of a 4-replica run started from the same
+    checkpoint by hand (the resumed state and feed position are the saved ones). These
+    examples take about 10 ms a step, so the job is long enough (400 steps) for the
+    launcher to see the new slots before it ends."""
+    pytest.importorskip(framework, reason=f"the {framework} extra: pip install '.[{framework}]'")
+    data = tmp_path / "tiny.txt"
+    data.write_text(TINY)
+    script = EXAMPLE.with_name(f"shakespeare_{framework}.py")
+    command = [sys.executable, str(script), "--data", str(data), "--seq-len", "20", "--batch-size", "2",
+               "--log-every", "1", "--sample-chars", "0", "--steps", "400", "--checkpoint-every", "10",
+               "--checkpoint-keep", "100", "--data-order", "global", "--clip-norm", "0", "--lr", "0.05",
+               "--emb-lr", "0.5"]
+    grown, proc = grow(tmp_path, [*command, "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"], steps=400)
+    again = tmp_path / "again"
+    shutil.copytree(tmp_path / "ckpt" / f"step-{grown:08d}", again / f"step-{grown:08d}")
+    by_hand = launch("4", *command, "--steps", str(grown + 1), "--checkpoint-dir", str(again), "--resume")
+    assert by_hand.returncode == 0, by_hand.stderr
+    assert losses(by_hand.stdout) == {grown: losses(proc.stdout)[grown]}
 
 
 def test_global_order_is_one_sequence_at_every_shard_count():

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import ROOT, TINY, clean_env
@@ -71,3 +72,39 @@ def test_single_process_mixed_precision_with_loss_scaling_and_clipping(tiny):
     assert [n for n, _ in found] == [0, 9, 19, 29]
     assert found[-1][1] < found[0][1] - 1.0, found
     assert "final loss scale" in out and "--- sample ---" in out and "1 replica(s)" in out
+
+
+@pytest.mark.parametrize("extra", [[], ["--partition-strategy", "ENCODING", "--emb-optimizer", "adam",
+                                        "--loss-scaling", "dynamic", "--checkpoint-async"]],
+                         ids=["token-sgd", "encoding-adam-scaler-async"])
+def test_resumed_run_continues_exactly_as_a_straight_one(tiny, tmp_path, extra):
+    """40 straight steps against 20, then --resume from the step-20 checkpoint to 40, at 2
+    replicas: the same losses at every step (the model, the table and its optimizer state,
+    torch.optim's momentum, the loss scaler and the feed position all restored); and the
+    same final table and dense weights in both runs' step-40 checkpoints, bit for bit."""
+    pytest.importorskip("torch", reason="popdist_lite.torch needs PyTorch: pip install '.[torch]'")
+    args = ["--data", str(tiny), "--seq-len", "20", "--batch-size", "4", "--log-every", "1", "--sample-chars",
+            "0", "--checkpoint-every", "10", "--checkpoint-keep", "10", *extra]
+    straight = losses(run(2, TORCH_EXAMPLE, [*args, "--steps", "40", "--checkpoint-dir", str(tmp_path / "a")]))
+    first = losses(run(2, TORCH_EXAMPLE, [*args, "--steps", "20", "--checkpoint-dir", str(tmp_path / "b")]))
+    out = run(2, TORCH_EXAMPLE, [*args, "--steps", "40", "--checkpoint-dir", str(tmp_path / "b"), "--resume"])
+    assert f"resumed from {tmp_path / 'b' / 'step-00000020'} (step 20)" in out
+    resumed = first + losses(out)
+    assert [n for n, _ in resumed] == list(range(40)) == [n for n, _ in straight]
+    assert resumed == straight
+    a, b = tmp_path / "a" / "step-00000040", tmp_path / "b" / "step-00000040"
+    names = sorted(p.name for p in a.glob("*.npy"))
+    assert names == sorted(p.name for p in b.glob("*.npy"))
+    for part in ("embedding.", "model.gru.", "optimizer."):
+        assert any(n.startswith(part) for n in names), (part, names)
+    for name in names:
+        np.testing.assert_array_equal(np.load(b / name, allow_pickle=False), np.load(a / name, allow_pickle=False),
+                                      err_msg=name)
+
+
+def test_checkpoint_options_are_checked():
+    pytest.importorskip("torch", reason="popdist_lite.torch needs PyTorch: pip install '.[torch]'")
+    for bad in (["--resume"], ["--checkpoint-every", "5"], ["--checkpoint-dir", "x", "--checkpoint-every", "0"]):
+        r = subprocess.run([sys.executable, str(TORCH_EXAMPLE), *bad], capture_output=True, text=True, timeout=120,
+                           env=clean_env(), cwd=ROOT, stdin=subprocess.DEVNULL)
+        assert r.returncode == 2 and "--checkpoint" in r.stderr, (bad, r.stderr)

@@ -13,7 +13,8 @@ Objects join through the :class:`Stateful` protocol (``state_dict()`` /
 ``load_state_dict()``, as torch.distributed.checkpoint's), declaring split arrays with
 :class:`Partitioned` and per-replica values with :class:`PerReplica`
 (:mod:`.stateful`); the library's tables, optimizers, loss scalers and feed implement
-it, and so can your own objects.
+it, and so can your own objects. Classes whose ``state_dict()`` means something else
+join through an adapter (:func:`register_adapter`: torch's, by ``popdist_lite.torch``).
 
 Modules: ``stateful`` (the protocol), ``state`` (walking a state: what is saved, where
 a load puts it back), ``format`` (directory layout, ``.npy`` files), ``manifest`` (the
@@ -29,7 +30,7 @@ from .format import CheckpointError
 from .load import latest_checkpoint, load_checkpoint
 from .partition import Partition
 from .save import save_checkpoint, wait
-from .stateful import Allocate, Partitioned, PerReplica, Saved, Stateful
+from .stateful import Allocate, Partitioned, PerReplica, Saved, Stateful, register_adapter
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "wait", "CheckpointError", "Stateful",
-           "Partitioned", "PerReplica", "Allocate", "Partition", "Saved"]
+           "Partitioned", "PerReplica", "Allocate", "Partition", "Saved", "register_adapter"]

@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from .format import CheckpointError
+from .format import CheckpointError, file_name
 from .partition import Partition
 from .stateful import Allocate, Partitioned, PerReplica, Saved, Stateful, as_stateful
 
@@ -140,12 +140,20 @@ def describe(state: dict, replicas: int, replica: int) -> Description:
 
     Raises:
         TypeError: a leaf of an unsupported type (names the key and the type).
+        ValueError: two arrays whose names give the same file name (``"a.b"`` and
+            ``"a/b"``).
     """
     if not isinstance(state, dict):
         raise TypeError(f"argument state: expected a dict of name -> state, got {type(state).__name__}")
     out = Description()
     for key, name in _children(state, ""):
         _describe(out, name, state[key], user=True)
+    files: dict[str, str] = {}
+    for entry in out.entries:  # file names keep [A-Za-z0-9_-]: "a.b" and "a/b" would share one
+        other = files.setdefault(file_name(entry.name, None), entry.name)
+        if other != entry.name:
+            raise ValueError(f"state {other!r} and {entry.name!r} would be written to the same file "
+                             f"{file_name(entry.name, None)[:-4]}.*: rename one of them")
     return out
 
 
@@ -183,9 +191,11 @@ def _json_value(name: str, value):
         return value.item()
     if is_json(value):
         return value
+    hint = "; torch objects join after 'import popdist_lite.torch'" if type(value).__module__.startswith("torch") \
+        else ""
     raise TypeError(f"state {name!r}: cannot save a {type(value).__name__} (expected an object with "
                     f"state_dict() and load_state_dict(), an np.random.Generator, a numpy array, a dict, or a "
-                    f"JSON value)")
+                    f"JSON value{hint})")
 
 
 def _check_savable(name: str, array: np.ndarray) -> None:
@@ -293,8 +303,9 @@ def bind(state: dict, manifest: dict, path, replicas: int, replica: int) -> Bind
 def _bind_leaf(out: Binding, m: _Manifest, name: str, parent: dict, key: str) -> None:
     """A leaf of the state passed to load_checkpoint (a plain dict of the user's)."""
     value = parent[key]
-    if as_stateful(value) is not None:
-        _bind_object(out, m, name, as_stateful(value))
+    obj = as_stateful(value)
+    if obj is not None:
+        _bind_object(out, m, name, obj)
     elif isinstance(value, dict) and not is_json(value):
         for child_key, child in _children(value, name):
             _bind_leaf(out, m, child, value, child_key)

@@ -48,8 +48,12 @@ the :class:`Saved` entry; it raises ``ValueError`` (or ``TypeError``) to refuse 
 Validation belongs there, not in ``load_state_dict``: by the time ``load_state_dict``
 runs, every array of the state has been overwritten.
 
-``np.random.Generator`` joins through :class:`GeneratorState`, which the checkpoint
-wraps around every generator it finds in a state.
+Classes whose own ``state_dict()`` means something else (torch modules and optimizers,
+whose ``state_dict()`` holds tensors) join through an adapter registered with
+:func:`register_adapter`: the checkpoint walks ``adapter(value)`` instead of the value.
+``np.random.Generator`` is adapted by :class:`GeneratorState`; ``import
+popdist_lite.torch`` registers the adapters of ``torch.Tensor``, ``torch.nn.Module`` and
+``torch.optim.Optimizer`` (popdist_lite/torch/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -146,11 +150,30 @@ class GeneratorState:
             self.generator.bit_generator.state = state
 
 
+_ADAPTERS: dict[type, Callable[[Any], Stateful]] = {np.random.Generator: GeneratorState}
+
+
+def register_adapter(cls: type, adapter: Callable[[Any], Stateful]) -> None:
+    """Checkpoint instances of ``cls`` (and of its subclasses) as ``adapter(value)``, a
+    :class:`Stateful` made afresh for each save and load. The adapter of the nearest
+    class in the value's method resolution order applies; it comes before the value's own
+    ``state_dict()``.
+
+    Raises:
+        TypeError: ``cls`` is not a class or ``adapter`` not callable.
+    """
+    if not isinstance(cls, type) or not callable(adapter):
+        raise TypeError(f"register_adapter: expected a class and a callable, got {cls!r} and {adapter!r}")
+    _ADAPTERS[cls] = adapter
+
+
 def as_stateful(value) -> Stateful | None:
-    """``value`` itself if it is :class:`Stateful`, its adapter for a numpy
-    ``Generator``, else ``None``."""
-    if isinstance(value, np.random.Generator):
-        return GeneratorState(value)
+    """The registered adapter of ``value``'s class (:func:`register_adapter`), else
+    ``value`` itself if it is :class:`Stateful`, else ``None``."""
+    for cls in type(value).__mro__:
+        adapter = _ADAPTERS.get(cls)
+        if adapter is not None:
+            return adapter(value)
     if isinstance(value, Stateful) and not isinstance(value, type):
         return value
     return None

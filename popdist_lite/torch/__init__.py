@@ -19,7 +19,10 @@ torch). A training step::
   over a :func:`popdist_lite.create_host_embedding` table (:mod:`.embedding`);
 - :class:`DistributedDataParallel`, :func:`broadcast_parameters`,
   :func:`allreduce_gradients` (:mod:`.data_parallel`);
-- :class:`GradScaler`: loss scaling agreed across replicas (:mod:`.grad_scaler`).
+- :class:`GradScaler`: loss scaling agreed across replicas (:mod:`.grad_scaler`);
+- checkpoints: tensors, modules (their host embeddings' tables included), ``torch.optim``
+  optimizers and :class:`GradScaler` join ``popdist_lite.save_checkpoint`` /
+  ``load_checkpoint`` as they are (:mod:`.checkpoint` registers their adapters).
 
 See docs/torch.md.
 """
@@ -32,6 +35,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("popdist_lite.torch needs PyTorch: pip install 'popdist-lite[torch]' "
                       "(a CPU build: see docs/torch.md)") from exc
 
+from . import checkpoint as _checkpoint  # noqa: F401  (registers the checkpoint adapters)
 from .data_parallel import DistributedDataParallel, allreduce_gradients, broadcast_parameters
 from .embedding import HostEmbedding, HostEmbeddingBag
 from .grad_scaler import GradScaler

@@ -110,6 +110,33 @@ class GradScaler:
         self._found_inf = False
         self._unscaled.clear()
 
+    # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -----------------
+    def checkpoint_info(self) -> dict:
+        """The loss scaler's entry: a ``GradScaler`` is saved as its ``loss_scaler``
+        (``"type": "DynamicLossScaler"``), so the numpy API's scalers load into it and
+        back."""
+        return {"type": type(self.loss_scaler).__name__}
+
+    def state_dict(self) -> dict:
+        """The loss scaler's state (:meth:`popdist_lite.LossScaler.state_dict`: scale,
+        skipped steps, clean steps): JSON."""
+        return self.loss_scaler.state_dict()
+
+    def validate_state_dict(self, state_dict: dict, saved) -> None:
+        """As :meth:`popdist_lite.LossScaler.validate_state_dict` (a finite positive
+        scale, counters >= 0, nothing else).
+
+        Raises:
+            ValueError: naming the field, expected and got.
+        """
+        self.loss_scaler.validate_state_dict(state_dict, saved)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the loss scaler's state; the step in progress starts afresh."""
+        self.loss_scaler.load_state_dict(state_dict)
+        self._found_inf = False
+        self._unscaled.clear()
+
     def __repr__(self) -> str:
         return f"GradScaler({self.loss_scaler!r})"
 

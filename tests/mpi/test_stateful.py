@@ -77,3 +77,57 @@ def test_user_object_mismatch_changes_nothing(shared, comm):
     np.testing.assert_array_equal(wide.rows, before[0])
     np.testing.assert_array_equal(wide.bias, before[1])
     assert (wide.count, wide.replica_seed) == before[2:]
+
+
+class Legacy:
+    """A class whose own state_dict() means something else (as torch modules')."""
+
+    def __init__(self, values):
+        self.values = np.asarray(values, np.float64)
+
+    def state_dict(self):
+        return {"not": object()}  # unsavable: the adapter must be used instead
+
+    def load_state_dict(self, state_dict):
+        raise AssertionError("the adapter is used, never this")
+
+
+class LegacyChild(Legacy):
+    pass
+
+
+class LegacyAdapter:
+    def __init__(self, obj):
+        self.obj = obj
+
+    def checkpoint_info(self):
+        return {"type": "Legacy"}
+
+    def state_dict(self):
+        return {"values": self.obj.values}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+@pytest.mark.mpi
+def test_registered_adapter_comes_before_the_objects_own_state_dict(shared, comm):
+    from popdist_lite.checkpoint import register_adapter
+
+    register_adapter(Legacy, LegacyAdapter)
+    pl.save_checkpoint(shared, {"legacy": LegacyChild([1.0, 2.0, 3.0])}, step=1)  # a subclass: its base's adapter
+    loaded = Legacy(np.zeros(3))
+    pl.load_checkpoint(shared / "step-00000001", {"legacy": loaded})
+    np.testing.assert_array_equal(loaded.values, [1.0, 2.0, 3.0])
+    with pytest.raises(TypeError, match="expected a class and a callable"):
+        register_adapter("Legacy", LegacyAdapter)
+
+
+@pytest.mark.mpi
+def test_two_names_for_one_file_are_refused_before_writing(shared, comm):
+    """File names keep [A-Za-z0-9_-] only: "a.b" and "a/b" would be the same file."""
+    state = {"a.b": np.zeros(2), "a": {"b": np.ones(2)}}
+    with pytest.raises(ValueError, match=r"replica 0: state 'a/b' and 'a.b' would be written to the same "
+                                         r"file a\.b\.\*"):
+        pl.save_checkpoint(shared, state, step=1)
+    assert list(shared.iterdir()) == []
