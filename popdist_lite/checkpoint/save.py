@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..collectives import agree_objects
+from ..collectives import agree_objects, comm_cache
 from .format import (FORMAT, MANIFEST, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, committed, file_name,
                      fsync_path, problem_of, step_dir_name, write_npy)
 from .state import Description, describe
@@ -68,7 +68,7 @@ class _Background:
 
 
 _pending: _Background | None = None
-_duplicates: dict[int, object] = {}
+_DUPLICATE = "checkpoint writer"  # comm_cache(comm)[_DUPLICATE]: its Dup for background saves
 
 
 def wait() -> None:
@@ -140,15 +140,15 @@ def save_checkpoint(directory, state: dict, step: int, keep: int | None = None, 
         _write_and_commit(comm, description, tmp, final, step, keep, slow, what)
         return final
     global _pending
-    key = id(comm)
-    if key not in _duplicates:
-        _duplicates[key] = comm.Dup()  # collective: every replica is in this call
+    cache = comm_cache(comm)
+    if _DUPLICATE not in cache:  # the background writer's own communicator, made once per communicator
+        cache[_DUPLICATE] = comm.Dup()  # collective: every replica is in this call
     entries = [e for e in description.entries if k in e.partition.writers(r)]
     for name in set(_buffers) - {e.name for e in entries}:
         del _buffers[name]
     snapshot = Description([_copy(e, r, k) for e in entries], description.values, description.replica_values,
                            description.objects)
-    background = _duplicates[key]
+    background = cache[_DUPLICATE]
     _pending = _Background(lambda: _write_and_commit(background, snapshot, tmp, final, step, keep, slow, what),
                            step)
     return final

@@ -6,10 +6,11 @@ the same error on every replica instead of hanging. Every call is counted in
 :mod:`.agreement` is the check itself, public for the other packages' collectives
 (embeddings, the feed, checkpoints): :class:`Problem`, :func:`agree` (buffer-based),
 :func:`agree_objects` (pickled, for rare calls), :func:`register_op`,
-:func:`next_call_number`.
+:func:`next_call_number`, :func:`comm_cache` (state kept on a communicator).
 """
 
-from .agreement import Problem, agree, agree_objects, next_call_number, register_op, set_collective_checks
+from .agreement import (Problem, agree, agree_objects, comm_cache, next_call_number, register_op,
+                        set_collective_checks)
 from .all_gather import all_gather, all_gather_v
 from .all_reduce import all_reduce
 from .all_to_all import all_to_all, all_to_all_v
@@ -18,4 +19,4 @@ from .reduce_scatter import reduce_scatter, reduce_scatter_sum
 
 __all__ = ["all_gather", "all_gather_v", "all_reduce", "all_to_all", "all_to_all_v", "broadcast",
            "reduce_scatter_sum", "reduce_scatter", "set_collective_checks", "Problem", "agree", "agree_objects", "register_op",
-           "next_call_number"]
+           "next_call_number", "comm_cache"]

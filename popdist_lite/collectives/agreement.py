@@ -68,7 +68,7 @@ _DTYPE_CODE = {d: i + 1 for i, d in enumerate(DTYPES)}
 
 _op_codes: dict[str, int] = {}
 _op_names: dict[int, str] = {}
-_calls: dict[int, int] = {}  # per communicator (by id): the next call number
+_CALLS = "call numbers"  # comm_cache(comm)[_CALLS]: op -> nothing; the next call number is its int
 # Signature rows of recent good calls, by (op, dtype, shape, extra): a repeated call
 # only writes its call number (the Allgather copies the row, so reuse is safe).
 _signatures: dict[tuple, np.ndarray] = {}
@@ -182,11 +182,45 @@ def next_call_number(comm, op: str) -> int:
     with :func:`popdist_lite.progress.record` (a no-op unless poprun-lite's stall
     inspector or ``POPDIST_LITE_STALL_TIMEOUT`` turned it on).
     """
-    key = id(comm)
-    seq = _calls.get(key, 0)
-    _calls[key] = seq + 1
+    cache = comm_cache(comm)
+    seq = cache.get(_CALLS, 0)
+    cache[_CALLS] = seq + 1
     progress.record(op, seq)
     return seq
+
+
+_keyval: list = []  # the MPI attribute key of comm_cache, made at its first call
+
+
+def comm_cache(comm) -> dict:
+    """A dict that lives on the MPI communicator itself and dies with it, for state kept
+    per communicator (the call numbers here, a save's duplicate communicator).
+
+    MPI's attribute caching (``MPI_Comm_create_keyval`` / ``MPI_Comm_set_attr``, through
+    mpi4py's ``Comm.Create_keyval`` / ``Set_attr`` / ``Get_attr``): every Python object
+    of one communicator sees the same dict, a duplicate (``Dup``) starts with none (no
+    copy callback), and a freed communicator's dict goes with it. Keying by ``id(comm)``
+    instead would hand a freed sub-communicator's state to an unrelated communicator
+    that happens to reuse the Python object's address on some replicas only (their call
+    numbers then differ and every check fails). An object that is not an mpi4py
+    communicator keeps its dict as an attribute.
+    """
+    get = getattr(comm, "Get_attr", None)
+    if get is None:
+        cache = getattr(comm, "_popdist_lite_cache", None)
+        if cache is None:
+            cache = {}
+            comm._popdist_lite_cache = cache
+        return cache
+    if not _keyval:
+        from mpi4py import MPI
+
+        _keyval.append(MPI.Comm.Create_keyval())
+    cache = get(_keyval[0])
+    if cache is None:
+        cache = {}
+        comm.Set_attr(_keyval[0], cache)
+    return cache
 
 
 def set_collective_checks(enabled: bool) -> bool:

@@ -250,3 +250,30 @@ def test_unchecked_collectives_match_checked(comm, rng):
     assert pl.stats()["collectives"].get("agree", {}).get("calls", 0) == before
     for a, b in zip(checked, unchecked):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.mpi
+def test_call_numbers_live_on_the_mpi_communicator(comm):
+    """Call numbers (the collective checks' order) belong to the MPI communicator, not to
+    a Python object: a communicator made after another was freed starts at 0 even when
+    its Python object takes the freed one's address (which happened on some replicas
+    only, so their checks disagreed), two Python objects of one communicator share
+    theirs, a duplicate has its own, and collectives on the new one agree."""
+    from mpi4py import MPI
+
+    from popdist_lite.collectives import next_call_number
+
+    old = comm.Dup()
+    for _ in range(3):
+        next_call_number(old, "probe")
+    old.Free()
+    del old
+    new = comm.Dup()
+    assert next_call_number(new, "probe") == 0
+    assert next_call_number(MPI.Intracomm(new), "probe") == 1  # another Python object, the same communicator
+    dup = new.Dup()
+    assert next_call_number(dup, "probe") == 0
+    x = np.arange(4.0)
+    np.testing.assert_array_equal(pl.all_reduce(x, op="sum", comm=new), x * comm.size)
+    dup.Free()
+    new.Free()
