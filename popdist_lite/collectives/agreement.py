@@ -36,6 +36,7 @@ Two calls, one :class:`Problem` type:
 from __future__ import annotations
 
 import os
+import weakref
 import zlib
 from dataclasses import dataclass
 from time import perf_counter
@@ -190,6 +191,9 @@ def next_call_number(comm, op: str) -> int:
 
 
 _keyval: list = []  # the MPI attribute key of comm_cache, made at its first call
+# id(Python object) -> (weak reference to it, its communicator's dict): comm_cache's fast
+# path, trusted only while the reference still points to the very object asking.
+_by_object: dict[int, tuple] = {}
 
 
 def comm_cache(comm) -> dict:
@@ -202,9 +206,14 @@ def comm_cache(comm) -> dict:
     copy callback), and a freed communicator's dict goes with it. Keying by ``id(comm)``
     instead would hand a freed sub-communicator's state to an unrelated communicator
     that happens to reuse the Python object's address on some replicas only (their call
-    numbers then differ and every check fails). An object that is not an mpi4py
-    communicator keeps its dict as an attribute.
+    numbers then differ and every check fails). A Python object asking again finds its
+    dict through a weak reference to itself (about 150 ns, where ``Get_attr`` takes
+    200 ns more). An object that is not an mpi4py communicator keeps its dict as an
+    attribute.
     """
+    hit = _by_object.get(id(comm))
+    if hit is not None and hit[0]() is comm:  # the fast path: this very Python object seen before
+        return hit[1]
     get = getattr(comm, "Get_attr", None)
     if get is None:
         cache = getattr(comm, "_popdist_lite_cache", None)
@@ -220,6 +229,9 @@ def comm_cache(comm) -> dict:
     if cache is None:
         cache = {}
         comm.Set_attr(_keyval[0], cache)
+    key = id(comm)
+    _by_object[key] = (weakref.ref(comm, lambda ref: _by_object.pop(key, None) if _by_object.get(key, (None,))[0]
+                                   is ref else None), cache)
     return cache
 
 
