@@ -73,9 +73,9 @@ def run_mpi(n: int, args: list[str], timeout: float = 240, env: dict | None = No
                           env=full_env, cwd=cwd, start_new_session=True)
 
 
-# ------------------------------------------------- tests/checkpoint_prog.py's driver
+# ------------------------------------------------- tests/progs/checkpoint_prog.py's driver
 
-CHECKPOINT_PROG = str(ROOT / "tests" / "checkpoint_prog.py")
+CHECKPOINT_PROG = str(ROOT / "tests" / "progs" / "checkpoint_prog.py")
 #: checkpoint_prog's table shape and number of dense parameter elements.
 CHECKPOINT_T, CHECKPOINT_E, CHECKPOINT_DENSE = 37, 6, 57
 

@@ -2,7 +2,7 @@
 job's error names the cause: a replica SIGKILLed in the middle of a save (slowed down by
 the test hook POPDIST_LITE_CHECKPOINT_SLOW_WRITE), and a full disk (a 1 MiB tmpfs; needs
 root, skipped otherwise). Loaded state is compared with each replica's own arrays as
-they were saved (tests/checkpoint_prog.py)."""
+they were saved (tests/progs/checkpoint_prog.py)."""
 
 import os
 import signal

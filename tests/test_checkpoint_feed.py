@@ -19,7 +19,7 @@ import pytest
 
 from helpers import ROOT, clean_env
 
-PROG = str(Path(__file__).parent / "checkpoint_feed_prog.py")
+PROG = str(Path(__file__).parent / "progs" / "checkpoint_feed_prog.py")
 STEPS = 5
 
 

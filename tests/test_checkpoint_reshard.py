@@ -1,7 +1,7 @@
 """Resharding: a checkpoint saved at 2 replicas loads at 1, 3 and 4 and into the other
 partition strategy with every table, optimizer slot (Adam's per-row step counter
 included), dense optimizer shard and value equal to the saved ones; training continued
-from it matches training continued at 2 replicas (tests/checkpoint_prog.py).
+from it matches training continued at 2 replicas (tests/progs/checkpoint_prog.py).
 
 Full arrays are assembled here with numpy from each replica's own arrays, by the
 partition rules (TOKEN row i on replica i % r at local row i // r; ENCODING columns

@@ -1,5 +1,5 @@
 """The host feed end to end: the real poprun-lite (or plain mpirun with the role
-variables) running tests/infeed_prog.py with feeders or the replica's thread.
+variables) running tests/progs/infeed_prog.py with feeders or the replica's thread.
 
 Every job runs under the launcher's --timeout and a subprocess timeout.
 """
@@ -17,7 +17,7 @@ import pytest
 from helpers import ROOT, mpirun_command
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
-PROG = [sys.executable, str(Path(__file__).parent / "infeed_prog.py")]
+PROG = [sys.executable, str(Path(__file__).parent / "progs" / "infeed_prog.py")]
 ITEMS_PER_BATCH = 4
 
 

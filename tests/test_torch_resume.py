@@ -1,4 +1,4 @@
-"""Checkpoints of a PyTorch job across replica counts (tests/torch_checkpoint_prog.py):
+"""Checkpoints of a PyTorch job across replica counts (tests/progs/torch_checkpoint_prog.py):
 saved at 2 replicas after 4 steps, loaded at 3 (and 1, and into the other partition
 strategy) by fresh modules and a fresh torch.optim optimizer, the full tables, the table
 optimizers' slots, the dense weights, the torch optimizer's state and the loss scale
@@ -19,10 +19,10 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="popdist_lite.torch needs PyTorch: pip install '.[torch]'")
 
-import torch_checkpoint_prog as prog  # noqa: E402
+from progs import torch_checkpoint_prog as prog  # noqa: E402
 from helpers import ROOT, run_mpi  # noqa: E402
 
-PROG = str(ROOT / "tests" / "torch_checkpoint_prog.py")
+PROG = str(ROOT / "tests" / "progs" / "torch_checkpoint_prog.py")
 F = torch.nn.functional
 
 

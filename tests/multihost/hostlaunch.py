@@ -10,12 +10,12 @@ from pathlib import Path
 from popdist_lite_launcher import testhosts
 
 ROOT = Path(__file__).resolve().parents[2]
-PROG_PY = str(Path(__file__).with_name("prog.py"))
+PROG_PY = str(Path(__file__).parent.parent / "progs" / "hosts_prog.py")
 MPICH_PYTHON = os.environ.get("POPDIST_LITE_MPICH_PYTHON")
 
 
 def prog(*args: str, mpich: bool = False) -> list[str]:
-    """tests/multihost/prog.py with ``args``, under the interpreter of the MPI in use."""
+    """tests/progs/hosts_prog.py with ``args``, under the interpreter of the MPI in use."""
     return [MPICH_PYTHON if mpich else sys.executable, PROG_PY, *args]
 
 

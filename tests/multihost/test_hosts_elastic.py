@@ -1,5 +1,5 @@
 """Elastic jobs across the test hosts (2 hosts x 2 replicas, docs/elastic.md), with
-tests/multihost/elastic_prog.py: one epoch of numbered samples, the global batch kept
+tests/progs/hosts_elastic_prog.py: one epoch of numbered samples, the global batch kept
 fixed by gradient accumulation, a checkpoint every 10 steps.
 
 - Host 2 disappears at step 25 (its link set down, its processes killed): the job goes
@@ -36,7 +36,7 @@ from hostlaunch import ROOT, poprun, poprun_command, prog
 from popdist_lite.checkpoint.__main__ import export
 from popdist_lite_launcher import testhosts
 
-PROG = str(Path(__file__).with_name("elastic_prog.py"))
+PROG = str(Path(__file__).parent.parent / "progs" / "hosts_elastic_prog.py")
 SAMPLES, BATCH, GLOBAL_BATCH = 480, 2, 8  # 60 steps of 8 samples
 STEPS = SAMPLES // GLOBAL_BATCH
 PROG_ARGS = ["--samples", str(SAMPLES), "--batch", str(BATCH), "--global-batch", str(GLOBAL_BATCH)]
@@ -61,7 +61,7 @@ def discovery_script(work: Path, listing: str) -> Path:
 
 
 class Job:
-    """poprun-lite running elastic_prog.py over the test hosts; ``on_line(line)`` sees
+    """poprun-lite running hosts_elastic_prog.py over the test hosts; ``on_line(line)`` sees
     every line of its stdout as it comes."""
 
     def __init__(self, hosts, work: Path, on_line, *, sleep: float = 0.15):

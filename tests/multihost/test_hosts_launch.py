@@ -122,7 +122,7 @@ def test_sigkill_on_remote_host(hosts):
 
 
 def launch_until_ready(hosts, *args: str) -> tuple[subprocess.Popen, list[list[str]]]:
-    """poprun-lite running tests/multihost/prog.py ``args`` on 4 replicas over the test
+    """poprun-lite running tests/progs/hosts_prog.py ``args`` on 4 replicas over the test
     hosts, once every replica has printed its READY line: (launcher, READY lines split)."""
     launcher = subprocess.Popen(poprun_command(hosts, "--num-replicas", "4", *prog(*args), job_timeout=90),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -4,7 +4,7 @@ The multi-rank modules of tests/mpi (collectives, embeddings TOKEN/ENCODING, the
 exchange, ID limits, optimizers, precision, data parallelism, topology, the feed
 thread) run under plain mpirun across the two test hosts, as tests/test_multirank.py
 runs them on one, with every byte between ranks on TCP (``--mca btl tcp,self``); the
-collectives module also under MPICH; and the host feed end to end (tests/infeed_prog.py
+collectives module also under MPICH; and the host feed end to end (tests/progs/infeed_prog.py
 under poprun-lite) with 2 feeders per replica. Each launch runs under a timeout.
 """
 
@@ -48,7 +48,7 @@ def test_collectives_module_at_2_hosts_under_mpich(hosts):
 def test_feeders_exactly_once_at_2_hosts(hosts):
     n = 24
     proc = poprun(hosts, "--num-replicas", "2", "--feeders-per-replica", "2", TCP_ONLY,
-                  sys.executable, str(ROOT / "tests" / "infeed_prog.py"), str(n), "--depth", "2",
+                  sys.executable, str(ROOT / "tests" / "progs" / "infeed_prog.py"), str(n), "--depth", "2",
                   timeout=180, job_timeout=150)
     assert proc.returncode == 0, proc.stderr
     got = {}

@@ -1,6 +1,6 @@
 """A program for the infeed tests, run on every rank by poprun-lite or mpirun.
 
-    python tests/infeed_prog.py N [--depth D] [--slow-ms MS] [--log DIR]
+    python tests/progs/infeed_prog.py N [--depth D] [--slow-ms MS] [--log DIR]
            [--fail-at REPLICA:FEEDER:BATCH] [--kill-at REPLICA:FEEDER:BATCH]
            [--exit-at REPLICA:FEEDER:BATCH] [--mixed]
 

@@ -3,7 +3,7 @@ tiny model trained for one epoch of numbered samples, with the global batch kept
 at any replica count by gradient accumulation, resumable at any replica count, stopping
 at a step boundary when the launcher asks for a resize.
 
-    python elastic_prog.py CKPT --samples N --batch B --global-batch G [--sleep S]
+    python tests/progs/hosts_elastic_prog.py CKPT --samples N --batch B --global-batch G [--sleep S]
 
 Samples are numbered 0..N-1; global batch ``g`` (of the feed's global sequence) holds
 samples ``g*B .. g*B + B-1`` and the dataset takes ``offset=``, so the feed resumes

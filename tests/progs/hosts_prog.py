@@ -1,7 +1,7 @@
 """The program the multi-host launcher tests run on every rank (a file in the project,
 since /tmp is private to each test host).
 
-    python tests/multihost/prog.py topology | feed | raise R | sigkill R | loop | wait DIR | detach R
+    python tests/progs/hosts_prog.py topology | feed | raise R | sigkill R | loop | wait DIR | detach R
 """
 
 import json
