@@ -12,13 +12,12 @@ import threading
 import time
 import unittest.mock
 
-import peers
 import pytest
 
 from popdist_lite import records
 from popdist_lite_launcher import agent, channel, report
 from popdist_lite_launcher.collector import Collector
-from peers import AgentConnection, wait_for
+from peers import AgentConnection, address, wait_for
 
 TB = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    1 / 0\n' \
      "ZeroDivisionError: division by zero\n"
@@ -230,7 +229,7 @@ def test_a_step_of_the_launchers_wall_clock_loses_no_agent(monkeypatch):
         wait_for(lambda: collector.records("hello"), what="the hello")
         with unittest.mock.patch("time.time", lambda: real_time() + 15.0):
             for count in (1, 2):
-                with socket.create_connection(peers.address(collector)):
+                with socket.create_connection(address(collector)):
                     wait_for(lambda: collector.ignored()[0].get("no hello within 1 s") == count,
                              timeout=30, what=f"stranger {count} refused")
         assert collector.records("lost") == []
