@@ -10,9 +10,18 @@ the collector never raises for what a connection sends, believes nothing before 
 handshake, and drops and counts what is not a valid frame and record
 (:meth:`Collector.ignored`). The collector
 
-* keeps every record of an authenticated agent except heartbeats
-  (:meth:`Collector.records`, by kind), and calls the callbacks registered with
-  :meth:`Collector.subscribe` for the kinds they asked for (e.g. the stall inspector for
+* stamps every record of an authenticated agent on arrival with the launcher's own
+  clock: ``received``, the launcher's ``time.monotonic()`` when the record arrived (for a
+  ``lost`` record: when its agent was last heard from). The ranks' own ``time`` and
+  ``since`` fields come from their hosts' clocks, which may be seconds or minutes off
+  the launcher's; ordering (the failure report's root cause) and durations (the stall
+  inspector's waits) use ``received`` only;
+* keeps a bounded number of records per rank and kind, the latest
+  (:data:`KEPT_PER_RANK`; heartbeats none): :meth:`Collector.records` by kind,
+  :meth:`Collector.failure_records` for the report. A rank's progress records (five a
+  second at most, for as long as the job runs) thus cost the same memory after a
+  minute as after a week. The callbacks registered with :meth:`Collector.subscribe` see
+  every record of the kinds they asked for (e.g. the stall inspector for
   ``"progress"``); a record must carry its connection's rank, and only the kinds of
   :data:`records.FROM_AGENT <popdist_lite.records.FROM_AGENT>` are accepted (``lost`` is
   made here, never read);
@@ -20,7 +29,8 @@ handshake, and drops and counts what is not a valid frame and record
   ``{"kind": "signal", "signal": "SIGUSR1"}``);
 * turns an authenticated agent that disappears into a ``"lost"`` record: its connection
   ended without an ``exit`` record (the agent was killed, its host went down), nothing
-  came for ``silence_timeout`` seconds although heartbeats come every second (the host
+  came for ``silence_timeout`` seconds (on the launcher's ``time.monotonic()``, which a
+  step of the wall clock does not move) although heartbeats come every second (the host
   or its link is down), or it was still connected without an ``exit`` record when mpirun
   ended (:meth:`Collector.finish`). A loss is marked ``terminated`` (a consequence, not a
   cause) unless the agent fell silent before the first failure or
@@ -45,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import select
 import selectors
 import socket
@@ -65,6 +76,11 @@ MAX_PENDING_CONNECTIONS = 32
 ACCEPT_BACKOFF_SECONDS = 0.5
 #: Seconds a send to an agent may take before the agent counts as unreachable.
 SEND_TIMEOUT_SECONDS = 2.0
+#: Records kept per rank and kind, the latest (older ones are dropped); kinds not named
+#: keep :data:`KEPT_DEFAULT`. The report reads a rank's last ``exit``, ``error`` and
+#: ``lost``; the stall inspector keeps its own last ``progress`` of every replica.
+KEPT_PER_RANK = {"progress": 8, "stack": 4}
+KEPT_DEFAULT = 4
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -82,7 +98,7 @@ class _Connection:
         self.send_lock = threading.Lock()  # frames leave in the order they were sealed
         self.hello: dict | None = None
         self.rank: int | None = None
-        self.last_heard = time.time()
+        self.last_heard = time.monotonic()
         self.exited = False
         self.closed = False
         self.lost = False
@@ -117,13 +133,17 @@ class Collector:
         self._accept_paused_until: float | None = None
         self._pending: list[_Connection] = []  # oldest first
         self._agents: list[_Connection] = []   # authenticated
-        self._records: list[dict] = []
+        # rank -> kind -> the latest (sequence number, record); the sequence number keeps
+        # the order of arrival across ranks and kinds
+        self._kept: dict[int | None, dict[str, collections.deque]] = {}
+        self._sequence = itertools.count()
+        self._lost_cause = False
         self._subscribers: dict[str, list] = {}
         self._refused: collections.Counter = collections.Counter()
         self._dropped: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
         self._failed = False
-        self._failed_at: float | None = None  # when the first failure or the stop came
+        self._failed_at: float | None = None  # monotonic: the first failure or the stop
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="poprun-lite collector",
                                         daemon=True)
@@ -138,14 +158,22 @@ class Collector:
     # ------------------------------------------------------------ public API
 
     def records(self, kind: str | None = None) -> list[dict]:
-        """The records received so far (all kinds but heartbeats), or those of ``kind``."""
-        with self._lock:
-            return [r for r in self._records if kind is None or r["kind"] == kind]
+        """The records kept (all kinds but heartbeats, the latest :data:`KEPT_PER_RANK`
+        of each rank and kind), or those of ``kind``, in the order they arrived. Each
+        carries ``received`` (see the module docstring) besides its kind's fields."""
+        return self._kept_records(None if kind is None else (kind,))
 
     def failure_records(self) -> list[dict]:
-        """The records the failure report reads (kinds ``error``, ``exit``, ``lost``)."""
+        """The records the failure report reads (kinds ``error``, ``exit``, ``lost``), as
+        :meth:`records`."""
+        return self._kept_records(records.FAILURE_KINDS)
+
+    def _kept_records(self, kinds) -> list[dict]:
         with self._lock:
-            return [r for r in self._records if r["kind"] in records.FAILURE_KINDS]
+            found = [item for by_kind in self._kept.values()
+                     for kind, kept in by_kind.items() if kinds is None or kind in kinds
+                     for item in kept]
+        return [record for _, record in sorted(found, key=lambda item: item[0])]
 
     def ignored(self) -> tuple[dict[str, int], dict[str, int]]:
         """What was not believed so far: ``(refused, dropped)``, counts by reason of the
@@ -179,12 +207,13 @@ class Collector:
     def lost_cause(self) -> bool:
         """True once an agent was lost before the job was failing or stopping."""
         with self._lock:
-            return any(r["kind"] == "lost" and not r["terminated"] for r in self._records)
+            return self._lost_cause
 
     def stopping(self) -> None:
         """Mark the job as being stopped: agents lost from now on are consequences."""
         with self._lock:
-            self._failed_at = self._failed_at or time.time()
+            if self._failed_at is None:
+                self._failed_at = time.monotonic()
 
     def finish(self) -> None:
         """Call when mpirun has ended: an agent still connected without an ``exit``
@@ -296,7 +325,7 @@ class Collector:
                     self._lose(conn, "its agent's connection closed without an exit record "
                                      "(agent killed or host down)")
             return
-        conn.last_heard = time.time()
+        conn.last_heard = time.monotonic()
         for line in conn.lines.feed(chunk):
             if conn.closed:
                 return
@@ -361,8 +390,9 @@ class Collector:
             return
         if kind == "exit":
             conn.exited = True
+        record["received"] = conn.last_heard  # set when the chunk holding it arrived
         with self._lock:
-            self._records.append(record)
+            self._keep(conn.rank, record)
             if kind == "error" or (kind == "exit" and (record["exitcode"] or record["signal"])
                                    and not record["terminated"]):
                 self._mark_failed()
@@ -380,10 +410,9 @@ class Collector:
         if self._accept_paused_until is not None and now >= self._accept_paused_until:
             self._accept_paused_until = None
             self._selector.register(self._server, selectors.EVENT_READ)
-        wall = time.time()
         for agent in list(self._agents):
             if not agent.closed and not agent.exited \
-                    and wall - agent.last_heard > self.silence_timeout:
+                    and now - agent.last_heard > self.silence_timeout:
                 self._end(agent)
                 self._lose(agent, f"nothing from its agent for {self.silence_timeout:g} s "
                                   "(host down or unreachable)")
@@ -414,15 +443,29 @@ class Collector:
             terminated = self._failed_at is not None and \
                 agent.last_heard > self._failed_at - 2 * records.HEARTBEAT_SECONDS
             ident = {name: agent.hello[name] for name in records.IDENTITY_FIELDS}
-            ident["time"] = agent.last_heard
-            self._records.append(records.make("lost", ident, reason=reason,
-                                              terminated=terminated))
+            # the launcher's wall time then, for the record's ``time`` field
+            ident["time"] = time.time() - (time.monotonic() - agent.last_heard)
+            lost = records.make("lost", ident, reason=reason, terminated=terminated)
+            lost["received"] = agent.last_heard
+            self._keep(agent.rank, lost)
             if not terminated:
+                self._lost_cause = True
                 self._mark_failed()
+
+    def _keep(self, rank: int | None, record: dict) -> None:
+        """Keep ``record`` of ``rank`` (under the lock), dropping the oldest of its kind
+        beyond :data:`KEPT_PER_RANK`."""
+        kind = record["kind"]
+        by_kind = self._kept.setdefault(rank, {})
+        kept = by_kind.get(kind)
+        if kept is None:
+            kept = by_kind[kind] = collections.deque(maxlen=KEPT_PER_RANK.get(kind, KEPT_DEFAULT))
+        kept.append((next(self._sequence), record))
 
     def _mark_failed(self) -> None:
         self._failed = True
-        self._failed_at = self._failed_at or time.time()
+        if self._failed_at is None:
+            self._failed_at = time.monotonic()
 
 
 def _send_all(sock: socket.socket, data: bytes, timeout: float) -> bool:

@@ -10,6 +10,12 @@ replicas (and of their feed processes) for their Python stacks, and prints the b
 reaches ``timeout`` seconds it asks again and returns the block: the job loop then
 stops the job and reports that block as the root cause. A stall that changes (another
 call, other replicas missing) is a new stall; one that ends re-arms the warning.
+
+Waits are measured on the launcher's ``time.monotonic()``: from the collector's
+``received`` stamp of the progress record (when the launcher learnt that the replica
+entered the call; its agent looks every 0.2 s) to the poll. The ``since`` a rank's host
+wrote is not used: a host whose clock is minutes behind would otherwise read as having
+waited minutes, and a step of any wall clock would end a healthy job.
 """
 
 from __future__ import annotations
@@ -58,13 +64,14 @@ class StallInspector:
     # ------------------------------------------------------------ records in
 
     def on_progress(self, record: dict) -> None:
-        """A ``progress`` record from a replica's agent (``replica``, ``call``, ``op``,
-        ``since`` and identity fields). Thread-safe."""
+        """A ``progress`` record from a replica's agent as the collector passes it on
+        (``replica``, ``call``, ``op``, identity fields, and ``received``: the launcher's
+        ``time.monotonic()`` on its arrival). Thread-safe."""
         if record.get("role", "replica") != "replica":
             return
         p = Progress(replica=int(record["replica"]), call=int(record["call"]), op=str(record["op"]),
-                     since=float(record["since"]), rank=record.get("rank"), host=record.get("host"),
-                     pid=record.get("pid"))
+                     since=float(record["received"]), rank=record.get("rank"),
+                     host=record.get("host"), pid=record.get("pid"))
         with self._lock:
             old = self._progress.get(p.replica)
             if old is None or p.call >= old.call:
@@ -78,9 +85,10 @@ class StallInspector:
     # ------------------------------------------------------------ the check
 
     def poll(self, now: float | None = None) -> str | None:
-        """Check once; print a warning block when due. Returns the block to report as the
-        root cause when the stall timeout is reached, else None."""
-        now = time.time() if now is None else now
+        """Check once at ``now`` (default ``time.monotonic()``); print a warning block when
+        due. Returns the block to report as the root cause when the stall timeout is
+        reached, else None."""
+        now = time.monotonic() if now is None else now
         with self._lock:
             stall = find_stall(self._progress, self.num_replicas, now)
         thresholds = [t for t in (self.warning, self.timeout) if t is not None]

@@ -8,7 +8,9 @@ reads the slot every :data:`POLL_SECONDS` in a thread and calls ``send(call, op,
 since)`` when the rank has entered another collective call (the agent forwards that to
 the launcher as a ``progress`` record); :meth:`RankProgress.dump_stack` sends the rank
 :data:`popdist_lite.progress.STACK_SIGNAL` and returns the stack text faulthandler
-appended to the file. Nothing here uses MPI, and nothing is shared between hosts.
+appended to the file, or ``stopped (state T)`` for a rank that is stopped (SIGSTOP,
+SIGTSTP) or traced, which cannot dump its stack until it is continued (its state read
+from ``/proc/PID/stat``). Nothing here uses MPI, and nothing is shared between hosts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import threading
 import time
 
 from popdist_lite import progress
+
+from .stall import stopped_text
 
 #: Seconds between two reads of the rank's slot.
 POLL_SECONDS = 0.2
@@ -79,7 +83,12 @@ class RankProgress:
 
     def dump_stack(self, pid: int, timeout: float = STACK_TIMEOUT_SECONDS) -> str:
         """Ask process ``pid`` (the rank) for every thread's Python stack; return the text
-        it appended to the stack file within ``timeout`` s ("" if none)."""
+        it appended to the stack file within ``timeout`` s; :func:`stall.stopped_text
+        <popdist_lite_launcher.stall.stopped_text>` if the process is stopped (then it is
+        not signalled) or was stopped when no text came; "" if none came otherwise."""
+        state = _stopped_state(pid)
+        if state:
+            return stopped_text(state)
         with self._stack_lock:
             fd = self.stacks.fileno()
             try:
@@ -102,10 +111,22 @@ class RankProgress:
                 text = os.pread(fd, max(0, os.fstat(fd).st_size - start), start)
             except OSError:
                 pass
-            return text.decode("utf-8", "replace")
+        state = _stopped_state(pid) if not text else None
+        return stopped_text(state) if state else text.decode("utf-8", "replace")
 
     def close(self) -> None:
         """Stop watching and close the files (they vanish with the last descriptor)."""
         self._stop.set()
         self.slot.close()
         self.stacks.close()
+
+
+def _stopped_state(pid: int) -> str | None:
+    """``"T"`` (stopped) or ``"t"`` (traced) if that is the state of process ``pid`` in
+    ``/proc/PID/stat``, else None (running, sleeping, gone, or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0].decode("ascii", "replace")
+    except (OSError, IndexError):
+        return None
+    return state if state in ("T", "t") else None

@@ -12,9 +12,12 @@ Inputs are the records the launcher's collector received from the ranks' agents
 Records of host feed processes have ``role == "feeder"``, ``replica`` = the replica
 they feed and ``feeder`` = their index; they are titled ``feeder K of replica N``.
 
-The root cause is the earliest failure (by time) that is not a consequence of the
-job being stopped; failures within a second of it count as simultaneous, and among
-those an exception, then a signal, then a lost agent wins over a plain exit code. Pure functions on plain dicts: no MPI, no processes.
+The root cause is the earliest failure that is not a consequence of the job being
+stopped; failures within a second of it count as simultaneous, and among those an
+exception, then a signal, then a lost agent wins over a plain exit code. "Earliest" is
+by the launcher's own clock: the ``received`` stamp the collector puts on every record
+(:mod:`popdist_lite_launcher.collector`), never the ``time`` a rank's host wrote, which
+may be seconds off on another host. Pure functions on plain dicts: no MPI, no processes.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class Failure:
     role: str
     host: str | None
     pid: int | None
-    time: float
+    time: float  # the launcher's stamp (``received``); see merge_records
     exitcode: int | None = None
     signal: str | None = None
     terminated: bool = False
@@ -107,8 +110,11 @@ def merge_records(records: list[dict]) -> list[Failure]:
     """Merge the ``exit``, ``error`` and ``lost`` records of each rank into one
     :class:`Failure`, sorted by time; ranks that only exited with code 0 are left out.
 
-    The time of a rank with an error record is the time of the exception; a lost
-    rank's is when its agent was last heard from.
+    A failure's :attr:`Failure.time` is the launcher's stamp of its error record (the
+    exception), else of its exit or lost record (when its agent was last heard from):
+    the record's ``received`` field, the launcher's ``time.monotonic()``. Records without
+    one (not from a collector) use their own ``time``; the two are never mixed in one
+    report by the launcher.
     """
     by_rank: dict = {}
     for record in records:
@@ -129,7 +135,7 @@ def merge_records(records: list[dict]) -> list[Failure]:
             continue
         failure = Failure(rank=base.get("rank"), replica=base.get("replica"),
                           role=base.get("role") or "replica", host=base.get("host"),
-                          pid=base.get("pid"), time=float(base.get("time") or 0.0),
+                          pid=base.get("pid"), time=_stamp(base),
                           feeder=base.get("feeder", (error_rec or {}).get("feeder")))
         if exit_rec:
             failure.has_exit_record = True
@@ -138,7 +144,7 @@ def merge_records(records: list[dict]) -> list[Failure]:
             failure.terminated = bool(exit_rec.get("terminated"))
             failure.stderr_tail = exit_rec.get("stderr_tail") or ""
         if error_rec:
-            failure.time = float(error_rec.get("time") or failure.time)
+            failure.time = _stamp(error_rec)
             failure.exception = error_rec.get("exception")
             failure.message = error_rec.get("message")
             failure.traceback = error_rec.get("traceback")
@@ -149,6 +155,12 @@ def merge_records(records: list[dict]) -> list[Failure]:
         failures.append(failure)
     failures.sort(key=lambda f: (f.time, f.rank if f.rank is not None else -1))
     return failures
+
+
+def _stamp(record: dict) -> float:
+    """When ``record`` arrived at the launcher (``received``), else its own ``time``."""
+    stamp = record.get("received", record.get("time"))
+    return float(stamp) if isinstance(stamp, (int, float)) else 0.0
 
 
 #: Failures this close to the earliest candidate count as simultaneous (seconds).

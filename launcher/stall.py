@@ -2,7 +2,9 @@
 block poprun-lite prints (pure functions on plain values: no processes, no sockets).
 
 Every replica records the collective call it last entered (operation, call number and
-entry time; :mod:`popdist_lite.progress`) and its agent forwards that to the launcher.
+entry time; :mod:`popdist_lite.progress`) and its agent forwards that to the launcher,
+which notes when it arrived on its own clock. Times here are on one clock, the
+launcher's (``time.monotonic()``).
 A job stalls when some replicas have entered call ``#N`` and wait there while others
 have not entered it: :func:`find_stall` names the call, the waiting replicas and the
 missing ones (each with what it last entered), in ascending replica order;
@@ -13,13 +15,25 @@ Horovod's stall inspector (which names the ranks that did not submit a tensor af
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+#: The stack text an agent sends for a process that is stopped (``T``, SIGSTOP or
+#: SIGTSTP) or traced (``t``), which cannot dump its stack: see :func:`stopped_text`.
+_STOPPED = re.compile(r"stopped \(state [Tt]\)")
+
+
+def stopped_text(state: str) -> str:
+    """The stack text that stands for a process in ``state`` (``"T"`` or ``"t"`` from
+    ``/proc/PID/stat``), which cannot run its stack dump until it is continued."""
+    return f"stopped (state {state})"
 
 
 @dataclass(frozen=True)
 class Progress:
     """A replica's last collective call: ``call`` number, ``op`` name and ``since``
-    (seconds since the epoch when it entered the call); where it runs, when known."""
+    (when the launcher learnt that it entered the call, in seconds of the launcher's
+    ``time.monotonic()``); where it runs, when known."""
 
     replica: int
     call: int
@@ -59,7 +73,7 @@ def find_stall(progress: dict[int, Progress], num_replicas: int, now: float) -> 
         progress: the last :class:`Progress` of each replica that has entered a
             collective (replicas absent from it have entered none).
         num_replicas: replicas in the job (0 .. num_replicas - 1).
-        now: seconds since the epoch.
+        now: the time on the clock of the :attr:`Progress.since` values.
 
     Returns:
         a :class:`Stall` when some replicas have entered a call number that others have
@@ -111,7 +125,9 @@ def format_stall(stall: Stall, now: float, stacks: dict[int, list[tuple[str, str
 
     ``stacks`` maps a missing replica to ``(who, stack)`` pairs: its own Python stack
     (faulthandler's text, ``who`` = ``"replica 1"``) and its feed processes' (``"feeder 0
-    of replica 1"``). A missing replica without any reads ``not available``. ``title``
+    of replica 1"``). A process whose agent found it stopped (:func:`stopped_text`)
+    reads ``stopped (state T)``; a missing replica without any reads ``not available``.
+    ``title``
     starts the first line (``stall``, or ``root cause: stall`` in a failure report).
     """
     stacks = stacks or {}
@@ -138,6 +154,9 @@ def format_stall(stall: Stall, now: float, stacks: dict[int, list[tuple[str, str
         if not found:
             lines.append(f"  Python stack of replica {r}: not available")
         for who, text in found:
+            if _STOPPED.fullmatch(text.strip()):
+                lines.append(f"  Python stack of {who}: not available, {text.strip()}")
+                continue
             lines.append(f"  Python stack of {who}:")
             lines += _indent(text, "    ")
     return "\n".join(lines)

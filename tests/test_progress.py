@@ -3,6 +3,7 @@ poprun-lite agent reads them (popdist_lite_launcher.rank_progress), in a real ch
 process: no MPI."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -80,3 +81,33 @@ def test_off_by_default_records_nothing():
             "progress.record('all_reduce', 0)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("POPDIST_LITE_")}
     subprocess.run([sys.executable, "-c", code], env=env, timeout=30, check=True)
+
+
+def test_stack_of_a_stopped_rank_reads_its_state():
+    """A rank stopped by SIGSTOP cannot run its stack dump: the answer names its state
+    (from /proc/PID/stat) without signalling it; continued, it dumps its stack again."""
+    rank = RankProgress()
+    try:
+        child = subprocess.Popen([sys.executable, "-c", CHILD], env={**os.environ, **rank.env()},
+                                 stdout=subprocess.PIPE, text=True, pass_fds=rank.fds())
+        try:
+            assert child.stdout.readline().strip() == "spinning"
+            os.kill(child.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 30
+            while _state(child.pid) != "T":  # the stop is asynchronous
+                assert time.monotonic() < deadline, "the child never stopped"
+                time.sleep(0.02)
+            assert rank.dump_stack(child.pid) == "stopped (state T)"
+            os.kill(child.pid, signal.SIGCONT)
+            stack = rank.dump_stack(child.pid)  # running again: its stack, the one dump
+            assert stack.count("spin_in_a_python_loop_for_the_test") == 1, stack
+        finally:
+            child.kill()
+            child.wait(10)
+    finally:
+        rank.close()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]

@@ -6,7 +6,9 @@ collector)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import random
 import socket
 
@@ -15,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from popdist_lite import records
 from popdist_lite_launcher import report
-from popdist_lite_launcher.collector import Collector
+from popdist_lite_launcher.collector import KEPT_DEFAULT, KEPT_PER_RANK, Collector
 from peers import AgentConnection, address, wait_for
 
 # ---------------------------------------------------------------- strategies
@@ -224,11 +226,14 @@ def test_fuzz_report_formats_every_valid_record(recs, mpirun_code, stalled):
 
 def test_fuzz_collector_with_a_seeded_stream_of_lines():
     """3000 lines (valid, mutated and random frames, JSON and bytes) through one
-    authenticated connection and through strangers' connections: the collector keeps
-    only valid records of its agent, counts the rest, raises nothing, and the report
-    formats what it kept."""
+    authenticated connection and through strangers' connections: the collector passes
+    on only valid records of its agent, keeps the latest of each kind (its bound),
+    counts the rest, raises nothing, and the report formats what it kept."""
     rng = random.Random(19)
     with Collector(ranks=1) as collector:
+        passed = []
+        for kind in records.FROM_AGENT:
+            collector.subscribe(kind, passed.append)
         agent = AgentConnection(collector, 0)
         sent_valid = 0
         for i in range(3000):
@@ -260,10 +265,15 @@ def test_fuzz_collector_with_a_seeded_stream_of_lines():
         for line in stranger_lines:
             with socket.create_connection(address(collector)) as sock:
                 sock.sendall(line + b"\n")
-        wait_for(lambda: len(collector.records()) - 1 >= sent_valid, what="the valid records")
+        wait_for(lambda: len(passed) >= sent_valid, what="the valid records")
         refused, dropped = collector.ignored()
         kept = collector.records()
-        assert len(kept) - 1 == sent_valid  # the hello and every valid record, nothing else
+        assert len(passed) == sent_valid  # every valid record, nothing else
+        assert [r["kind"] for r in collector.records("hello")] == ["hello"]
+        for kind in ("error", "exit", "progress", "stack"):  # the latest of each kind, in order
+            latest = [r for r in passed if r["kind"] == kind][-KEPT_PER_RANK.get(kind, KEPT_DEFAULT):]
+            assert latest and collector.records(kind) == latest
+        assert [r["received"] for r in kept] == sorted(r["received"] for r in kept)
         assert not [r for r in list(refused) + list(dropped) if "collector error" in r]
         failures = report.merge_records(collector.failure_records())
         report.format_report(failures, report.exit_code_for(failures, 0))
@@ -276,3 +286,42 @@ def _still_valid(record: dict) -> bool:
     except ValueError:
         return False
     return record.get("rank", 0) == 0  # its connection's rank
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size (/proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_collector_memory_is_bounded_per_rank():
+    """200,000 progress records through the real channel (a rank at 5 records/s for 11
+    hours) grow the process hosting the collector by less than 10 MiB: the collector
+    keeps the latest few per rank (every one reaches the subscribers)."""
+    with Collector(ranks=1) as collector:
+        count = {"n": 0}
+
+        def counted(record):
+            count["n"] += 1
+        collector.subscribe("progress", counted)
+        agent_connection = AgentConnection(collector, 0)
+        agent_connection.sock.settimeout(120)
+
+        def send(first: int, n: int) -> None:
+            for start in range(first, first + n, 1000):
+                frames = b"".join(agent_connection.session.seal(records.make(
+                    "progress", agent_connection.ident, call=call, op="all_reduce", since=1.0))
+                    for call in range(start, min(start + 1000, first + n)))
+                agent_connection.sock.sendall(frames)
+            wait_for(lambda: count["n"] == first + n, timeout=600, what=f"{first + n} records")
+
+        send(0, 20_000)  # warm-up: the collector's buffers, the allocator's arenas
+        gc.collect()
+        before = _rss_bytes()
+        send(20_000, 200_000)
+        gc.collect()
+        after = _rss_bytes()
+        kept = collector.records("progress")
+        agent_connection.close()
+    assert (after - before) < 10 * 2 ** 20, f"RSS grew by {(after - before) / 2 ** 20:.1f} MiB"
+    assert [r["call"] for r in kept] == list(range(220_000 - KEPT_PER_RANK["progress"], 220_000))

@@ -10,13 +10,14 @@ import sys
 import textwrap
 import threading
 import time
+import unittest.mock
 
 import pytest
 
 from popdist_lite import records
 from popdist_lite_launcher import agent, channel, report
 from popdist_lite_launcher.collector import Collector
-from peers import AgentConnection, wait_for
+from peers import AgentConnection, address, wait_for
 
 TB = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    1 / 0\n' \
      "ZeroDivisionError: division by zero\n"
@@ -192,6 +193,50 @@ def test_collector_drops_bad_lines_and_reports_lost_agents():
         agent1.close()
 
 
+def test_root_cause_by_the_launchers_clock_not_a_skewed_host():
+    """Replica 0 raises; replica 1, on a host whose clock is 5 s behind, exits with code 14
+    (its MPI library saw replica 0 vanish) a moment later. The collector's stamps order
+    them: the exception is the root cause, not the exit its host's clock dates 5 s
+    earlier."""
+    with Collector(ranks=2) as collector:
+        agents = [AgentConnection(collector, rank) for rank in range(2)]
+        now = time.time()
+        agents[0].ident["time"] = now
+        agents[0].send("error", exception="ValueError", message="the real error", traceback=TB)
+        wait_for(lambda: collector.records("error"), what="the error record")
+        agents[1].ident["time"] = now + 0.05 - 5.0
+        agents[1].send("exit", exitcode=14, signal=None, stderr_tail="peer vanished",
+                       terminated=False)
+        wait_for(lambda: collector.records("exit"), what="the exit record")
+        failures = report.merge_records(collector.failure_records())
+        for agent_connection in agents:
+            agent_connection.close()
+    cause = report.root_cause(failures)
+    assert (cause.rank, cause.exception) == (0, "ValueError")
+    assert failures[0].time <= failures[1].time  # the launcher's order of arrival
+    assert report.summary(failures).startswith("replica 0 (rank 0, host")
+
+
+def test_a_step_of_the_launchers_wall_clock_loses_no_agent(monkeypatch):
+    """The launcher's wall clock jumps 15 s ahead (NTP, an operator) while an agent is
+    connected and silent for less than the silence timeout (10 s): it is not lost. Two
+    strangers, refused in turn for not authenticating within 1 s (a later deadline
+    check each), show the collector checked its deadlines after the step."""
+    monkeypatch.setattr(channel, "HELLO_DEADLINE_SECONDS", 1.0)
+    real_time = time.time
+    with Collector(ranks=1) as collector:
+        agent_connection = AgentConnection(collector, 0)
+        wait_for(lambda: collector.records("hello"), what="the hello")
+        with unittest.mock.patch("time.time", lambda: real_time() + 15.0):
+            for count in (1, 2):
+                with socket.create_connection(address(collector)):
+                    wait_for(lambda: collector.ignored()[0].get("no hello within 1 s") == count,
+                             timeout=30, what=f"stranger {count} refused")
+        assert collector.records("lost") == []
+        assert not collector.has_failure() and not collector.lost_cause()
+        agent_connection.close()
+
+
 def test_collector_sends_requests_to_one_agent():
     with Collector(ranks=2) as collector:
         agents = [AgentConnection(collector, rank) for rank in range(2)]
@@ -318,7 +363,7 @@ def test_agent_sends_exit_record(tmp_path):
     assert error["host"] == recs[0]["host"] != "elsewhere" and error["pid"] == recs[0]["pid"]
     assert (error["exception"], error["message"], error["traceback"]) == ("E", "m", "t")
     record = recs[-1]
-    assert set(record) == {"kind", *records.FIELDS["exit"]}
+    assert set(record) == {"kind", "received", *records.FIELDS["exit"]}  # + the launcher's stamp
     assert record["rank"] == 2 and record["replica"] == 2 and record["exitcode"] == 3
     assert record["signal"] is None and record["terminated"] is False
     assert record["stderr_tail"] == "err line"

@@ -3,9 +3,13 @@ missing replicas last entered, and the printed block; the launcher's inspector o
 (with a fake transport for the stack requests)."""
 
 import io
+import re
+import time
 
+from popdist_lite_launcher.collector import Collector
 from popdist_lite_launcher.inspector import STACK_WAIT_SECONDS, StallInspector
-from popdist_lite_launcher.stall import Progress, find_stall, format_stall
+from popdist_lite_launcher.stall import Progress, find_stall, format_stall, stopped_text
+from peers import AgentConnection, wait_for
 
 NOW = 1000.0
 
@@ -72,9 +76,12 @@ def test_clock_ahead_of_the_launcher_counts_as_no_wait():
 
 # ---------------------------------------------------------------- the inspector
 
-def progress_record(replica, call, op, since):
+def progress_record(replica, call, op, received):
+    """A progress record as the collector passes it on: ``received`` is the launcher's
+    stamp; the rank's own ``since`` is from a host clock a day behind (never used)."""
     return {"kind": "progress", "replica": replica, "rank": replica, "role": "replica", "host": "h",
-            "pid": 100 + replica, "call": call, "op": op, "since": since}
+            "pid": 100 + replica, "call": call, "op": op, "since": received - 86400.0,
+            "time": received - 86400.0, "received": received}
 
 
 def make_inspector(asked, answer=True, **kw):
@@ -141,3 +148,41 @@ def test_same_call_number_different_operations():
     # two replicas, a tie: the group with replica 0 waits
     stall = find_stall({0: p(0, 1, "broadcast", 3.0), 1: p(1, 1, "all_reduce", 3.0)}, 2, NOW)
     assert stall.op == "broadcast" and [r for r, _ in stall.missing] == [1]
+
+
+def test_a_stopped_replica_reads_stopped_instead_of_a_stack():
+    stall = find_stall({0: p(0, 3, "all_reduce", 4.0), 1: p(1, 2, "broadcast", 5.0)}, 3, NOW)
+    text = format_stall(stall, NOW, {1: [("replica 1", stopped_text("T")),
+                                         ("feeder 0 of replica 1", "feeder stack")]})
+    assert "  Python stack of replica 1: not available, stopped (state T)" in text.splitlines()
+    assert "  Python stack of feeder 0 of replica 1:\n    feeder stack" in text
+    assert "  Python stack of replica 2: not available" in text.splitlines()
+
+
+def test_wait_is_measured_on_the_launchers_clock_not_a_hosts():
+    """Through the real channel: replica 0's host is 300 s behind the launcher and says it
+    entered all_reduce #2 at its own time.time(), just now; replica 1 is still in
+    broadcast #1. The wait counts from the launcher's receipt: the warning block reads
+    well under a minute (not 300 s), and --stall-timeout 120 does not end the job."""
+    asked, out = [], io.StringIO()
+    processes = {r: [(f"replica {r}", r)] for r in range(2)}
+    ask = lambda rank, request: asked.append((rank, request)) or False  # noqa: E731
+    warner = StallInspector(2, processes, ask, warning=1e-6, timeout=None, out=out)
+    ender = StallInspector(2, processes, ask, warning=None, timeout=120.0, out=out)
+    with Collector(ranks=2) as collector:
+        seen = []
+        for callback in (warner.on_progress, ender.on_progress, seen.append):
+            collector.subscribe("progress", callback)
+        agents = [AgentConnection(collector, rank) for rank in range(2)]
+        behind = time.time() - 300.0
+        agents[0].ident["time"] = behind
+        agents[0].send("progress", call=2, op="all_reduce", since=behind)
+        agents[1].send("progress", call=1, op="broadcast", since=time.time())
+        wait_for(lambda: len(seen) == 2, what="both progress records")
+        assert ender.poll() is None and asked == []
+        assert warner.poll() is None  # prints the warning block
+        for agent_connection in agents:
+            agent_connection.close()
+    waited = re.search(r"replica 0 has waited ([0-9.]+) s in all_reduce \(collective call #2\) "
+                       r"for replica 1", out.getvalue())
+    assert waited and float(waited.group(1)) < 60.0, out.getvalue()

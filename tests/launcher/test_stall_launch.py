@@ -5,12 +5,15 @@ program's own function), that it came within warning time + 10 s of the stall, a
 --stall-timeout ends the job with the block as the root cause. Every run is under a
 timeout."""
 
+import os
 import re
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+
+from peers import alive, wait_for
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 WARNING = 2.0
@@ -68,6 +71,17 @@ SKIP = PRELUDE + """
         stall_starts()
         pl.broadcast(x, root=1)
         pl.all_reduce(x)
+"""
+
+STOP = PRELUDE + """
+    import signal
+
+    if me == 1:  # stops itself while replica 0 waits for it in all_reduce #2
+        with open(os.path.join(sys.argv[1], "stopped_pid"), "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    stall_starts()
+    pl.all_reduce(x)
 """
 
 FEEDER = """
@@ -192,3 +206,25 @@ def test_replica_waiting_for_a_stuck_feeder(tmp_path):
     assert "  Python stack of feeder 0 of replica 1:" in block
     feeder_stack = block[block.index("Python stack of feeder 0 of replica 1"):]
     assert "in stuck_in_the_dataset" in feeder_stack
+
+
+def test_replica_stopped_by_sigstop(tmp_path):
+    """A replica that stopped itself (SIGSTOP) cannot dump its stack: the block says it is
+    stopped (its agent read the state), the stall timeout ends the job, and the stopped
+    process does not outlive it."""
+    err, delay, code = run_stalled(tmp_path, STOP, timeout_after=5)
+    pid = int((tmp_path / "stopped_pid").read_text())
+    try:
+        wait_for(lambda: not alive(pid), timeout=30, what=f"the stopped replica (pid {pid}) to end")
+    finally:
+        if alive(pid):  # our own test program, left stopped: SIGKILL ends it
+            os.kill(pid, 9)
+    assert delay is not None and delay < WARNING + 10, err
+    block = block_of(err)
+    assert "replica 0 has waited" in block
+    assert "in all_reduce (collective call #2) for replica 1, which did not enter it" in block
+    stopped = "  Python stack of replica 1: not available, stopped (state T)"
+    assert stopped in block.splitlines(), block
+    assert code == 1, err
+    cause = block_of(err, "root cause: stall:")
+    assert stopped in cause.splitlines(), cause
