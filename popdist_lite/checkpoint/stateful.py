@@ -141,13 +141,36 @@ class GeneratorState:
         return PerReplica(self.generator.bit_generator.state)
 
     def validate_state_dict(self, state, saved: Saved) -> None:
-        kind = type(self.generator.bit_generator).__name__
-        if state is not None and (not isinstance(state, dict) or state.get("bit_generator") != kind):
-            raise ValueError(f"generator {saved.name!r}: expected a {kind} state, got {str(state)[:80]}")
+        """Refuse a state the generator cannot take: it is set on a new bit generator
+        of the same class first, so :meth:`load_state_dict` cannot fail.
+
+        Raises:
+            ValueError: naming the generator, the bit generator and the state.
+        """
+        if state is not None:
+            check_bit_generator_state(self.generator.bit_generator, state, f"generator {saved.name!r}")
 
     def load_state_dict(self, state) -> None:
         if state is not None:
             self.generator.bit_generator.state = state
+
+
+def check_bit_generator_state(bit_generator: np.random.BitGenerator, state, what: str) -> None:
+    """Raise ``ValueError`` unless ``bit_generator.state = state`` would succeed: the
+    state is set on a new bit generator of the same class (its setter checks every
+    field), never on ``bit_generator`` itself.
+
+    Raises:
+        ValueError: naming ``what``, the bit generator and the refused state.
+    """
+    kind = type(bit_generator).__name__
+    if not isinstance(state, dict) or state.get("bit_generator") != kind:
+        raise ValueError(f"{what}: expected a {kind} state, got {str(state)[:80]}")
+    try:
+        type(bit_generator)(0).state = state
+    except Exception as exc:  # noqa: BLE001 - whatever the setter refuses
+        raise ValueError(f"{what}: not a valid {kind} state ({type(exc).__name__}: {exc}): "
+                         f"{str(state)[:80]}") from None
 
 
 _ADAPTERS: dict[type, Callable[[Any], Stateful]] = {np.random.Generator: GeneratorState}
