@@ -266,3 +266,44 @@ def test_jax_bad_generator_on_one_replica_changes_nothing(shared, comm):
     assert live["dense"].tree is tree
     assert _frozen({"w": np.asarray(tree["w"]), "table": tree["table"], "n": tree["n"], "step": live["step"],
                     "rng": live["rng"].bit_generator.state}) == before
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_torch_bits_slot_of_another_width_changes_nothing(shared, comm):
+    """A bfloat16 parameter's Adam slot saved as its bits (uint16) rewritten as uint32 of
+    the same shape: viewing it as bfloat16 would double its last axis. Refused before
+    anything changes, on every replica."""
+    torch = pytest.importorskip("torch", reason="needs the [torch] extra")
+    import popdist_lite.torch  # noqa: F401 - registers the adapters
+
+    def state(seed, trained):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        if trained:
+            model(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+            opt.step()
+        return {"model": model, "opt": opt, "step": seed, "rng": np.random.default_rng(seed)}
+
+    path = pl.save_checkpoint(shared, state(1, trained=True), step=1)
+    if comm.rank == 0:
+        name = "opt/tensors/0/exp_avg"
+        manifest = json.loads((path / "manifest.json").read_text())
+        assert manifest["objects"]["opt"]["slots"]["0"]["exp_avg"] == "bits:bfloat16"
+        record = manifest["arrays"][name]["files"][0]
+        np.save(path / record["file"], np.load(path / record["file"]).astype(np.uint32))
+        raw = (path / record["file"]).read_bytes()
+
+        def change(manifest):
+            manifest["arrays"][name]["dtype"] = "<u4"
+            manifest["arrays"][name]["files"][0].update(bytes=len(raw), crc32=zlib.crc32(raw))
+        _manifest(path, change)
+    comm.Barrier()
+    live = state(2, trained=False)
+    before = _frozen({"model": {k: v.view(torch.int16).numpy().copy() for k, v in live["model"].state_dict().items()},
+                      "opt": repr(live["opt"].state_dict()), "rng": live["rng"].bit_generator.state})
+    with pytest.raises(pl.CheckpointError, match=r"the bits of a bfloat16 are uint16, the checkpoint holds uint32"):
+        pl.load_checkpoint(path, live)
+    assert _frozen({"model": {k: v.view(torch.int16).numpy().copy() for k, v in live["model"].state_dict().items()},
+                    "opt": repr(live["opt"].state_dict()), "rng": live["rng"].bit_generator.state}) == before
