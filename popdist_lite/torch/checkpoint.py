@@ -40,8 +40,9 @@ the checkpoint.
 Lazy optimizer state. ``torch.optim`` creates most state at the first ``step()``. A
 parameter that has no state yet takes its slots from the checkpoint
 (:class:`~popdist_lite.checkpoint.Allocate`), each accepted only with the live
-parameter's shape (or as a scalar, the step counters) and a numeric dtype, so what a load
-allocates is bounded by the live parameters. DCP instead initialises the state with a
+parameter's shape (or as a scalar, the step counters) and a numeric dtype in the
+machine's byte order (the bits of a ``bfloat16`` as ``uint16``), checked before anything
+is allocated, so what a load allocates is bounded by the live parameters. DCP instead initialises the state with a
 step of zero gradients at learning rate 0 and loads into it; that step is not neutral
 (``SGD`` with ``dampening`` makes its first momentum buffer differently from the first
 real step, weight decay and step counters run) and would change an optimizer whose
