@@ -32,7 +32,9 @@ class DenseOptimizer:
     (replicated) and the step counter. An optimizer that has state (after :meth:`init`
     or an update) loads into its own arrays, whose shapes and dtypes come from the
     parameters; one without takes the checkpoint's slots, each checked to be a slot of
-    this optimizer in a float dtype, and compared with the parameters at the next update.
+    this optimizer in a float dtype before anything is allocated (the load allocates
+    them once their files were checked), and compared with the parameters at the next
+    update, which has them.
     """
 
     #: The names of the arrays kept per parameter.
@@ -69,13 +71,14 @@ class DenseOptimizer:
         before it has any (see the class docstring).
 
         Raises:
-            ValueError: not a slot of this optimizer, or not a float32/float64 array.
+            ValueError: not a slot of this optimizer, or not a float32/float64 array in
+                the machine's byte order.
         """
         _, _, slot = relative.rpartition("/")
         if slot not in self.slot_names:
             raise ValueError(f"{type(self).__name__} keeps {list(self.slot_names) or 'no state'}, not {slot!r}")
-        if np.dtype(dtype) not in (np.float32, np.float64):
-            raise ValueError(f"optimizer state is float32 or float64, got {np.dtype(dtype)}")
+        if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise ValueError(f"optimizer state is float32 or float64 (native byte order), got {np.dtype(dtype).str}")
 
     def state_dict(self, partition=None) -> dict:
         """The slots (``{"state": {param: {slot: array}}}``, live references; before any

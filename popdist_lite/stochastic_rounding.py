@@ -167,14 +167,21 @@ class StochasticRounding:
 
     def check_generator_states(self, states: dict[str, dict]) -> None:
         """Raise ``ValueError`` unless ``states`` could be given to :meth:`set_generator_states`
-        (known stream names, states of the streams' bit generator)."""
+        (known stream names, states each stream's bit generator takes: tried on a new
+        one of its class)."""
         streams = self._streams()
         for name, state in states.items():
             if name not in streams:
                 raise ValueError(f"generator {name!r}: expected one of {sorted(streams)}")
-            kind = type(streams[name].bit_generator).__name__
+            bit_generator = streams[name].bit_generator
+            kind = type(bit_generator).__name__
             if not isinstance(state, dict) or state.get("bit_generator") != kind:
                 raise ValueError(f"generator {name!r}: expected a {kind} state dict, got {state!r:.80}")
+            try:  # on a new bit generator of the class: the setter checks every field
+                type(bit_generator)(0).state = state
+            except Exception as exc:  # noqa: BLE001 - whatever the setter refuses
+                raise ValueError(f"generator {name!r}: not a valid {kind} state ({type(exc).__name__}: {exc}): "
+                                 f"{state!r:.80}") from None
 
     def set_generator_states(self, states: dict[str, dict]) -> None:
         """Restore streams from :meth:`generator_states` (any subset of the names).

@@ -8,12 +8,14 @@
 ``DIR`` is a checkpoint (``.../step-00000020``) or a directory of checkpoints (the newest
 is used). ``export`` assembles the array at its global shape from every writer's file,
 one chunk at a time, into ``out.npy`` (memory-mapped: the array never has to fit in
-memory), checking each file's crc32.
+memory), once every file it reads was checked (size, header, crc32); a failure leaves
+no partial output.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -85,6 +87,17 @@ def inspect(directory: Path, verify: bool) -> int:
 
 
 def export(directory: Path, name: str, out: Path) -> int:
+    """Write array ``name`` whole to ``out``. Every source file is opened and checked
+    (size, header, crc32) before the output is created; the output is written under a
+    temporary name beside ``out`` and renamed to it at the end, so a failure leaves no
+    partial output (and an ``out`` that existed is kept).
+
+    Raises:
+        CheckpointError: no such array, a writer's file missing from the manifest, or a
+            source file missing, not a regular file, of another size or header, or
+            corrupted.
+        OSError: the output cannot be written.
+    """
     path = _resolve(directory)
     manifest = read_manifest(path)
     record = manifest["arrays"].get(name)
@@ -92,20 +105,32 @@ def export(directory: Path, name: str, out: Path) -> int:
         raise CheckpointError(f"{path} has no array {name!r}; it has: {', '.join(sorted(manifest['arrays']))}")
     shape, dtype = tuple(record["shape"]), np.dtype(record["dtype"])
     source, writers = Partition.from_record(record["partition"]), int(record["writers"])
-    result = np.lib.format.open_memmap(out, mode="w+", dtype=dtype, shape=shape)
+    by_replica = {f["replica"]: f for f in record["files"]}
     target = Partition("replicated")
-    for f in record["files"]:
-        piece = plan(shape, target, 1, 0, source, writers, f["replica"])
-        if piece is None:
-            continue
-        file = ArrayFile(path, name, f, dtype)
+    files = []
+    try:
+        for writer in source.writers(writers):
+            piece = plan(shape, target, 1, 0, source, writers, writer)
+            if piece is None:
+                continue
+            if writer not in by_replica:
+                raise CheckpointError(f"{path}: the manifest lists no file of array {name!r} from replica {writer}")
+            files.append((ArrayFile(path, name, by_replica[writer], dtype), piece))
+            files[-1][0].verify()
+        partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
         try:
-            file.verify()
-            copy_piece(result, file.array(), piece, CHUNK_BYTES, file.release_rows)
-        finally:
+            result = np.lib.format.open_memmap(partial, mode="w+", dtype=dtype, shape=shape)
+            for file, piece in files:
+                copy_piece(result, file.array(), piece, CHUNK_BYTES, file.release_rows)
+            result.flush()
+            del result
+            os.replace(partial, out)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+    finally:
+        for file, _ in files:
             file.close()
-    result.flush()
-    del result
     print(f"wrote {out}: {name} {dtype.name}{list(shape)} from {path}")
     return 0
 

@@ -1,26 +1,35 @@
 """Loading, at any replica count and partition: check everything, then copy in place.
 
-``load_checkpoint(path, state)`` runs in three agreed phases, so a bad checkpoint
+``load_checkpoint(path, state)`` runs in four agreed phases, so a bad checkpoint
 (corrupted, or made to harm: see docs/security.md) changes nothing on any replica:
 
 1. every replica reads and checks the manifest (:func:`~.manifest.read_manifest`) and
    matches ``state`` against it (kinds, shapes, dtypes, JSON types;
    :func:`popdist_lite.checkpoint.state.bind`); shapes and dtypes come from the live
-   state, never from the checkpoint; then each object's ``validate_state_dict`` runs;
+   state, never from the checkpoint, and the arrays an object claims from the
+   checkpoint (:class:`~.stateful.Allocate`) are checked by the object (against its
+   live parameters where it has them) but not allocated; then each object's
+   ``validate_state_dict`` runs, which also tries every conversion its
+   ``load_state_dict`` will make (generator states, tensors from the arrays) on
+   copies or placeholders, so that ``load_state_dict`` cannot fail on the input;
 2. every replica opens the files it needs (:func:`~.partition.plan`: the pieces of
    each writer's file that overlap its own part) as regular files only, and checks
    their sizes, headers and data lengths;
    the crc32 checks are shared out: each file is checked once, by one of the replicas
    that read it (balanced by bytes; mapped and released one chunk at a time), so a
    file several replicas read (a replicated array, a reshard) is checksummed once, not
-   once per reader; the agreement ending this phase carries a mismatch to every
-   replica;
-3. every replica copies its pieces from the mapped files into its arrays in place,
-   one chunk at a time, then restores the rest (optimizer slots, generator states,
-   values, the feed position).
+   once per reader;
+3. every replica allocates the claimed arrays, now that the files behind them were
+   checked (so a manifest's claims cost memory only when files of that size back
+   them);
+4. every replica copies its pieces from the mapped files into its arrays in place,
+   one chunk at a time, then restores the rest (objects' ``load_state_dict``: optimizer
+   slots, generator states, values, the feed position).
 
-Phases 1 and 2 end with an agreement: a problem on any replica raises on every replica
-before anything is changed.
+Phases 1 to 3 end with an agreement: a problem on any replica raises on every replica
+before anything is changed. Phase 4 cannot fail on the input; should it fail for
+another reason (memory, an object's own error), the
+error is agreed too and raised on every replica, saying the state is partly loaded.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import os
 from pathlib import Path
 
 
-from ..collectives import agree_objects
+from ..collectives import Problem, agree_objects
 from .format import CHUNK_BYTES, CheckpointError, committed, problem_of
 from .manifest import read_manifest
 from .partition import Partition, plan, copy_piece
@@ -89,7 +98,10 @@ def load_checkpoint(path, state: dict, *, comm=None) -> dict:
             file, truncated or corrupted (the crc32 mismatch names the file and the
             array), or the checkpoint does not match ``state`` (it lacks an entry or
             holds another kind, shape, dtype or JSON type; such a mismatch is also a
-            ``ValueError``), or an object refused the saved state.
+            ``ValueError``), an object refused the saved state, or the arrays it
+            claims do not fit in memory. After the copying began (phase 4 above),
+            only a failure that is not the input's (memory, an object's own
+            error), raised on every replica and saying the state is partly loaded.
         TypeError: an unsupported state entry.
     """
     from .. import topology
@@ -136,13 +148,25 @@ def load_checkpoint(path, state: dict, *, comm=None) -> dict:
         problem = problem_of(exc)
     try:
         agree_objects(what, None, comm, problem=problem)
-        for target, file, piece in work:
-            copy_piece(target.local, file.array(), piece, CHUNK_BYTES, file.release_rows)
+        problem = None
+        try:
+            binding.allocate()
+        except Exception as exc:  # noqa: BLE001 - a MemoryError, raised on every replica
+            problem = problem_of(exc)
+        agree_objects(what, None, comm, problem=problem)
+        problem = None
+        try:
+            for target, file, piece in work:
+                copy_piece(target.local, file.array(), piece, CHUNK_BYTES, file.release_rows)
+            for finish in binding.finish:
+                finish()
+        except Exception as exc:  # noqa: BLE001 - not the input's fault: raised on every replica
+            problem = Problem(CheckpointError, f"the load failed after it began changing the state, which is now "
+                                               f"partly loaded: {type(exc).__name__}: {exc}")
     finally:
         for file in opened.values():
             file.close()
-    for finish in binding.finish:
-        finish()
+    agree_objects(what, None, comm, problem=problem)
     return state
 
 

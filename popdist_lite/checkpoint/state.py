@@ -46,13 +46,14 @@ class CheckpointMismatch(CheckpointError, ValueError):
 @dataclass
 class Entry:
     """One array: ``name``, global ``shape`` and ``dtype``, its ``partition`` over the
-    replicas, and this replica's ``local`` part (padded as the owner keeps it)."""
+    replicas, and this replica's ``local`` part (padded as the owner keeps it; ``None``
+    for a load's claimed array until :meth:`Binding.allocate`)."""
 
     name: str
     shape: tuple
     dtype: np.dtype
     partition: Partition
-    local: np.ndarray
+    local: np.ndarray | None
     meta: dict = field(default_factory=dict)
 
 
@@ -70,12 +71,30 @@ class Description:
 class Binding:
     """A state matched against a manifest: arrays to fill, ``checks`` to run before
     anything changes (the objects' own checks first, then the arrays' shapes and dtypes,
-    so an object can name what differs in its own terms), then ``finish`` in order."""
+    so an object can name what differs in its own terms), ``allocations`` to make once
+    every file was checked, then ``finish`` in order.
+
+    The arrays of :class:`~.stateful.Allocate` claims are not allocated by :func:`bind`:
+    their targets have ``local=None`` and the trees the objects see hold placeholders of
+    the claimed shape and dtype that take no memory (read-only broadcasts of one
+    element) until :meth:`allocate` puts the real arrays in their place."""
 
     targets: list[Entry] = field(default_factory=list)
     checks: list[Callable[[], None]] = field(default_factory=list)
     finish: list[Callable[[], None]] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
+    allocations: list[Callable[[], None]] = field(default_factory=list)
+
+    def allocate(self) -> None:
+        """Allocate the claimed arrays (zeros, shaped as saved) and put them in the
+        objects' trees in place of the placeholders. Call it only once every file behind
+        the claims was checked.
+
+        Raises:
+            MemoryError: the arrays do not fit.
+        """
+        for allocate in self.allocations:
+            allocate()
 
     def check(self) -> None:
         """Run the checks.
@@ -376,9 +395,12 @@ def _target(out: Binding, m: _Manifest, name: str, shape: tuple, dtype: np.dtype
 
 
 def _bind_allocation(out: Binding, m: _Manifest, name: str, leaf: Allocate) -> dict:
-    """Fresh arrays, shaped as saved, for every array below ``name`` that ``leaf.check``
+    """The arrays, shaped as saved, of every array below ``name`` that ``leaf.check``
     accepts, as a nested dict (``"w/m"`` -> ``{"w": {"m": array}}``; split arrays as
-    :class:`~.stateful.Partitioned`, whose ``shape`` is the saved whole)."""
+    :class:`~.stateful.Partitioned`, whose ``shape`` is the saved whole). Nothing is
+    allocated here: the dict holds placeholders (no memory) until
+    :meth:`Binding.allocate`, which runs once the files behind the claims were checked,
+    so a manifest's claims cost nothing before its files back them."""
     loaded: dict = {}
     prefix = name + "/"
     for array_name in sorted(n for n in m.arrays if n.startswith(prefix)):
@@ -395,12 +417,18 @@ def _bind_allocation(out: Binding, m: _Manifest, name: str, leaf: Allocate) -> d
         local_shape = list(shape)
         if leaf.partition.kind != "replicated":
             local_shape[leaf.partition.axis] = -(-shape[leaf.partition.axis] // m.replicas)
-        local = np.zeros(local_shape, dtype)
-        out.targets.append(Entry(array_name, shape, dtype, leaf.partition, local))
+        entry = Entry(array_name, shape, dtype, leaf.partition, None)
+        out.targets.append(entry)
         *parents, last = relative.split("/")
         node = loaded
         for part in parents:
             node = node.setdefault(part, {})
-        node[last] = local if leaf.partition.kind == "replicated" else Partitioned(local, shape, leaf.partition)
-    return loaded
+        wrap = (lambda a: a) if leaf.partition.kind == "replicated" else \
+            (lambda a, shape=shape: Partitioned(a, shape, leaf.partition))
+        node[last] = wrap(np.broadcast_to(np.zeros((), dtype), tuple(local_shape)))
 
+        def allocate(entry=entry, node=node, last=last, wrap=wrap, local_shape=tuple(local_shape)):
+            entry.local = np.zeros(local_shape, entry.dtype)
+            node[last] = wrap(entry.local)
+        out.allocations.append(allocate)
+    return loaded

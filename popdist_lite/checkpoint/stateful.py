@@ -43,10 +43,15 @@ back in ``load_state_dict``.
 Two optional methods: ``checkpoint_info()`` returns JSON saved in the manifest's entry of
 the object (``"type"`` defaults to the class name; the loader requires the same type),
 and ``validate_state_dict(state_dict, saved)`` is called on every replica before
-anything changes, with the tree ``load_state_dict`` will get (arrays not yet filled) and
-the :class:`Saved` entry; it raises ``ValueError`` (or ``TypeError``) to refuse the load.
+anything changes, with the tree ``load_state_dict`` will get (arrays not yet filled;
+an :class:`Allocate`'s arrays as read-only placeholders of their shape and dtype that
+take no memory, allocated only once the files behind them were checked) and the
+:class:`Saved` entry; it raises ``ValueError`` (or ``TypeError``) to refuse the load.
 Validation belongs there, not in ``load_state_dict``: by the time ``load_state_dict``
-runs, every array of the state has been overwritten.
+runs, every array of the state has been overwritten. So ``validate_state_dict`` tries
+every conversion ``load_state_dict`` will make, on copies (a generator state set on a
+new bit generator of its class: :func:`check_bit_generator_state`), and
+``load_state_dict`` cannot fail on the input.
 
 Classes whose own ``state_dict()`` means something else (torch modules and optimizers,
 whose ``state_dict()`` holds tensors) join through an adapter registered with
@@ -109,9 +114,10 @@ class Allocate:
     step): the load takes every array the checkpoint holds below this name, with its
     saved shape and dtype, once ``check(name, shape, dtype)`` (``name`` relative to this
     leaf, e.g. ``"w/m"``) accepted it; the arrays are split over the replicas by
-    ``partition`` (the global shape is the saved one). What the load may allocate is
-    bounded by the files it reads: a checkpoint cannot make it allocate more than it
-    holds on disk.
+    ``partition`` (the global shape is the saved one). ``check`` runs before anything
+    is allocated (compare with the live parameters there when the object knows them);
+    the arrays are allocated only once their files were checked (size, header, crc32),
+    so a checkpoint cannot make a load allocate more than it holds on disk.
     """
 
     partition: Partition
@@ -141,13 +147,36 @@ class GeneratorState:
         return PerReplica(self.generator.bit_generator.state)
 
     def validate_state_dict(self, state, saved: Saved) -> None:
-        kind = type(self.generator.bit_generator).__name__
-        if state is not None and (not isinstance(state, dict) or state.get("bit_generator") != kind):
-            raise ValueError(f"generator {saved.name!r}: expected a {kind} state, got {str(state)[:80]}")
+        """Refuse a state the generator cannot take: it is set on a new bit generator
+        of the same class first, so :meth:`load_state_dict` cannot fail.
+
+        Raises:
+            ValueError: naming the generator, the bit generator and the state.
+        """
+        if state is not None:
+            check_bit_generator_state(self.generator.bit_generator, state, f"generator {saved.name!r}")
 
     def load_state_dict(self, state) -> None:
         if state is not None:
             self.generator.bit_generator.state = state
+
+
+def check_bit_generator_state(bit_generator: np.random.BitGenerator, state, what: str) -> None:
+    """Raise ``ValueError`` unless ``bit_generator.state = state`` would succeed: the
+    state is set on a new bit generator of the same class (its setter checks every
+    field), never on ``bit_generator`` itself.
+
+    Raises:
+        ValueError: naming ``what``, the bit generator and the refused state.
+    """
+    kind = type(bit_generator).__name__
+    if not isinstance(state, dict) or state.get("bit_generator") != kind:
+        raise ValueError(f"{what}: expected a {kind} state, got {str(state)[:80]}")
+    try:
+        type(bit_generator)(0).state = state
+    except Exception as exc:  # noqa: BLE001 - whatever the setter refuses
+        raise ValueError(f"{what}: not a valid {kind} state ({type(exc).__name__}: {exc}): "
+                         f"{str(state)[:80]}") from None
 
 
 _ADAPTERS: dict[type, Callable[[Any], Stateful]] = {np.random.Generator: GeneratorState}

@@ -83,7 +83,9 @@ class PytreeState:
 
     def validate_state_dict(self, state_dict, saved) -> None:
         """Refuse a checkpoint whose tree has other leaves or kinds than the live one, or
-        whose JSON leaves have another Python type (before anything changes).
+        whose JSON leaves have another Python type or do not convert to it (before
+        anything changes; array leaves are host copies of the live leaves' shapes and
+        dtypes, so :meth:`load_state_dict` converts them back without fail).
 
         Raises:
             ValueError: naming the pytree, the leaves that differ, expected and found.
@@ -112,6 +114,11 @@ class PytreeState:
                 if not _is_a(value, kind):
                     raise ValueError(f"{where}: leaf {name or '(root)'!r}: expected a Python {kind}, the checkpoint "
                                      f"holds {type(value).__name__} {str(value)[:40]!r}")
+                try:  # the conversion load_state_dict makes, tried now
+                    _from_host(value, kind, None)
+                except (ValueError, TypeError, OverflowError) as exc:
+                    raise ValueError(f"{where}: leaf {name or '(root)'!r}: {str(value)[:40]!r} is no Python {kind} "
+                                     f"({exc})") from None
 
     def load_state_dict(self, state_dict) -> None:
         """Build the new tree from the filled host copies (:attr:`tree`). Local."""

@@ -40,8 +40,9 @@ the checkpoint.
 Lazy optimizer state. ``torch.optim`` creates most state at the first ``step()``. A
 parameter that has no state yet takes its slots from the checkpoint
 (:class:`~popdist_lite.checkpoint.Allocate`), each accepted only with the live
-parameter's shape (or as a scalar, the step counters) and a numeric dtype, so what a load
-allocates is bounded by the live parameters. DCP instead initialises the state with a
+parameter's shape (or as a scalar, the step counters) and a numeric dtype in the
+machine's byte order (the bits of a ``bfloat16`` as ``uint16``), checked before anything
+is allocated, so what a load allocates is bounded by the live parameters. DCP instead initialises the state with a
 step of zero gradients at learning rate 0 and loads into it; that step is not neutral
 (``SGD`` with ``dampening`` makes its first momentum buffer differently from the first
 real step, weight decay and step counters run) and would change an optimizer whose
@@ -286,10 +287,21 @@ class OptimizerState:
             if key in self._kinds:
                 continue
             allowed = {_ARRAY, _kind_of(params[int(key)])}
-            for slot in arrays:
-                if slots.get(key, {}).get(slot) not in allowed:
-                    raise ValueError(f"{where}: parameter {key}'s state {slot!r} was saved as "
-                                     f"{slots.get(key, {}).get(slot)!r}; expected one of {sorted(allowed)}")
+            for slot, array in arrays.items():
+                kind = slots.get(key, {}).get(slot)
+                if kind not in allowed:
+                    raise ValueError(f"{where}: parameter {key}'s state {slot!r} was saved as {kind!r}; expected one "
+                                     f"of {sorted(allowed)}")
+                _check_tensor_source(f"{where}: parameter {key}'s state {slot!r}", getattr(array, "local", array),
+                                     kind)
+        for g, (saved, live) in enumerate(zip(state_dict["param_groups"], self.optimizer.param_groups)):
+            for k, v in live.items():
+                if isinstance(v, torch.Tensor) and k != "params":  # load_state_dict fills it: try on a copy
+                    try:
+                        torch.empty_like(v).fill_(saved[k])
+                    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+                        raise ValueError(f"{where}: param group {g}: {k!r} is {saved[k]!r} in the checkpoint, which "
+                                         f"its {v.dtype} tensor cannot hold ({exc})") from None
         self._saved = slots
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -362,14 +374,36 @@ def _check_groups(where: str, theirs, mine: list[dict]) -> None:
 
 def _check_slot(index: int, param: torch.Tensor, relative: str, shape: tuple, dtype: np.dtype) -> None:
     """Accept a checkpoint's slot for a parameter that has no state yet: the parameter's
-    shape or a scalar, a numeric dtype."""
+    shape or a scalar, a numeric dtype in native byte order (checked before anything is
+    allocated for it)."""
     if "/" in relative:
         raise ValueError(f"parameter {index}: {relative!r} is not a slot name")
     if tuple(shape) not in (tuple(param.shape), ()):
         raise ValueError(f"parameter {index} has shape {list(param.shape)}: a slot of its optimizer state has that "
                          f"shape or is a scalar, the checkpoint's {relative!r} has {list(shape)}")
-    if np.dtype(dtype).kind not in "biuf":
-        raise ValueError(f"parameter {index}'s state {relative!r}: expected a numeric dtype, got {np.dtype(dtype)}")
+    if np.dtype(dtype).kind not in "biuf" or not np.dtype(dtype).isnative:
+        raise ValueError(f"parameter {index}'s state {relative!r}: expected a numeric dtype in the machine's byte "
+                         f"order, got {np.dtype(dtype).str}")
+
+
+def _check_tensor_source(what: str, array: np.ndarray, kind: str) -> None:
+    """Raise ``ValueError`` unless :func:`tensor_of` takes an array of ``array``'s dtype
+    as ``kind`` and keeps its shape: native byte order, a dtype torch has, and for
+    ``"bits:<dtype>"`` the unsigned integers of that dtype's width. Tried on a
+    one-element array of the dtype (``array`` may be a placeholder of a claim)."""
+    dtype = array.dtype
+    if kind != _ARRAY:
+        width = torch.empty((), dtype=getattr(torch, kind.removeprefix("bits:"))).element_size()
+        if dtype != np.dtype(f"=u{width}"):
+            raise ValueError(f"{what}: the bits of a {kind.removeprefix('bits:')} are uint{8 * width}, the "
+                             f"checkpoint holds {dtype}")
+    if not dtype.isnative:
+        raise ValueError(f"{what}: the checkpoint holds {dtype.str} (byte order {dtype.byteorder!r}); torch tensors "
+                         f"take the machine's byte order only")
+    try:
+        tensor_of(np.zeros(1, dtype), kind)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{what}: the checkpoint's {dtype} makes no tensor ({exc})") from None
 
 
 def _module_adapter(module: torch.nn.Module):
