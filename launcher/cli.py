@@ -243,8 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(exc))
     opts.hosts = [name for name, _ in listed] if listed else None
     opts.slots = {name: slots for name, slots in listed or () if slots is not None}
-    if opts.hosts and len(set(opts.hosts)) != len(opts.hosts):
-        parser.error(f"hosts named more than once: {', '.join(opts.hosts)}")
+    if opts.hosts and hosts.find_duplicate(opts.hosts):
+        parser.error("host named more than once: {} and {}".format(*hosts.find_duplicate(opts.hosts)))
     opts.elastic = opts.min_replicas is not None or opts.host_discovery_script is not None
     if opts.elastic:
         if opts.host_discovery_script and opts.hosts:
