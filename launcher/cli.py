@@ -18,7 +18,7 @@ import time
 from popdist_lite import records
 
 from . import __version__, channel, cleanup, elastic, hosts, job, network, report
-from .collector import Collector
+from .collector import ENROLMENT_SECONDS, Collector
 from .inspector import StallInspector
 from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,
                      default_rank_env, detect_implementation, find_mpirun, is_local_host)
@@ -526,7 +526,7 @@ def _run_attempt(opts: argparse.Namespace, mpirun: str, implementation: str, att
             else "127.0.0.1"
         if remote and opts.host_check and membership is None:
             network.check_hosts(opts.launch_agent, remote, address=address)
-        collector = Collector(address, ranks=len(ranks))
+        collector = Collector(address, ranks=len(ranks), enrolment=ENROLMENT_SECONDS)
     except (OSError, LauncherError) as exc:
         print(f"poprun-lite: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -314,7 +314,7 @@ def test_agent_obeys_only_the_launcher_with_the_key(monkeypatch, capsys):
     assert link.ready.wait(10)
     assert link.session is None and requests == [] and fake.connections >= 2  # it retried
     assert not link.send(records.make("heartbeat"))
-    assert "cannot reach the launcher's collector" in capsys.readouterr().err
+    assert "cannot enrol with the launcher's collector" in capsys.readouterr().err
     fake.server.close()
 
 
