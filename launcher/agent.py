@@ -1,10 +1,10 @@
 """Per-rank supervisor: ``python -m popdist_lite_launcher.agent -- program args``.
 
 mpirun starts one agent per rank (like torchrun's per-worker agent) on the rank's host.
-The agent takes the job's key out of its environment (so its program never sees it),
-starts the program as its child, tees the child's stderr while keeping its last lines,
-forwards SIGTERM/SIGINT, and keeps ONE authenticated TCP connection to the launcher's
-collector (``POPRUN_LITE_COLLECTOR``; :class:`Link`, framing and handshake in
+The agent takes the job's key out of its environment (so its program's environment does
+not hold it), starts the program as its child, tees the child's stderr while keeping its
+last lines, forwards SIGTERM/SIGINT, and keeps ONE authenticated TCP connection to the
+launcher's collector (``POPRUN_LITE_COLLECTOR``; :class:`Link`, framing and handshake in
 :mod:`popdist_lite_launcher.channel`) over which it sends records
 (:mod:`popdist_lite.records`): ``hello``, a ``heartbeat`` every second, the ``error``
 record of its program (the uncaught exception from ``popdist_lite``'s excepthook,
@@ -27,6 +27,20 @@ and a stack file on this host (:mod:`popdist_lite_launcher.rank_progress`) and s
 The program reaches its agent through a host-local socket pair whose descriptor is in
 ``POPDIST_LITE_RECORD_FD`` (see :func:`popdist_lite.records.send`).
 
+Enrolment before the program: the key is still in the environment of the agent's
+ancestors (mpirun, its daemons) and in the agent's own initial environment
+(``/proc/PID/environ``), where the program, a process of the same user, can read it. So
+the program's process is created held (:data:`HOLD`: a shell waiting for one line on the
+program's socket, so that its pid is known for the ``hello``) and runs the program only
+after the launcher's welcome, which a job's collector sends once every rank has enrolled
+(:class:`popdist_lite_launcher.collector.Collector`, ``enrolment``) and after which it
+accepts no hello: what a program can read is spent. An agent that cannot enrol does not
+start its program and exits with :data:`NOT_STARTED`.
+
+The launcher's death ends the program: when the connection to the collector ends (end of
+file or an error, the launcher was killed or closed it) the agent SIGKILLs its program
+at once and exits. The program gets SIGKILL when the agent dies (``PR_SET_PDEATHSIG``).
+
 Environment read here (set by the launcher):
     POPRUN_LITE_COLLECTOR                   the collector's host:port (no records if unset)
     POPRUN_LITE_JOB_KEY                     the job's key (hex), removed from the environment
@@ -45,6 +59,7 @@ import collections
 import ctypes
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,10 +81,20 @@ CONNECT_DEADLINE_SECONDS = 30.0
 #: First pause between two connection attempts; doubled after each, up to the maximum.
 CONNECT_BACKOFF_SECONDS = 0.05
 CONNECT_BACKOFF_MAX_SECONDS = 2.0
+#: Seconds the agent waits for its welcome after its hello (a job's collector holds it
+#: until every rank has enrolled, at most its ``enrolment`` seconds).
+WELCOME_DEADLINE_SECONDS = 90.0
+#: The agent's exit code when it did not start its program (it could not enrol).
+NOT_STARTED = 125
+#: The held program: bash (a POSIX sh such as dash takes descriptors 0-9 only) running
+#: ``"$@"`` once one line arrives on the descriptor ``$0`` (the program's socket), and
+#: exiting without running it at end of file. ``exec`` keeps the pid.
+HOLD = ["bash", "-c", 'read -r _ <&"$0" && exec "$@"']
 
 
-def _set_pdeathsig() -> None:
-    """In the child (preexec_fn): get SIGKILL when the agent dies (Linux only)."""
+def die_with_parent() -> None:
+    """In a child before its exec (``preexec_fn``): get SIGKILL when the parent dies
+    (``prctl(PR_SET_PDEATHSIG)``, Linux only; nothing elsewhere)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
@@ -78,7 +103,10 @@ def _set_pdeathsig() -> None:
 
 
 def _warn(text: str) -> None:
-    print(f"poprun-lite agent on {socket.gethostname()}: {text}", file=sys.stderr, flush=True)
+    try:
+        print(f"poprun-lite agent on {socket.gethostname()}: {text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # mpirun, which reads our stderr, is gone
+        pass
 
 
 class _Lines:
@@ -117,11 +145,14 @@ class Link:
     ``address`` is ``host:port`` and ``key`` the job's key (either None: no records are
     sent). :meth:`start` connects in a thread: TCP connection, ``challenge``, ``hello``,
     ``welcome`` (:mod:`popdist_lite_launcher.channel`), trying again with exponential
-    back-off while the collector cannot be reached or closes the connection before its
-    welcome (a flood of strangers' connections may have pushed this one out), for up to
-    :data:`CONNECT_DEADLINE_SECONDS`; then it starts the heartbeat and the reader of the
+    back-off while the collector closes the connection before its welcome (a flood of
+    strangers' connections may have pushed this one out), for up to
+    :data:`CONNECT_DEADLINE_SECONDS` (a refused connection ends the tries: nobody
+    listens, the launcher is gone); the welcome itself may take up to
+    :data:`WELCOME_DEADLINE_SECONDS`. Then it starts the heartbeat and the reader of the
     launcher's requests, which calls ``on_request(record)`` for every authentic, valid
-    request. :meth:`send` is thread-safe and waits for the handshake.
+    request and ``on_lost()`` when the connection ends without :meth:`close`.
+    :meth:`send` is thread-safe and waits for the handshake.
     """
 
     def __init__(self, address: str | None, key: bytes | None):
@@ -136,13 +167,13 @@ class Link:
         if not address or key is None:
             self.ready.set()
 
-    def start(self, ident: dict, on_request) -> None:
+    def start(self, ident: dict, on_request, on_lost=None) -> None:
         """Connect and authenticate as ``ident`` (identity fields) in a thread."""
         if not self.ready.is_set():
-            threading.Thread(target=self._run, args=(dict(ident), on_request),
+            threading.Thread(target=self._run, args=(dict(ident), on_request, on_lost),
                              name="poprun-lite link", daemon=True).start()
 
-    def _run(self, ident: dict, on_request) -> None:
+    def _run(self, ident: dict, on_request, on_lost) -> None:
         deadline = time.monotonic() + CONNECT_DEADLINE_SECONDS
         pause = CONNECT_BACKOFF_SECONDS
         while True:
@@ -151,16 +182,17 @@ class Link:
                 break
             except Exception as exc:  # noqa: BLE001 - OSError, ChannelError, a bad address
                 problem = exc
-            if self.closed.is_set() or time.monotonic() + pause > deadline:
-                _warn(f"cannot reach the launcher's collector at {self.address}: {problem}; "
-                      f"this rank's failures will not be reported")
+            if self.closed.is_set() or time.monotonic() + pause > deadline \
+                    or isinstance(problem, ConnectionRefusedError):
+                _warn(f"cannot enrol with the launcher's collector at {self.address}: {problem}")
                 self.ready.set()
                 return
             time.sleep(pause * random.uniform(0.5, 1.0))
             pause = min(2 * pause, CONNECT_BACKOFF_MAX_SECONDS)
         self.ready.set()
         threading.Thread(target=self._heartbeat, daemon=True).start()
-        threading.Thread(target=self._requests, args=(lines, on_request), daemon=True).start()
+        threading.Thread(target=self._requests, args=(lines, on_request, on_lost),
+                         daemon=True).start()
 
     def _handshake(self, ident: dict, deadline: float) -> _Lines:
         """One attempt; returns the reader of the connection's later lines.
@@ -169,7 +201,9 @@ class Link:
             OSError: cannot connect, closed or no answer before the welcome.
             ValueError: a bad address, or a refused challenge or welcome (ChannelError).
         """
-        self.sock, self.session, lines = connect(self.address, self.key, ident, deadline)
+        self.sock, self.session, lines = connect(
+            self.address, self.key, ident, deadline,
+            welcome_deadline=time.monotonic() + WELCOME_DEADLINE_SECONDS)
         return lines
 
     def send(self, record: dict) -> bool:
@@ -190,7 +224,15 @@ class Link:
             if not self.send(records.make("heartbeat")):
                 return
 
-    def _requests(self, lines: _Lines, on_request) -> None:
+    def _requests(self, lines: _Lines, on_request, on_lost) -> None:
+        try:
+            self._read_requests(lines, on_request)
+        finally:
+            if on_lost is not None and not self.closed.is_set():
+                on_lost()
+
+    def _read_requests(self, lines: _Lines, on_request) -> None:
+        """Until the connection ends."""
         while True:
             try:
                 line = lines.next()
@@ -224,11 +266,12 @@ class Link:
                 self.sock.close()
 
 
-def connect(address: str, key: bytes, ident: dict,
-            deadline: float) -> tuple[socket.socket, channel.Session, _Lines]:
+def connect(address: str, key: bytes, ident: dict, deadline: float, *,
+            welcome_deadline: float | None = None) -> tuple[socket.socket, channel.Session, _Lines]:
     """Connect to the collector at ``address`` (``host:port``) and authenticate as
-    ``ident`` with ``key`` (challenge, hello, welcome), by ``deadline`` (monotonic):
-    ``(socket, session, reader of its later lines)``.
+    ``ident`` with ``key`` (challenge, hello, welcome), by ``deadline`` (monotonic; the
+    welcome by ``welcome_deadline`` if later): ``(socket, session, reader of its later
+    lines)``.
 
     Raises:
         OSError: cannot connect, closed or no answer before the welcome (TimeoutError
@@ -243,7 +286,7 @@ def connect(address: str, key: bytes, ident: dict,
         lines = _Lines(sock, channel.MAX_HELLO_BYTES)
         session, hello = channel.answer(key, _line(lines, deadline), ident)
         sock.sendall(hello)
-        channel.check_welcome(session, _line(lines, deadline))
+        channel.check_welcome(session, _line(lines, max(deadline, welcome_deadline or deadline)))
         sock.settimeout(None)
     except BaseException:
         sock.close()
@@ -366,8 +409,9 @@ def _is_shown(environ) -> bool:
 def run(program: list[str]) -> int:
     """Run ``program`` under supervision and return the agent's exit code: 0 on
     success, else the child's exit code (128+signum when killed by a signal), 127
-    when the program cannot be started. Sends the records described in the module
-    docstring. Does not raise for failures of the program.
+    when the program cannot be started, :data:`NOT_STARTED` when the agent could not
+    enrol with the launcher. Sends the records described in the module docstring. Does
+    not raise for failures of the program.
     """
     environ = os.environ
     key = channel.take_key(environ)  # out of our environment before anything is started
@@ -407,18 +451,27 @@ def run(program: list[str]) -> int:
         if handler is not None:
             handler(stop, request)
 
+    def on_lost() -> None:
+        """The connection to the launcher ended: the launcher is gone, end the program."""
+        forward(signal.SIGKILL, None)
+        _warn("lost the connection to the launcher; ended the program")
+
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     link = Link(environ.get(records.COLLECTOR_ENV), key)
     stop["link"] = link
+    held = not link.ready.is_set()  # a launcher to enrol with: hold the program until then
 
     read_fd, write_fd = os.pipe()
     stdout = None if shown else subprocess.DEVNULL
     relay = None
     try:
+        if held and shutil.which(program[0]) is None:
+            raise FileNotFoundError(f"{program[0]}: no such executable")
+        command = [*HOLD, str(theirs.fileno()), *program] if held else program
         child = subprocess.Popen(
-            program, env=child_env, stdout=stdout, stderr=write_fd, pass_fds=pass_fds,
-            preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)
+            command, env=child_env, stdout=stdout, stderr=write_fd, pass_fds=pass_fds,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
     except OSError as exc:
         os.close(read_fd)
         os.close(write_fd)
@@ -432,10 +485,20 @@ def run(program: list[str]) -> int:
         theirs.close()
         tail_reader = Tee(read_fd, sys.stderr.fileno() if shown else None, TAIL_LINES)
         ident["pid"] = child.pid
+        stop["child"] = child
+        link.start(ident, on_request, on_lost)
+        if held:
+            while not link.ready.wait(0.1) and child.poll() is None:
+                pass
+            if link.session is None:  # not enrolled: the held shell reads EOF, runs nothing
+                ours.close()
+                child.wait()
+                tail_reader.text(timeout=1.0)
+                _warn("the program was not started (no enrolment with the launcher)")
+                return NOT_STARTED
+            stop["program"].write(b"\n")  # the held shell runs the program
         relay = threading.Thread(target=_relay, args=(stop["program"], link, ident), daemon=True)
         relay.start()
-        stop["child"] = child
-        link.start(ident, on_request)
         if stop["progress"] is not None:
             stop["progress"].watch(lambda call, op, since: link.send(records.make(
                 "progress", {**ident, "time": time.time()}, call=call, op=op, since=since)))

@@ -6,8 +6,12 @@ Key: the launcher makes :data:`KEY_BYTES` random bytes for every attempt of a jo
 (:func:`new_key`) and gives them to the agents only in the environment variable
 :data:`KEY_ENV` (hex), which mpirun forwards by name: never on a command line, where
 every local user could read it. The agent takes it out of its environment
-(:func:`take_key`) before it starts its program. Horovod's runner does the same with its
-job's random key and an HMAC-SHA256 on every message between its driver and tasks.
+(:func:`take_key`) before it starts its program; the environments of the agent's
+ancestors still hold it, so a job's collector makes it an enrolment key, spent before
+any program runs (one hello per rank, welcomes held until every rank has enrolled:
+:class:`popdist_lite_launcher.collector.Collector`, ``enrolment``). Horovod's runner
+uses a job's random key and an HMAC-SHA256 on every message between its driver and
+tasks the same way.
 
 Handshake (nothing a connection says counts before it is done):
 

@@ -18,7 +18,7 @@ import time
 from popdist_lite import records
 
 from . import __version__, channel, cleanup, elastic, hosts, job, network, report
-from .collector import Collector
+from .collector import ENROLMENT_SECONDS, Collector
 from .inspector import StallInspector
 from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,
                      default_rank_env, detect_implementation, find_mpirun, is_local_host)
@@ -243,8 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(exc))
     opts.hosts = [name for name, _ in listed] if listed else None
     opts.slots = {name: slots for name, slots in listed or () if slots is not None}
-    if opts.hosts and len(set(opts.hosts)) != len(opts.hosts):
-        parser.error(f"hosts named more than once: {', '.join(opts.hosts)}")
+    if opts.hosts and hosts.find_duplicate(opts.hosts):
+        parser.error("host named more than once: {} and {}".format(*hosts.find_duplicate(opts.hosts)))
     opts.elastic = opts.min_replicas is not None or opts.host_discovery_script is not None
     if opts.elastic:
         if opts.host_discovery_script and opts.hosts:
@@ -526,7 +526,7 @@ def _run_attempt(opts: argparse.Namespace, mpirun: str, implementation: str, att
             else "127.0.0.1"
         if remote and opts.host_check and membership is None:
             network.check_hosts(opts.launch_agent, remote, address=address)
-        collector = Collector(address, ranks=len(ranks))
+        collector = Collector(address, ranks=len(ranks), enrolment=ENROLMENT_SECONDS)
     except (OSError, LauncherError) as exc:
         print(f"poprun-lite: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -4,7 +4,8 @@ The launcher starts a :class:`Collector` before mpirun and gives every rank its 
 (``POPRUN_LITE_COLLECTOR=host:port``) and the job's key (:data:`channel.KEY_ENV
 <popdist_lite_launcher.channel.KEY_ENV>`), both in the environment. Each agent opens one
 connection, authenticates with the key (:mod:`popdist_lite_launcher.channel`: challenge,
-hello, welcome) and sends framed records (format: :mod:`popdist_lite.records`). Anyone
+hello, welcome; a job's collector takes each rank's hello once and holds the welcomes
+until every rank has enrolled, ``enrolment``) and sends framed records (format: :mod:`popdist_lite.records`). Anyone
 else who reaches the port (a local user, a host on the job's network) is a stranger:
 the collector never raises for what a connection sends, believes nothing before the
 handshake, and drops and counts what is not a valid frame and record
@@ -81,6 +82,9 @@ SEND_TIMEOUT_SECONDS = 2.0
 #: ``lost``; the stall inspector keeps its own last ``progress`` of every replica.
 KEPT_PER_RANK = {"progress": 8, "stack": 4}
 KEPT_DEFAULT = 4
+#: Seconds a job's collector (``enrolment``) waits, from its start, for every rank to
+#: enrol before it welcomes those that did and accepts no more.
+ENROLMENT_SECONDS = 60.0
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -116,14 +120,28 @@ class Collector:
         ranks: the job's MPI ranks (agents); ``ranks + CONNECTION_MARGIN`` agents may
             authenticate.
         silence_timeout: seconds without a line before an agent is lost.
+        enrolment: for a job's collector, seconds (e.g. :data:`ENROLMENT_SECONDS`) the
+            ranks have to enrol: each of ranks ``0 .. ranks-1`` is accepted once, with
+            its welcome held until every rank has enrolled or these seconds (from the
+            collector's start) have passed; then enrolment closes and no hello is
+            accepted any more. So the key an agent's ancestors still hold in their
+            environment opens nothing once any program runs (agents start their
+            program after their welcome). None: any agent, at once (up to ``ranks +
+            CONNECTION_MARGIN`` connected; the hosts' check server, tests).
 
     Raises:
         OSError: the address cannot be bound.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, key: bytes | None = None,
-                 ranks: int = 1, silence_timeout: float = AGENT_SILENCE_SECONDS):
+                 ranks: int = 1, silence_timeout: float = AGENT_SILENCE_SECONDS,
+                 enrolment: float | None = None):
         self.key = key or channel.new_key()
+        self.ranks = ranks
+        self._enrolling = enrolment is not None
+        self._enrolment_ends = time.monotonic() + (enrolment or 0.0)
+        self._enrolled: set[int] = set()      # ranks whose hello was accepted
+        self._held: list[_Connection] = []    # ... whose welcome waits for the others
         self.silence_timeout = silence_timeout
         self.max_agents = ranks + CONNECTION_MARGIN
         self._server = socket.create_server((host, port))
@@ -247,7 +265,7 @@ class Collector:
         with self._lock:
             if self._pending:
                 self._refused["not authenticated when the job ended"] += len(self._pending)
-        for conn in self._pending + self._agents:
+        for conn in self._pending + self._held + self._agents:
             conn.sock.close()
         self._server.close()
         self._selector.close()
@@ -348,6 +366,9 @@ class Collector:
         except channel.ChannelError as exc:
             self._refuse(conn, f"hello: {exc.reason}")
             return
+        if self._enrolling:
+            self._enrol(conn, session, hello)
+            return
         with self._lock:
             live = [a for a in self._agents if not a.closed]
         if any(a.rank == hello["rank"] for a in live):
@@ -370,6 +391,47 @@ class Collector:
         self._pending.remove(conn)
         conn.lines.max_line = records.MAX_LINE_BYTES
         self._add(conn, hello)
+
+    def _enrol(self, conn: _Connection, session: channel.Session, hello: dict) -> None:
+        """A job's collector: accept the authentic ``hello`` of ``conn`` if its rank is one
+        of the job's and has not enrolled before, while enrolment is open; hold its
+        welcome until enrolment closes (:meth:`_close_enrolment`)."""
+        rank = hello["rank"]
+        if self._enrolment_ends is None:
+            self._refuse(conn, "hello after enrolment closed")
+            return
+        if not 0 <= rank < self.ranks:
+            self._refuse(conn, "hello for a rank outside the job")
+            return
+        if rank in self._enrolled:
+            self._refuse(conn, "hello for a rank already enrolled")
+            return
+        self._enrolled.add(rank)
+        self._pending.remove(conn)
+        conn.session, conn.hello, conn.rank = session, hello, rank
+        self._held.append(conn)
+        if len(self._enrolled) == self.ranks:
+            self._close_enrolment()
+
+    def _close_enrolment(self) -> None:
+        """Accept no more hellos and welcome every enrolled agent still connected (loop
+        thread only)."""
+        self._enrolment_ends = None
+        held, self._held = self._held, []
+        for conn in held:
+            if conn.closed:
+                continue
+            with conn.send_lock:  # the welcome is frame 0
+                with self._lock:
+                    self._agents.append(conn)
+                welcomed = _send_all(conn.sock, channel.welcome(conn.session), SEND_TIMEOUT_SECONDS)
+            conn.last_heard = time.monotonic()  # silent while held: no heartbeats before the welcome
+            if not welcomed:
+                self._end(conn)
+                self._lose(conn, "its agent's welcome could not be delivered")
+                continue
+            conn.lines.max_line = records.MAX_LINE_BYTES
+            self._add(conn, conn.hello)
 
     def _receive(self, conn: _Connection, line: bytes) -> None:
         try:
@@ -407,6 +469,8 @@ class Collector:
         now = time.monotonic()
         while self._pending and now - self._pending[0].started > channel.HELLO_DEADLINE_SECONDS:
             self._refuse(self._pending[0], f"no hello within {channel.HELLO_DEADLINE_SECONDS:g} s")
+        if self._enrolling and self._enrolment_ends is not None and now >= self._enrolment_ends:
+            self._close_enrolment()
         if self._accept_paused_until is not None and now >= self._accept_paused_until:
             self._accept_paused_until = None
             self._selector.register(self._server, selectors.EVENT_READ)

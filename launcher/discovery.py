@@ -57,10 +57,11 @@ def parse(text: bytes, script: str) -> list[tuple[str, int | None]]:
             raise DiscoveryError(f"host discovery script {script}, line {number}: {problem}") from None
         if host is None:
             continue
-        if host[0] in first_line:
+        key = hosts.host_key(host[0])  # Node1 is node1
+        if key in first_line:
             raise DiscoveryError(f"host discovery script {script}, line {number}: host {host[0]} "
-                                 f"listed again (first on line {first_line[host[0]]})")
-        first_line[host[0]] = number
+                                 f"listed again (first on line {first_line[key]})")
+        first_line[key] = number
         found.append(host)
     return found
 

@@ -3,10 +3,14 @@ one grammar and checked before anything runs.
 
 A host is a hostname made of RFC 1123 labels (letters, digits and hyphens, 1 to 63
 characters, neither first nor last a hyphen; at most 253 characters in all) or an IP
-address (IPv4; IPv6 in brackets, ``[fe80::1]``), optionally followed by ``:SLOTS``. So a
-host never starts with ``-`` and no launch agent (ssh) can take it for an option such as
-``-oProxyCommand=...``; the commands poprun-lite runs itself also put ``--`` before the
-host (:func:`popdist_lite_launcher.network.check_command`).
+address (IPv4; IPv6 in brackets, ``[fe80::1]``, with a scope ID only of letters, digits,
+``_``, ``.`` and ``-``: ``[fe80::1%eth0]``), optionally followed by ``:SLOTS``. So a host
+never starts with ``-`` and no launch agent (ssh) can take it for an option such as
+``-oProxyCommand=...``, and holds nothing a shell would act on (``;``, ``$``, spaces,
+quotes: a custom launch agent may pass it through a shell); the commands poprun-lite runs
+itself also put ``--`` before the host (:func:`popdist_lite_launcher.network.check_command`).
+Two names of one host are told apart by :func:`host_key` (hostnames are
+case-insensitive, RFC 4343; an address in any of its spellings).
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import re
 from .mpirun import LauncherError
 
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+#: An IPv6 scope ID (an interface name or number): ``ipaddress`` accepts any text after
+#: ``%``, a shell would not treat it as plain text.
+_SCOPE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 #: Longest hostname (RFC 1123 section 2.1).
 MAX_HOSTNAME_CHARS = 253
 _SHOWN_CHARS = 80  # of a bad entry in an error message
@@ -33,15 +40,42 @@ def check_host(name: str) -> str:
         ValueError: naming ``name`` and the grammar.
     """
     try:
-        ipaddress.ip_address(name)
-        return name
+        address = ipaddress.ip_address(name)
     except ValueError:
         pass
+    else:
+        scope = getattr(address, "scope_id", None)
+        if scope is None or _SCOPE_ID.fullmatch(scope):
+            return name
+        raise ValueError(f"{_shown(name)}: an IPv6 scope ID is letters, digits, '_', '.' "
+                         f"and '-' only")
     if 0 < len(name) <= MAX_HOSTNAME_CHARS and all(_LABEL.fullmatch(label)
                                                    for label in name.split(".")):
         return name
     raise ValueError(f"{_shown(name)} is not a host name (letters, digits, '-' and '.', "
                      f"labels not starting or ending with '-') or an IP address")
+
+
+def host_key(name: str) -> str:
+    """What two names of one host have in common (``name`` already checked,
+    :func:`check_host`): a hostname in lower case (``Node1`` is ``node1``), an address in
+    its canonical form (``[FE80:0::1]`` is ``[fe80::1]``). Duplicates are found with it."""
+    try:
+        return str(ipaddress.ip_address(name)).lower()
+    except ValueError:
+        return name.lower()
+
+
+def find_duplicate(names) -> tuple[str, str] | None:
+    """The first name of ``names`` that names a host listed before it (:func:`host_key`),
+    with that earlier name: ``(earlier, again)``; None when every host is listed once."""
+    seen: dict[str, str] = {}
+    for name in names:
+        key = host_key(name)
+        if key in seen:
+            return seen[key], name
+        seen[key] = name
+    return None
 
 
 def parse_host(text: str) -> tuple[str, int | None]:

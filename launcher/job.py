@@ -10,7 +10,10 @@ mpirun's session (mpirun gives each rank its own process group, so killing one g
 is not enough). The failures come from the collector's records. Whatever goes wrong in
 the launcher itself, the session is killed in a ``finally`` (here, and in ``main`` for
 anything outside :func:`run_job`: :func:`kill_sessions`), so a job is never left
-running without its supervisor.
+running without its supervisor. If the launcher itself is killed (SIGKILL: no
+``finally``), mpirun gets SIGKILL from the kernel (``PR_SET_PDEATHSIG``) and every agent,
+on every host, sees its connection to the launcher end and SIGKILLs its program
+(:mod:`popdist_lite_launcher.agent`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from . import report
+from .agent import die_with_parent
 from .tee import Tee
 
 #: Seconds between asking mpirun to stop and SIGKILLing every process of its session.
@@ -141,7 +145,8 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True, env=env)
+                                start_new_session=True, env=env,
+                                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
     except BaseException:
         _restore(previous)
         raise

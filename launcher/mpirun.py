@@ -128,7 +128,8 @@ def is_local_host(host: str | None) -> bool:
     """True when ``host`` is None or names this machine."""
     if host is None:
         return True
-    return host in _LOCAL_HOSTS or host in {socket.gethostname(), socket.getfqdn()}
+    names = {name.lower() for name in (*_LOCAL_HOSTS, socket.gethostname(), socket.getfqdn())}
+    return host.lower() in names  # hostnames are case-insensitive
 
 
 def default_rank_env(environ: dict[str, str] | None = None) -> dict[str, str]:

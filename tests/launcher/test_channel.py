@@ -186,6 +186,69 @@ def test_agents_beyond_the_ranks_are_refused(monkeypatch):
         first.close(), second.close()
 
 
+def test_enrolment_takes_each_rank_once_and_welcomes_them_together():
+    """A job's collector: the hello of rank 0 is accepted but its welcome held until rank
+    1 has enrolled too; a second hello for rank 0, one for a rank beyond the job, and any
+    hello after every rank enrolled (the key is spent) are refused and counted."""
+    with Collector(ranks=2, enrolment=60) as collector:
+        first = AgentConnection(collector, 0, welcome=False)
+        with pytest.raises(TimeoutError):
+            first.read(timeout=0.5)  # held
+        AgentConnection(collector, 0, welcome=False)
+        AgentConnection(collector, 5, welcome=False)
+        wait_for(lambda: sum(collector.ignored()[0].values()) == 2, what="2 refusals")
+        assert collector.records() == [] and not collector.send(0, records.make("signal", signal="SIGUSR1"))
+        second = AgentConnection(collector, 1)
+        channel.check_welcome(first.session, first.read())
+        wait_for(lambda: len(collector.records("hello")) == 2, what="two hellos")
+        assert collector.send(0, records.make("signal", signal="SIGUSR1"))
+        assert first.receive() == {"kind": "signal", "signal": "SIGUSR1"}
+        for rank in (0, 1, 2):
+            late = AgentConnection(collector, rank, welcome=False)
+            late.sock.settimeout(5)
+            assert late.sock.recv(100) == b""
+        assert collector.ignored()[0] == {"hello for a rank already enrolled": 1,
+                                          "hello for a rank outside the job": 1,
+                                          "hello after enrolment closed": 3}
+        first.send_exit(0), second.send_exit(0)
+        first.close(), second.close()
+        assert collector.wait_closed(5) and not collector.has_failure()
+
+
+def test_enrolment_closes_after_its_seconds():
+    """A rank that never comes: the others are welcomed when the enrolment's seconds are
+    over, and the missing rank's hello is refused after that."""
+    with Collector(ranks=2, enrolment=1.0) as collector:
+        start = time.monotonic()
+        first = AgentConnection(collector, 0)  # its welcome comes after about 1 s
+        assert 0.5 < time.monotonic() - start < 5
+        late = AgentConnection(collector, 1, welcome=False)
+        late.sock.settimeout(5)
+        assert late.sock.recv(100) == b""
+        assert collector.ignored()[0] == {"hello after enrolment closed": 1}
+        first.close()
+
+
+def test_agent_link_ends_its_program_when_the_launcher_goes():
+    """The agent's Link calls on_lost when the collector's side of the connection ends
+    (the launcher was killed), not when the agent closes it itself."""
+    lost = threading.Event()
+    with Collector(ranks=1) as collector:
+        link = agent.Link(collector.address, collector.key)
+        link.start(records.identity(rank=0, replica=0, pid=1), lambda r: None, lost.set)
+        assert link.ready.wait(10) and link.session is not None
+        assert not lost.wait(0.3)
+    assert lost.wait(10)  # the collector closed every connection
+    quiet = threading.Event()
+    with Collector(ranks=1) as collector:
+        link = agent.Link(collector.address, collector.key)
+        link.start(records.identity(rank=0, replica=0, pid=1), lambda r: None, quiet.set)
+        assert link.ready.wait(10) and link.session is not None
+        link.close()
+        assert collector.wait_closed(5)
+    assert not quiet.wait(0.5)
+
+
 def run_link(collector, rank):
     """A real agent Link (the agent's code) authenticating as ``rank``; its requests."""
     link = agent.Link(collector.address, collector.key)
@@ -314,7 +377,7 @@ def test_agent_obeys_only_the_launcher_with_the_key(monkeypatch, capsys):
     assert link.ready.wait(10)
     assert link.session is None and requests == [] and fake.connections >= 2  # it retried
     assert not link.send(records.make("heartbeat"))
-    assert "cannot reach the launcher's collector" in capsys.readouterr().err
+    assert "cannot enrol with the launcher's collector" in capsys.readouterr().err
     fake.server.close()
 
 

@@ -272,3 +272,86 @@ def test_launcher_crash_never_orphans_the_job(tmp_path, where):
         assert "replica 1 (rank 1" in err  # the failure known so far
     time.sleep(0.3)
     assert not [r["pid"] for r in ranks if alive(r["pid"])]
+
+
+# ---------------------------------------------------------------- the program as an attacker
+
+# Rank 0 takes every value it can read that looks like a key (64 hex digits) from its
+# environment, /proc/self/environ and the environ of every ancestor (the agent, mpirun's
+# daemon, mpirun), and tries each with the real channel code as its own rank and as
+# ranks beyond the job; when welcomed it sends an error, a progress and a resize_stop.
+ATTACKER = textwrap.dedent("""
+    import json, os, re, sys, time
+    from pathlib import Path
+    from popdist_lite import records
+    from popdist_lite_launcher.agent import connect
+    d = Path(sys.argv[1])
+    if os.environ["POPDIST_REPLICA_INDEX_OFFSET"] == "0":
+        def environ_of(pid):
+            try:
+                return Path(f"/proc/{pid}/environ").read_bytes().split(b"\\0")
+            except OSError:
+                return []
+        texts = [f"{k}={v}".encode() for k, v in os.environ.items()] + environ_of("self")
+        pid, ancestors = os.getpid(), []
+        while pid > 1:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+            ancestors.append(pid)
+            texts += environ_of(pid)
+        keys = {m for t in texts for m in re.findall(rb"(?<![0-9a-fA-F])[0-9a-f]{64}(?![0-9a-fA-F])", t)}
+        address = os.environ["POPRUN_LITE_COLLECTOR"]
+        tried, welcomed = 0, []
+        for key in sorted(keys):
+            for rank in (0, 1, 2, 9):
+                ident = records.identity(rank=rank, replica=rank, host="FORGED", pid=1)
+                tried += 1
+                try:
+                    sock, session, _ = connect(address, bytes.fromhex(key.decode()), ident,
+                                               time.monotonic() + 10)
+                except Exception as exc:
+                    continue
+                welcomed.append(rank)
+                for record in (records.make("error", ident, exception="FORGED", message="FORGED",
+                                            traceback="FORGED"),
+                               records.make("progress", ident, call=1, op="FORGED", since=1.0),
+                               records.make("resize_stop", ident)):
+                    sock.sendall(session.seal(record))
+                time.sleep(0.5)
+                sock.close()
+        (d / "attack.tmp").write_text(json.dumps({"keys": len(keys), "tried": tried, "welcomed": welcomed,
+                                                  "ancestors": len(ancestors)}))
+        os.replace(d / "attack.tmp", d / "attack")
+    print("replica done", flush=True)
+""")
+
+MPICH_PYTHON = os.environ.get("POPDIST_LITE_MPICH_PYTHON")
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", pytest.param("mpich", marks=pytest.mark.skipif(
+    not MPICH_PYTHON, reason="no MPICH environment (scripts/test prepares one)"))])
+def test_program_cannot_enrol_with_what_it_can_read(tmp_path, mpi):
+    """The job's key is still in the environment of the program's ancestors (the agent's
+    initial environment, mpirun and its daemon), where the program can read it; it is
+    spent: every rank had enrolled before any program ran, so the collector refuses a
+    hello with it for the program's own rank, another rank of the job and a rank beyond
+    it. The job's records and report hold nothing of the attacker's, and every refusal
+    is counted."""
+    python, env = sys.executable, dict(os.environ)
+    if mpi == "mpich":
+        bin_dir = os.path.dirname(MPICH_PYTHON)
+        python = MPICH_PYTHON
+        env.update(PATH=f"{bin_dir}:{env['PATH']}", POPRUN_LITE_MPIRUN=os.path.join(bin_dir, "mpiexec"))
+    prog = tmp_path / "attacker.py"
+    prog.write_text(ATTACKER)
+    proc = subprocess.run([python, "-m", "popdist_lite_launcher", "--timeout", "90", "--num-replicas", "2",
+                           python, str(prog), str(tmp_path)], capture_output=True, text=True,
+                          timeout=150, env=env, stdin=subprocess.DEVNULL)
+    attack = json.loads((tmp_path / "attack").read_text())
+    assert attack["keys"] >= 1 and attack["ancestors"] >= 3, attack  # the key was there to find
+    assert attack["welcomed"] == [], (attack, proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FORGED" not in proc.stdout + proc.stderr and "root cause" not in proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("poprun-lite: ignored")]
+    assert f"ignored {attack['tried']} unauthenticated connection(s)" in line, line
+    assert "hello after enrolment closed" in line, line

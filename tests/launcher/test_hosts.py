@@ -4,12 +4,13 @@ before anything starts, and `--` before the host in the reachability check."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from popdist_lite_launcher import cli, hosts, network
+from popdist_lite_launcher import cleanup, cli, discovery, hosts, network
 from popdist_lite_launcher.mpirun import LauncherError
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
@@ -104,3 +105,65 @@ def test_check_hosts_passes_a_hostile_name_as_a_host_not_an_option(tmp_path):
 def test_parse_args_reads_hosts_with_slots(tmp_path):
     opts = cli.parse_args(["--num-replicas", "4", "-H", "a:2,b:2", "prog"])
     assert opts.hosts == ["a", "b"] and opts.slots == {"a": 2, "b": 2}
+
+
+@pytest.mark.parametrize("text", [
+    "[fe80::1%;id;]", "[fe80::1%$(touch${IFS}PWNED)]", "[fe80::1%a b]", "[fe80::1%-x'y]",
+    "[fe80::1%é]", "[fe80::1%" + "a" * 65 + "]",
+])
+def test_ipv6_scope_ids_hold_no_shell_text(text):
+    """``ipaddress`` takes any text after ``%`` as a scope ID; a custom launch agent may
+    run the host name through a shell."""
+    with pytest.raises(ValueError, match="scope ID"):
+        hosts.parse_host(text)
+
+
+@pytest.mark.parametrize("text", ["[fe80::1%eth0]", "[fe80::1%2]:3", "[fe80::1%br-lan.10_x]"])
+def test_ipv6_scope_ids_that_are_interfaces(text):
+    name, _ = hosts.parse_host(text)
+    assert name.startswith("fe80::1%")
+
+
+@pytest.mark.parametrize("listed", [
+    ["node1", "NODE1"], ["a.example.com", "b", "A.Example.Com"], ["fe80::1", "FE80:0::1"],
+    ["10.0.0.1", "10.0.0.1"],
+])
+def test_duplicate_hosts_whatever_their_case(listed):
+    assert hosts.find_duplicate(listed) == (listed[0], listed[-1])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["-H", ",".join(f"[{h}]" if ":" in h else h for h in listed), "prog"])
+
+
+def test_distinct_hosts_are_not_duplicates():
+    assert hosts.find_duplicate(["node1", "node10", "fe80::1", "fe80::1%eth0", "10.0.0.1"]) is None
+
+
+def test_parse_args_names_the_duplicate(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--num-replicas", "2", "-H", "node1,Node1", "prog"])
+    assert "host named more than once: node1 and Node1" in capsys.readouterr().err
+
+
+def test_discovery_finds_a_duplicate_whatever_its_case():
+    with pytest.raises(discovery.DiscoveryError, match="line 2: host NODE1 listed again"):
+        discovery.parse(b"node1:2\nNODE1:2\n", "s")
+
+
+def test_attempt_agent_splits_the_launch_agent_as_shlex_does(tmp_path):
+    """The real launch agent behind launcher/attempt-agent gets the words
+    ``network.check_command`` gives it (shlex), not the string cut at its spaces."""
+    show = tmp_path / "show"
+    show.write_text("#!/bin/sh\nfor word in \"$@\"; do printf '[%s]\\n' \"$word\"; done\n")
+    show.chmod(0o755)
+    agent = f"{show} -o 'ProxyCommand=none x' \"-q\""
+    proc = subprocess.run([cleanup.ATTEMPT_AGENT, "--", "node1", "true"], capture_output=True,
+                          text=True, timeout=30,
+                          env={**os.environ, cleanup.LAUNCH_AGENT_ENV: agent, cleanup.MARK_ENV: "ab" * 16})
+    assert proc.returncode == 0, proc.stderr
+    words = [line[1:-1] for line in proc.stdout.splitlines()]
+    assert words[:5] == ["-o", "ProxyCommand=none x", "-q", "--", "node1"]
+    assert network.check_command(agent, "node1")[1:4] == ["-o", "ProxyCommand=none x", "-q"]
+    bad = subprocess.run([cleanup.ATTEMPT_AGENT, "node1", "true"], capture_output=True, text=True,
+                         timeout=30, env={**os.environ, cleanup.LAUNCH_AGENT_ENV: "'unclosed",
+                                          cleanup.MARK_ENV: "ab" * 16})
+    assert bad.returncode == 255 and "not a command" in bad.stderr

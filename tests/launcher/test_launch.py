@@ -272,3 +272,89 @@ def test_run_job_kills_whole_session_when_stop_is_ignored(tmp_path, monkeypatch)
     pids = [int(p) for p in pid_file.read_text().split()]
     time.sleep(0.3)
     assert not [p for p in pids if alive(p)]
+
+
+# ---------------------------------------------------------------- the launcher's death
+
+MPICH_PYTHON = os.environ.get("POPDIST_LITE_MPICH_PYTHON")
+BOTH_MPIS = pytest.mark.parametrize("mpi", ["openmpi", pytest.param("mpich", marks=pytest.mark.skipif(
+    not MPICH_PYTHON, reason="no MPICH environment (scripts/test prepares one)"))])
+
+# every replica and feeder publishes its pid, then waits to be ended
+UP = """
+    import os, sys, time
+    from pathlib import Path
+    d = Path(sys.argv[1])
+    name = f"{os.environ['POPDIST_LITE_ROLE']}-{os.environ['POPDIST_REPLICA_INDEX_OFFSET']}"
+    (d / f"{name}.tmp").write_text(str(os.getpid()))
+    os.replace(d / f"{name}.tmp", d / f"{name}.up")
+    time.sleep(120)
+"""
+
+
+def _with_mpi(mpi: str) -> tuple[str, dict]:
+    """The interpreter and environment running poprun-lite under ``mpi``."""
+    if mpi == "openmpi":
+        return sys.executable, dict(os.environ)
+    bin_dir = os.path.dirname(MPICH_PYTHON)
+    return MPICH_PYTHON, {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                          "POPRUN_LITE_MPIRUN": os.path.join(bin_dir, "mpiexec")}
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(e.decode(errors="replace").partition("=")[::2] for e in f.read().split(b"\0") if e)
+
+
+@BOTH_MPIS
+def test_launcher_killed_ends_its_job(tmp_path, mpi):
+    """kill -9 of poprun-lite under 2 replicas with a feeder each: mpirun (SIGKILLed by
+    the kernel, PR_SET_PDEATHSIG), every agent (its connection to the launcher ends) and
+    every rank and feeder are gone within 5 s of the kill; nothing carrying the
+    attempt's mark is left."""
+    from popdist_lite_launcher import cleanup
+    python, env = _with_mpi(mpi)
+    up = tmp_path / "up.py"
+    up.write_text(textwrap.dedent(UP))
+    launcher = subprocess.Popen([python, "-m", "popdist_lite_launcher", "--timeout", "120",
+                                 "--num-replicas", "2", "--feeders-per-replica", "1",
+                                 python, str(up), str(tmp_path)],
+                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+    mark, pids = None, []
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("*.up"))) < 4:
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the ranks and feeders did not start"
+            time.sleep(0.05)
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.up")]
+        mark = _environ(pids[0])[cleanup.MARK_ENV]
+        attempt = cleanup.marked(mark)  # mpirun, its daemon, the agents, ranks, feeders
+        assert set(pids) < set(attempt) and len(attempt) >= 9, attempt
+        launcher.kill()
+        killed = time.monotonic()
+        launcher.communicate(timeout=30)
+        left = attempt
+        while left and time.monotonic() - killed < 5.0:
+            time.sleep(0.05)
+            left = [p for p in attempt if alive(p)] + [p for p in cleanup.marked(mark) if p not in attempt]
+        assert not left, f"left {time.monotonic() - killed:.1f} s after the kill: " + \
+            ", ".join(f"{p} {_cmdline(p)}" for p in left)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+        if mark is not None:
+            cleanup.kill_marked(mark)
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "(gone)"

@@ -232,3 +232,80 @@ def _ppid(pid: int) -> int | None:
 def _environ(pid: int) -> dict[str, str]:
     return dict(e.decode(errors="replace").partition("=")[::2]
                 for e in _read(f"/proc/{pid}/environ").split(b"\0") if e)
+
+
+# ---------------------------------------------------------------- the launcher's death
+
+UP = """
+import os, socket, sys, time
+d = sys.argv[1]
+name = f"{os.environ['POPDIST_LITE_ROLE']}-{os.environ['POPDIST_REPLICA_INDEX_OFFSET']}"
+with open(os.path.join(d, name + ".tmp"), "w") as f:
+    f.write(f"{os.getpid()} {socket.gethostname()}")
+os.replace(os.path.join(d, name + ".tmp"), os.path.join(d, name + ".up"))
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("mpich", [False, pytest.param(True, marks=needs_mpich)],
+                         ids=["openmpi", "mpich"])
+def test_launcher_killed_ends_its_job_on_every_host(hosts, mpich):
+    """kill -9 of poprun-lite under 2 replicas with a feeder each, one replica on each
+    test host: within 5 s of the kill nothing is left on either host (no MPI daemon,
+    agent, rank or feeder: the agents see their connections to the launcher end) and
+    nothing of the attempt on this machine (mpirun: PR_SET_PDEATHSIG)."""
+    from popdist_lite_launcher import cleanup
+    from hostlaunch import mpich_env
+
+    base = ROOT / ".test-multihost"
+    base.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=base))
+    (work / "up.py").write_text(UP)
+    python = MPICH_PYTHON if mpich else sys.executable
+    assert not [h for h in hosts.names if hosts.processes(h)]  # nothing there before
+    launcher = subprocess.Popen(poprun_command(hosts, "--num-replicas", "2", "--feeders-per-replica", "1",
+                                               python, str(work / "up.py"), str(work),
+                                               job_timeout=120, python=python),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT,
+                                stdin=subprocess.DEVNULL, env={**os.environ, **(mpich_env() if mpich else {})})
+    mark = None
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(work.glob("*.up"))) < 4:
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the ranks and feeders did not start"
+            time.sleep(0.05)
+        where = sorted((p.name, p.read_text().split()[1]) for p in work.glob("*.up"))
+        assert where == [("feeder-0.up", "pdlh1"), ("feeder-1.up", "pdlh2"),
+                         ("replica-0.up", "pdlh1"), ("replica-1.up", "pdlh2")]
+        [mpirun] = [p for p in _pids() if _ppid(p) == launcher.pid]
+        mark = _environ(mpirun)[cleanup.MARK_ENV]
+        before = {h: hosts.processes(h) for h in hosts.names}
+        assert all(len(pids) >= 4 for pids in before.values()), before  # daemon, 2 agents, 2 programs
+        launcher.kill()
+        killed = time.monotonic()
+        launcher.communicate(timeout=30)
+        left = before
+        while time.monotonic() - killed < 5.0:
+            left = {h: pids for h in hosts.names if (pids := hosts.processes(h))}
+            if not left and not cleanup.marked(mark):
+                break
+            time.sleep(0.05)
+        assert not left and not cleanup.marked(mark), (
+            f"{time.monotonic() - killed:.1f} s after the kill: " + "; ".join(
+                f"{h}: " + ", ".join(_read(f"/proc/{p}/cmdline").replace(b"\0", b" ").decode()[:100]
+                                     for p in pids) for h, pids in left.items())
+            + f"; marked here: {cleanup.marked(mark)}")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+        if mark is not None:
+            cleanup.kill_marked(mark)
+        for name in hosts.names:
+            for pid in hosts.processes(name):
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
+        shutil.rmtree(work, ignore_errors=True)
