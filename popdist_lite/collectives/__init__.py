@@ -5,8 +5,9 @@ the same error on every replica instead of hanging. Every call is counted in
 
 :mod:`.agreement` is the check itself, public for the other packages' collectives
 (embeddings, the feed, checkpoints): :class:`Problem`, :func:`agree` (buffer-based),
-:func:`agree_objects` (pickled, for rare calls), :func:`register_op`,
-:func:`next_call_number`, :func:`comm_cache` (state kept on a communicator).
+:func:`agree_objects` (pickled, for rare calls), :func:`register_op`; and, from the leaf
+module :mod:`popdist_lite.calls`, :func:`next_call_number` and :func:`comm_cache` (state
+kept on a communicator).
 """
 
 from .agreement import (Problem, agree, agree_objects, comm_cache, next_call_number, register_op,

@@ -24,10 +24,11 @@ Two calls, one :class:`Problem` type:
   would wait for it in the collective): it passes a :class:`Problem` (an exception
   class and a message) to :func:`agree` or :func:`agree_objects`, and every replica
   raises that exception, naming the replica.
-- Call numbers: every collective call takes its number from :func:`next_call_number`,
-  the one place where calls are counted per communicator, checked or not (with
-  ``set_collective_checks(False)`` the number is still taken, not exchanged), and where
-  each call is recorded for poprun-lite's stall inspector (:mod:`popdist_lite.progress`).
+- Call numbers: every collective call takes its number from :func:`next_call_number`
+  (:mod:`popdist_lite.calls`, re-exported here), the one place where calls are counted
+  per communicator, checked or not (with ``set_collective_checks(False)`` the number is
+  still taken, not exchanged), and where each call is recorded for poprun-lite's stall
+  inspector (:mod:`popdist_lite.progress`).
 - Fast paths: a call whose signature agreed before reuses its signature row (only the
   call number is rewritten) and, for the fixed-shape collectives, its gathered table;
   identical signatures are recognised with one byte comparison of the table.
@@ -36,14 +37,14 @@ Two calls, one :class:`Problem` type:
 from __future__ import annotations
 
 import os
-import weakref
 import zlib
 from dataclasses import dataclass
 from time import perf_counter
 
 import numpy as np
 
-from .. import counters, progress
+from .. import counters
+from ..calls import comm_cache, next_call_number  # noqa: F401  (re-exported: the collectives' public names)
 
 MAX_NDIM = 8
 #: The layout of a signature row, one per replica (int64 fields; 112 bytes).
@@ -69,7 +70,6 @@ _DTYPE_CODE = {d: i + 1 for i, d in enumerate(DTYPES)}
 
 _op_codes: dict[str, int] = {}
 _op_names: dict[int, str] = {}
-_CALLS = "call numbers"  # comm_cache(comm)[_CALLS]: op -> nothing; the next call number is its int
 # Signature rows of recent good calls, by (op, dtype, shape, extra): a repeated call
 # only writes its call number (the Allgather copies the row, so reuse is safe).
 _signatures: dict[tuple, np.ndarray] = {}
@@ -170,69 +170,6 @@ def register_op(name: str) -> str:
         raise ValueError(f"register_op: {name!r} has the same code as {other!r}; choose another name")
     _op_codes[name] = code
     return name
-
-
-def next_call_number(comm, op: str) -> int:
-    """This replica's number for its next collective call ``op`` on ``comm`` (0, 1, 2, ...).
-
-    The only place where call numbers are counted: every :func:`agree` takes its number
-    here, so replicas that issue different sequences of collectives are told apart by
-    the number in their signatures. Unchecked calls (``set_collective_checks(False)``)
-    and the infeed's per-step agreement take one too, so the numbers stay in step on
-    every replica and the stall inspector sees every collective: each call is recorded
-    with :func:`popdist_lite.progress.record` (a no-op unless poprun-lite's stall
-    inspector or ``POPDIST_LITE_STALL_TIMEOUT`` turned it on).
-    """
-    cache = comm_cache(comm)
-    seq = cache.get(_CALLS, 0)
-    cache[_CALLS] = seq + 1
-    progress.record(op, seq)
-    return seq
-
-
-_keyval: list = []  # the MPI attribute key of comm_cache, made at its first call
-# id(Python object) -> (weak reference to it, its communicator's dict): comm_cache's fast
-# path, trusted only while the reference still points to the very object asking.
-_by_object: dict[int, tuple] = {}
-
-
-def comm_cache(comm) -> dict:
-    """A dict that lives on the MPI communicator itself and dies with it, for state kept
-    per communicator (the call numbers here, a save's duplicate communicator).
-
-    MPI's attribute caching (``MPI_Comm_create_keyval`` / ``MPI_Comm_set_attr``, through
-    mpi4py's ``Comm.Create_keyval`` / ``Set_attr`` / ``Get_attr``): every Python object
-    of one communicator sees the same dict, a duplicate (``Dup``) starts with none (no
-    copy callback), and a freed communicator's dict goes with it. Keying by ``id(comm)``
-    instead would hand a freed sub-communicator's state to an unrelated communicator
-    that happens to reuse the Python object's address on some replicas only (their call
-    numbers then differ and every check fails). A Python object asking again finds its
-    dict through a weak reference to itself (about 150 ns, where ``Get_attr`` takes
-    200 ns more). An object that is not an mpi4py communicator keeps its dict as an
-    attribute.
-    """
-    hit = _by_object.get(id(comm))
-    if hit is not None and hit[0]() is comm:  # the fast path: this very Python object seen before
-        return hit[1]
-    get = getattr(comm, "Get_attr", None)
-    if get is None:
-        cache = getattr(comm, "_popdist_lite_cache", None)
-        if cache is None:
-            cache = {}
-            comm._popdist_lite_cache = cache
-        return cache
-    if not _keyval:
-        from mpi4py import MPI
-
-        _keyval.append(MPI.Comm.Create_keyval())
-    cache = get(_keyval[0])
-    if cache is None:
-        cache = {}
-        comm.Set_attr(_keyval[0], cache)
-    key = id(comm)
-    _by_object[key] = (weakref.ref(comm, lambda ref: _by_object.pop(key, None) if _by_object.get(key, (None,))[0]
-                                   is ref else None), cache)
-    return cache
 
 
 def set_collective_checks(enabled: bool) -> bool:
