@@ -32,9 +32,12 @@ import numpy as np
 
 from .. import counters
 
+#: dtypes the sums accept; complex64/complex128 are MPI's ``C_FLOAT_COMPLEX`` /
+#: ``C_DOUBLE_COMPLEX`` (mpi4py maps them from the array), which MPI sums natively (no
+#: max or min: complex numbers have no order).
 REDUCIBLE = frozenset(np.dtype(t) for t in (
     np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
-    np.uint8, np.uint16, np.uint32, np.uint64))
+    np.uint8, np.uint16, np.uint32, np.uint64, np.complex64, np.complex128))
 F16 = np.dtype(np.float16)
 _PAIRWISE = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 

@@ -14,8 +14,8 @@ Two calls, one :class:`Problem` type:
   fingerprint (``c10d``'s ``ProcessGroupWrapper`` compares each collective's op, shapes
   and dtypes across ranks before running it).
 - :func:`agree_objects`, for rare calls with small Python payloads (creating a table,
-  the steps of a checkpoint): one pickled ``allgather`` of every replica's value and
-  problem.
+  the steps of a checkpoint): :func:`agree` (with the length of each replica's pickle),
+  then one ``Allgatherv`` of the pickles.
 
 - Operations: each caller registers its operation names with :func:`register_op`; an
   operation's code is a CRC of its name, so it is the same on every process whatever
@@ -37,11 +37,14 @@ Two calls, one :class:`Problem` type:
 from __future__ import annotations
 
 import os
+import pickle
 import zlib
 from dataclasses import dataclass
+from itertools import accumulate
 from time import perf_counter
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import counters
 from ..calls import comm_cache, next_call_number  # noqa: F401  (re-exported: the collectives' public names)
@@ -135,8 +138,12 @@ def agree_objects(what: str, value, comm, *, problem: Problem | None = None) -> 
     """Collective: every replica's ``value`` (any picklable object), in replica order,
     after checking that every replica made this same call without a problem.
 
-    For rare calls with small payloads (creating a table, the steps of a checkpoint):
-    one pickled ``allgather``. Hot paths use the buffer-based :func:`agree`.
+    For rare calls with small payloads (creating a table, the steps of a checkpoint).
+    The check is :func:`agree`'s (operation ``agree_objects``, a call number, the
+    length of this replica's pickle), so a replica that called another collective at
+    this point (a buffer-based one included) is named, with the same
+    ``collective mismatch`` error on every replica, before any pickle moves; then one
+    ``Allgatherv`` of the pickles. Hot paths use the buffer-based :func:`agree`.
 
     Args:
         what: names the call in errors (e.g. ``"load_checkpoint('ckpt/step-00000020')"``).
@@ -149,13 +156,24 @@ def agree_objects(what: str, value, comm, *, problem: Problem | None = None) -> 
 
     Raises:
         the lowest replica's problem, on every replica, as ``error(f"{what}: replica k:
-        {message}")``.
+        {message}")`` (a ``value`` that cannot be pickled is a ``TypeError`` problem).
+        RuntimeError: replicas called different collectives at this point.
     """
-    gathered = comm.allgather((problem, None if problem is not None else value))
-    for replica, (found, _) in enumerate(gathered):
-        if found is not None:
-            found.raise_as(what, replica)
-    return [v for _, v in gathered]
+    data = b""
+    if problem is None:
+        try:
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - raised on every replica below
+            problem = Problem(TypeError, f"argument value: cannot be pickled: {type(exc).__name__}: {exc}")
+    table = agree("agree_objects", None, comm, problem=problem, extra=len(data), what=what)
+    counts = [int(n) for n in table["extra"]]
+    at = list(accumulate(counts, initial=0))
+    gathered = bytearray(at[-1])
+    start = perf_counter()
+    comm.Allgatherv([data, MPI.BYTE], [gathered, (counts, at[:-1]), MPI.BYTE])
+    counters.record("agree_objects", start, len(data) * (comm.Get_size() - 1), at[-1] - len(data))
+    view = memoryview(gathered)
+    return [pickle.loads(view[a:b]) for a, b in zip(at, at[1:])]
 
 
 def register_op(name: str) -> str:
@@ -171,6 +189,8 @@ def register_op(name: str) -> str:
     _op_codes[name] = code
     return name
 
+
+register_op("agree_objects")
 
 def set_collective_checks(enabled: bool) -> bool:
     """Turn the cross-replica argument check of the fixed-shape collectives on or off.
@@ -195,7 +215,8 @@ def set_collective_checks(enabled: bool) -> bool:
 
 def agree(op: str, x: np.ndarray | None, comm, *, problem: Problem | None = None,
           extra: int = 0, name: str = "x", payload: np.ndarray | None = None,
-          same_from: int | None = None, extra_name: str = "extra", extra_format=str) -> np.ndarray | None:
+          same_from: int | None = None, extra_name: str = "extra", extra_format=str,
+          what: str | None = None) -> np.ndarray | None:
     """Exchange call signatures and raise the same error on every replica if any is bad.
 
     Args:
@@ -214,6 +235,7 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: Problem | None = None
             byte comparison of the gathered table.
         extra_name, extra_format: how to name ``extra`` in the error message when it
             differs between replicas (e.g. ``"root"``).
+        what: names the call in a replica's ``problem`` when raised (default ``op``).
 
     Returns:
         every replica's signature, indexed by rank: a structured array ``(comm.size,)``
@@ -248,7 +270,8 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: Problem | None = None
     if problem is None:
         # a payload call with no array (the embedding headers): the row differs only in
         # its payload, written into the cached row below
-        key = (op, x.dtype, x.shape, extra) if payload is None else (op, extra, len(payload)) if x is None else None
+        key = (op, x.dtype, x.shape, extra) if payload is None and x is not None else \
+            (op, extra, len(payload)) if x is None and payload is not None else None
     sig = _signatures.get(key) if key is not None else None
     if sig is None:
         sig, problem = _signature(op, x, problem, extra, name, payload)
@@ -279,7 +302,7 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: Problem | None = None
                 same_from is None or ((table[:, _DTYPE:_SHAPE] == sig[_DTYPE:_SHAPE]).all()
                                       and (table[:, _SHAPE + 1:WIDTH] == sig[_SHAPE + 1:WIDTH]).all())):
             return _named(table)  # same collective and call number (and trailing shape for same_from=1)
-    return _disagree(op, table, problem, comm, same_from, name, extra_name, extra_format)
+    return _disagree(op, table, problem, comm, same_from, name, extra_name, extra_format, what)
 
 
 def _named(table: np.ndarray) -> np.ndarray:
@@ -297,7 +320,7 @@ def _op_name(code) -> str:
 
 
 def _disagree(op: str, table: np.ndarray, problem: Problem | None, comm, same_from, name: str, extra_name: str,
-              extra_format) -> np.ndarray:
+              extra_format, what: str | None = None) -> np.ndarray:
     """Raise the error the gathered ``table`` shows, the same on every replica (or return
     it, named, when the differences are allowed: a first dimension for ``same_from=1``)."""
     bad = np.flatnonzero((table[:, _OP] != table[0, _OP]) | (table[:, _CALL] != table[0, _CALL]))
@@ -310,7 +333,7 @@ def _disagree(op: str, table: np.ndarray, problem: Problem | None, comm, same_fr
     failed = np.flatnonzero(table[:, _STATUS])
     if failed.size:
         problems = comm.allgather(problem)  # error path only: pickling is fine
-        problems[int(failed[0])].raise_as(op, int(failed[0]))
+        problems[int(failed[0])].raise_as(what or op, int(failed[0]))
     if same_from is not None:
         bad = np.flatnonzero(table[:, _EXTRA] != table[0, _EXTRA])
         if bad.size:

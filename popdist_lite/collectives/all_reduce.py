@@ -26,9 +26,11 @@ def all_reduce(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) 
     """Reduce ``x`` element-wise over replicas; every replica gets the result.
 
     Args:
-        x: array (or scalar) of a numeric dtype, the same shape and dtype on every replica.
+        x: array (or scalar) of a numeric dtype (integers, float16/32/64, complex64/128),
+            the same shape and dtype on every replica.
         op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``, the same on every replica.
-            ``"mean"`` of integers is float64.
+            ``"mean"`` of integers is float64; complex arrays take ``"sum"`` and
+            ``"mean"`` only (MPI sums them natively).
         out: optional preallocated C-contiguous array of ``x.shape`` and ``x.dtype`` to
             receive into (not for ``"mean"`` of integers); may be ``x`` itself (in place).
 
@@ -46,7 +48,8 @@ def all_reduce(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) 
     Raises:
         ValueError: on every replica, for an unknown ``op``, ops that differ between
             replicas, shapes that differ, or an ``out`` that does not fit.
-        TypeError: on every replica, for a non-numeric dtype or dtypes that differ.
+        TypeError: on every replica, for a non-numeric dtype, dtypes that differ, or
+            ``"max"``/``"min"`` of a complex dtype.
     """
     comm = default_comm(comm)
     x = as_array(x)
@@ -55,6 +58,9 @@ def all_reduce(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) 
         problem = Problem(ValueError, f"argument op: expected one of {list(OPS)}, got {op!r}")
     elif x.dtype not in REDUCIBLE:
         problem = Problem(TypeError, f"argument x: expected a numeric dtype, got {x.dtype}")
+    elif x.dtype.kind == "c" and op in ("max", "min"):
+        problem = Problem(TypeError, f"argument op: {op!r} of {x.dtype}: complex dtypes have no order "
+                                     f"(only 'sum' and 'mean')")
     elif out is not None and op == "mean" and x.dtype.kind in "iu":
         problem = Problem(ValueError, "argument out: not supported for the mean of integers (the result is float64)")
     else:

@@ -277,3 +277,52 @@ def test_call_numbers_live_on_the_mpi_communicator(comm):
     np.testing.assert_array_equal(pl.all_reduce(x, op="sum", comm=new), x * comm.size)
     dup.Free()
     new.Free()
+
+
+@pytest.mark.mpi
+def test_agree_objects_gathers_every_replicas_value(comm):
+    from popdist_lite.collectives import agree_objects
+
+    values = [{"replica": k, "pad": "x" * (7 * k)} for k in range(comm.size)]  # pickles of different lengths
+    assert agree_objects("probe", values[comm.rank], comm) == values
+    last = comm.size - 1
+    problem = pl.collectives.Problem(KeyError, "no such table") if comm.rank == last else None
+    with pytest.raises(KeyError, match=rf"probe: replica {last}: no such table"):
+        agree_objects("probe", 1, comm, problem=problem)
+    with pytest.raises(TypeError, match=rf"probe: replica {last}: argument value: cannot be pickled"):
+        agree_objects("probe", (lambda: 0) if comm.rank == last else 1, comm)
+    assert agree_objects("probe", comm.rank, comm) == list(range(comm.size))  # still in step
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("other", ["all_reduce", "broadcast"])
+def test_pickled_agreement_meeting_a_buffer_agreement_is_a_mismatch(comm, other):
+    """agree_objects carries its operation and call number: against a checked collective
+    on another replica, every replica raises 'collective mismatch' (it used to gather
+    pickles into the other replica's signature buffer)."""
+    from popdist_lite.collectives import agree_objects
+
+    x = np.ones(4, np.float32)
+    pl.all_reduce(x)  # agreed before: the other replica takes the cached fast path
+    last = comm.size - 1
+    with pytest.raises(RuntimeError, match=rf"collective mismatch: replica 0 called agree_objects .* "
+                                           rf"but replica {last} called {other}"):
+        if comm.rank == last:
+            getattr(pl, other)(x)
+        else:
+            agree_objects("probe", {"big": "y" * 1000}, comm)
+    assert pl.all_reduce(x)[0] == comm.size  # still in step
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_all_reduce_complex(comm, rng, dtype, op):
+    r = comm.size
+    x = (inputs(rng, r, (3, 4), np.float64) + 1j * inputs(rng, r, (3, 4), np.float64)).astype(dtype)
+    out = pl.all_reduce(x[comm.rank], op=op)
+    expected = x.astype(np.complex128).sum(axis=0) / (r if op == "mean" else 1)
+    assert out.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    with pytest.raises(TypeError, match="complex dtypes have no order"):
+        pl.all_reduce(x[comm.rank], op="max")
