@@ -19,6 +19,9 @@ register_op("all_reduce")
 
 OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _NAMES = tuple(OPS)
+#: The dtypes each op reduces (complex numbers have no order: no max or min).
+_DTYPES_OF = {op: REDUCIBLE if op in ("sum", "mean") else frozenset(d for d in REDUCIBLE if d.kind != "c")
+              for op in OPS}
 
 
 def _op_name(code: int) -> str:
@@ -59,11 +62,9 @@ def all_reduce(x, op: str = "sum", *, comm=None, out: np.ndarray | None = None) 
     problem = None
     if op not in OPS:
         problem = Problem(ValueError, f"argument op: expected one of {list(OPS)}, got {op!r}")
-    elif x.dtype not in REDUCIBLE:
-        problem = Problem(TypeError, f"argument x: expected a numeric dtype, got {x.dtype}")
-    elif x.dtype.kind == "c" and op in ("max", "min"):
-        problem = Problem(TypeError, f"argument op: {op!r} of {x.dtype}: complex dtypes have no order "
-                                     f"(only 'sum' and 'mean')")
+    elif x.dtype not in _DTYPES_OF[op]:
+        problem = Problem(TypeError, f"argument x: expected a numeric dtype, got {x.dtype}" if x.dtype not in REDUCIBLE
+                          else f"argument op: {op!r} of {x.dtype}: complex dtypes have no order (only 'sum' and 'mean')")
     elif out is not None and op == "mean" and x.dtype.kind in "iu":
         problem = Problem(ValueError, "argument out: not supported for the mean of integers (the result is float64)")
     else:
@@ -163,8 +164,7 @@ def all_reduce_start(x: np.ndarray, op: str = "sum", *, comm, numbered_on=None) 
     """
     if op not in OPS:
         raise ValueError(f"all_reduce_start: argument op: expected one of {list(OPS)}, got {op!r}")
-    if not isinstance(x, np.ndarray) or x.dtype not in REDUCIBLE or (op == "mean" and x.dtype.kind in "iu") \
-            or (x.dtype.kind == "c" and op in ("max", "min")):
+    if not isinstance(x, np.ndarray) or x.dtype not in _DTYPES_OF[op] or (op == "mean" and x.dtype.kind in "iu"):
         raise TypeError(f"all_reduce_start: argument x: cannot reduce {getattr(x, 'dtype', type(x).__name__)} "
                         f"in place with {op!r}")
     if not (x.flags.c_contiguous and x.flags.writeable):

@@ -326,3 +326,33 @@ def test_all_reduce_complex(comm, rng, dtype, op):
     np.testing.assert_allclose(out, expected, rtol=1e-6)
     with pytest.raises(TypeError, match="complex dtypes have no order"):
         pl.all_reduce(x[comm.rank], op="max")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64, np.complex64])
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+def test_all_reduce_start_matches_all_reduce(comm, rng, dtype, op):
+    """The non-blocking all-reduce gives all_reduce's result in place (float16: the same
+    one rounding), numbered when waited for, on the communicator it is told to."""
+    from popdist_lite import calls
+    from popdist_lite.collectives import all_reduce_start
+
+    if (op == "mean" and np.dtype(dtype).kind == "i") or (op == "max" and np.dtype(dtype).kind == "c"):
+        with pytest.raises(TypeError, match="all_reduce_start: argument x: cannot reduce"):
+            all_reduce_start(np.zeros(2, dtype), op, comm=comm)
+        return
+    x = inputs(rng, comm.size, (7,), np.float64) * (1 + 1j if np.dtype(dtype).kind == "c" else 1)
+    x = x.astype(dtype)
+    mine = x[comm.rank].copy()
+    dup = comm.Dup()
+    try:
+        numbers = calls.comm_cache(comm).get(calls._CALLS, 0)
+        pending = all_reduce_start(mine, op, comm=dup, numbered_on=comm)
+        pending.test()
+        assert calls.comm_cache(comm).get(calls._CALLS, 0) == numbers  # not yet: numbered at the wait
+        assert pending.wait() is mine
+        assert calls.comm_cache(comm)[calls._CALLS] == numbers + 1
+        assert calls.comm_cache(dup).get(calls._CALLS, 0) == 0
+    finally:
+        dup.Free()
+    np.testing.assert_array_equal(mine, pl.all_reduce(x[comm.rank], op=op))
