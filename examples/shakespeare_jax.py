@@ -256,7 +256,7 @@ class Job:
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), value
 
-        params = {"model": plj.broadcast_params(params), "handle": embeddings.handle()}
+        params = {"model": plj.broadcast_parameters(params), "handle": embeddings.handle()}
         # committed to the device as the jitted step's outputs are, or the second step
         # would compile the step again for the new placement
         self.params, self.opt_state = jax.device_put((params, optimizer.init(params)), jax.devices()[0])
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
     model_len = chunk_len - 1
     model = CharModel(hidden=shakespeare.HIDDEN, outputs=shakespeare.OUTPUTS, mode=mode)
     # char_model.py's initial weights (replica 0's are broadcast by TrainStep.init /
-    # broadcast_params), so that both jobs start from the same weights.
+    # broadcast_parameters), so that both jobs start from the same weights.
     init = char_model.init_params(np.random.default_rng([args.seed, rank]), vocab=shakespeare.OUTPUTS,
                                   emb_dim=shakespeare.TABLE_SHAPE[1], hidden=shakespeare.HIDDEN, seq_len=model_len,
                                   mode=mode)

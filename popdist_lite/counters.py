@@ -3,7 +3,10 @@ and per embedding phase (``popdist_lite.stats()``, ``popdist_lite.reset_stats()`
 
 Every MPI call the library makes is recorded once, under the name of the collective
 that made it (``all_gather``, ``all_to_all_v``, ...; ``agree`` is the small argument
-check that precedes the checked collectives). Bytes are the *payload* that leaves this
+check that precedes the checked collectives, ``agree_objects`` the pickles of a rare
+agreement, ``infeed`` and ``should_checkpoint`` one-integer all-reduces; the gradient
+buckets of ``popdist_lite.torch.DistributedDataParallel`` count as ``all_reduce``, with
+the seconds of their wait). Bytes are the *payload* that leaves this
 replica for other replicas and arrives from other replicas, as if each byte went
 straight to the replicas that need it (what a step moves, independent of the MPI
 library's algorithm; the copy to oneself is not counted):

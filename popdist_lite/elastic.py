@@ -25,6 +25,7 @@ import os
 import numpy as np
 
 from . import records, topology
+from .calls import numbered_all_reduce
 
 _state = {"announced": False}
 
@@ -36,7 +37,8 @@ def should_checkpoint() -> bool:
     Call it once per step at the step boundary; on True, save a checkpoint and end the
     program normally (exit code 0): the launcher starts the next attempt at the new size,
     which resumes from that checkpoint. Once True it stays True. Costs one all-reduce of
-    one ``int32`` (MAX) on the replica communicator; outside poprun-lite (plain mpirun,
+    one ``int32`` (MAX) on the replica communicator (numbered for the stall inspector,
+    counted as ``should_checkpoint``); outside poprun-lite (plain mpirun,
     one process) it is always False.
 
     Returns:
@@ -48,10 +50,7 @@ def should_checkpoint() -> bool:
     if comm.Get_size() > 1:
         from mpi4py import MPI
 
-        from .collectives import next_call_number
-
-        next_call_number(comm, "should_checkpoint")  # numbered for the stall inspector
-        comm.Allreduce(MPI.IN_PLACE, asked, op=MPI.MAX)
+        numbered_all_reduce(asked, MPI.MAX, comm, "should_checkpoint")
     agreed = bool(asked[0])
     if agreed and not _state["announced"]:
         _state["announced"] = True

@@ -10,9 +10,10 @@ known (:mod:`popdist_lite.topology` only discovers it):
   watchdog (:mod:`popdist_lite.watchdog`);
 - on a replica with ``POPDIST_LITE_TIMELINE`` set, the timeline
   (:mod:`popdist_lite.timeline`);
-- on a replica, the exit handler that tells its host feed processes to exit
-  (:func:`popdist_lite.infeed.stream.shutdown_feeders`), registered after MPI was
-  imported, so it runs before mpi4py finalizes MPI.
+- on a replica with host feed processes, the exit handler that ends its feed session
+  and tells them to exit (:func:`popdist_lite.infeed.receiver.shutdown_feeders`, the
+  replica's side of the feed protocol), registered after MPI was imported, so it runs
+  before mpi4py finalizes MPI.
 """
 
 from __future__ import annotations
@@ -43,6 +44,6 @@ def start(topo) -> None:
 
         timeline.enable(timeline_path, topo.replica_id, topo.replicas)
     if topo.feed is not None:
-        from .infeed.stream import shutdown_feeders
+        from .infeed.receiver import shutdown_feeders
 
-        atexit.register(shutdown_feeders)
+        atexit.register(shutdown_feeders, topo.feed)

@@ -32,9 +32,12 @@ import numpy as np
 
 from .. import counters
 
+#: dtypes the sums accept; complex64/complex128 are MPI's ``C_FLOAT_COMPLEX`` /
+#: ``C_DOUBLE_COMPLEX`` (mpi4py maps them from the array), which MPI sums natively (no
+#: max or min: complex numbers have no order).
 REDUCIBLE = frozenset(np.dtype(t) for t in (
     np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
-    np.uint8, np.uint16, np.uint32, np.uint64))
+    np.uint8, np.uint16, np.uint32, np.uint64, np.complex64, np.complex128))
 F16 = np.dtype(np.float16)
 _PAIRWISE = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 
@@ -50,7 +53,7 @@ def finish_mean(result: np.ndarray, op: str, r: int) -> np.ndarray:
     return result
 
 
-def _combine(chunks: np.ndarray, op: str, r: int, out: np.ndarray | None = None) -> np.ndarray:
+def combine(chunks: np.ndarray, op: str, r: int, out: np.ndarray | None = None) -> np.ndarray:
     """Reduce ``(r, ...)`` float16 chunks over axis 0, wide, rounded once to float16
     (into ``out`` when given: a float16 array of ``chunks.shape[1:]``).
 
@@ -84,7 +87,7 @@ def _reduce_scatter(x: np.ndarray, comm, op: str, out: np.ndarray | None):
     recv = np.empty_like(send)
     comm.Alltoall(send, recv)
     moved = send.nbytes - send.nbytes // r  # all but my own chunk, each way
-    return _combine(recv.view(F16), op, r, out), moved
+    return combine(recv.view(F16), op, r, out), moved
 
 
 def f16_reduce_scatter(x: np.ndarray, comm, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
@@ -111,9 +114,28 @@ def f16_reduce_scatter_v(x: np.ndarray, counts: np.ndarray, comm) -> np.ndarray:
     recv_sizes = np.full(r, mine * row, dtype=np.int64)
     comm.Alltoallv([x.view(np.uint16), (send_sizes, np.cumsum(send_sizes) - send_sizes)],
                    [recv, (recv_sizes, np.cumsum(recv_sizes) - recv_sizes)])
-    result = _combine(recv.view(F16), "sum", r)
+    result = combine(recv.view(F16), "sum", r)
     counters.record("reduce_scatter_sum_v", start, 2 * int(send_sizes.sum() - send_sizes[k]), 2 * mine * row * (r - 1))
     return result
+
+
+def f16_padded(x: np.ndarray, r: int) -> np.ndarray:
+    """``x`` flattened and zero-padded to ``(r, ceil(n / r))`` float16: the chunks of a
+    float16 all-reduce's reduce-scatter."""
+    flat = x.reshape(-1)
+    c = -(-flat.size // r)
+    padded = np.zeros(r * c, dtype=F16)
+    padded[:flat.size] = flat
+    return padded.reshape(r, c)
+
+
+def f16_gather(chunk: np.ndarray, comm) -> tuple[np.ndarray, int]:
+    """The second half of a float16 all-reduce: ``Allgather`` every replica's reduced
+    ``chunk``; ``(the r * c float16 values, bytes moved each way)``."""
+    r = comm.size
+    gathered = np.empty((r, chunk.size), dtype=np.uint16)
+    comm.Allgather(chunk.view(np.uint16), gathered)
+    return gathered.view(F16).reshape(-1), chunk.nbytes * (r - 1)  # own bytes x (r - 1) out, the others' in
 
 
 def f16_all_reduce(x: np.ndarray, comm, op: str, out: np.ndarray | None = None) -> np.ndarray:
@@ -131,17 +153,11 @@ def f16_all_reduce(x: np.ndarray, comm, op: str, out: np.ndarray | None = None) 
                 np.copyto(out, x)
         counters.record("all_reduce", start)
         return result
-    flat = x.reshape(-1)
-    n = flat.size
-    c = -(-n // r)
-    padded = np.zeros(r * c, dtype=F16)
-    padded[:n] = flat
-    chunk, moved = _reduce_scatter(padded.reshape(r, c), comm, op, None)
-    gathered = np.empty((r, c), dtype=np.uint16)
-    comm.Allgather(chunk.view(np.uint16), gathered)
-    moved += chunk.nbytes * (r - 1)  # Allgather: own bytes x (r - 1) out, everyone else's in
+    chunk, moved = _reduce_scatter(f16_padded(x, r), comm, op, None)
+    gathered, more = f16_gather(chunk, comm)
+    moved += more
     counters.record("all_reduce", start, moved, moved)
-    result = gathered.view(F16).reshape(-1)[:n].reshape(x.shape)
+    result = gathered[:x.size].reshape(x.shape)
     if out is None:
         return result
     np.copyto(out, result)

@@ -14,8 +14,8 @@ Two calls, one :class:`Problem` type:
   fingerprint (``c10d``'s ``ProcessGroupWrapper`` compares each collective's op, shapes
   and dtypes across ranks before running it).
 - :func:`agree_objects`, for rare calls with small Python payloads (creating a table,
-  the steps of a checkpoint): one pickled ``allgather`` of every replica's value and
-  problem.
+  the steps of a checkpoint): :func:`agree` (with the length of each replica's pickle),
+  then one ``Allgatherv`` of the pickles.
 
 - Operations: each caller registers its operation names with :func:`register_op`; an
   operation's code is a CRC of its name, so it is the same on every process whatever
@@ -24,10 +24,11 @@ Two calls, one :class:`Problem` type:
   would wait for it in the collective): it passes a :class:`Problem` (an exception
   class and a message) to :func:`agree` or :func:`agree_objects`, and every replica
   raises that exception, naming the replica.
-- Call numbers: every collective call takes its number from :func:`next_call_number`,
-  the one place where calls are counted per communicator, checked or not (with
-  ``set_collective_checks(False)`` the number is still taken, not exchanged), and where
-  each call is recorded for poprun-lite's stall inspector (:mod:`popdist_lite.progress`).
+- Call numbers: every collective call takes its number from :func:`next_call_number`
+  (:mod:`popdist_lite.calls`, re-exported here), the one place where calls are counted
+  per communicator, checked or not (with ``set_collective_checks(False)`` the number is
+  still taken, not exchanged), and where each call is recorded for poprun-lite's stall
+  inspector (:mod:`popdist_lite.progress`).
 - Fast paths: a call whose signature agreed before reuses its signature row (only the
   call number is rewritten) and, for the fixed-shape collectives, its gathered table;
   identical signatures are recognised with one byte comparison of the table.
@@ -36,14 +37,17 @@ Two calls, one :class:`Problem` type:
 from __future__ import annotations
 
 import os
-import weakref
+import pickle
 import zlib
 from dataclasses import dataclass
+from itertools import accumulate
 from time import perf_counter
 
 import numpy as np
+from mpi4py import MPI
 
-from .. import counters, progress
+from .. import counters
+from ..calls import comm_cache, next_call_number  # noqa: F401  (re-exported: the collectives' public names)
 
 MAX_NDIM = 8
 #: The layout of a signature row, one per replica (int64 fields; 112 bytes).
@@ -69,7 +73,6 @@ _DTYPE_CODE = {d: i + 1 for i, d in enumerate(DTYPES)}
 
 _op_codes: dict[str, int] = {}
 _op_names: dict[int, str] = {}
-_CALLS = "call numbers"  # comm_cache(comm)[_CALLS]: op -> nothing; the next call number is its int
 # Signature rows of recent good calls, by (op, dtype, shape, extra): a repeated call
 # only writes its call number (the Allgather copies the row, so reuse is safe).
 _signatures: dict[tuple, np.ndarray] = {}
@@ -135,8 +138,12 @@ def agree_objects(what: str, value, comm, *, problem: Problem | None = None) -> 
     """Collective: every replica's ``value`` (any picklable object), in replica order,
     after checking that every replica made this same call without a problem.
 
-    For rare calls with small payloads (creating a table, the steps of a checkpoint):
-    one pickled ``allgather``. Hot paths use the buffer-based :func:`agree`.
+    For rare calls with small payloads (creating a table, the steps of a checkpoint).
+    The check is :func:`agree`'s (operation ``agree_objects``, a call number, the
+    length of this replica's pickle), so a replica that called another collective at
+    this point (a buffer-based one included) is named, with the same
+    ``collective mismatch`` error on every replica, before any pickle moves; then one
+    ``Allgatherv`` of the pickles. Hot paths use the buffer-based :func:`agree`.
 
     Args:
         what: names the call in errors (e.g. ``"load_checkpoint('ckpt/step-00000020')"``).
@@ -149,13 +156,24 @@ def agree_objects(what: str, value, comm, *, problem: Problem | None = None) -> 
 
     Raises:
         the lowest replica's problem, on every replica, as ``error(f"{what}: replica k:
-        {message}")``.
+        {message}")`` (a ``value`` that cannot be pickled is a ``TypeError`` problem).
+        RuntimeError: replicas called different collectives at this point.
     """
-    gathered = comm.allgather((problem, None if problem is not None else value))
-    for replica, (found, _) in enumerate(gathered):
-        if found is not None:
-            found.raise_as(what, replica)
-    return [v for _, v in gathered]
+    data = b""
+    if problem is None:
+        try:
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - raised on every replica below
+            problem = Problem(TypeError, f"argument value: cannot be pickled: {type(exc).__name__}: {exc}")
+    table = agree("agree_objects", None, comm, problem=problem, extra=len(data), what=what)
+    counts = [int(n) for n in table["extra"]]
+    at = list(accumulate(counts, initial=0))
+    gathered = bytearray(at[-1])
+    start = perf_counter()
+    comm.Allgatherv([data, MPI.BYTE], [gathered, (counts, at[:-1]), MPI.BYTE])
+    counters.record("agree_objects", start, len(data) * (comm.Get_size() - 1), at[-1] - len(data))
+    view = memoryview(gathered)
+    return [pickle.loads(view[a:b]) for a, b in zip(at, at[1:])]
 
 
 def register_op(name: str) -> str:
@@ -172,68 +190,7 @@ def register_op(name: str) -> str:
     return name
 
 
-def next_call_number(comm, op: str) -> int:
-    """This replica's number for its next collective call ``op`` on ``comm`` (0, 1, 2, ...).
-
-    The only place where call numbers are counted: every :func:`agree` takes its number
-    here, so replicas that issue different sequences of collectives are told apart by
-    the number in their signatures. Unchecked calls (``set_collective_checks(False)``)
-    and the infeed's per-step agreement take one too, so the numbers stay in step on
-    every replica and the stall inspector sees every collective: each call is recorded
-    with :func:`popdist_lite.progress.record` (a no-op unless poprun-lite's stall
-    inspector or ``POPDIST_LITE_STALL_TIMEOUT`` turned it on).
-    """
-    cache = comm_cache(comm)
-    seq = cache.get(_CALLS, 0)
-    cache[_CALLS] = seq + 1
-    progress.record(op, seq)
-    return seq
-
-
-_keyval: list = []  # the MPI attribute key of comm_cache, made at its first call
-# id(Python object) -> (weak reference to it, its communicator's dict): comm_cache's fast
-# path, trusted only while the reference still points to the very object asking.
-_by_object: dict[int, tuple] = {}
-
-
-def comm_cache(comm) -> dict:
-    """A dict that lives on the MPI communicator itself and dies with it, for state kept
-    per communicator (the call numbers here, a save's duplicate communicator).
-
-    MPI's attribute caching (``MPI_Comm_create_keyval`` / ``MPI_Comm_set_attr``, through
-    mpi4py's ``Comm.Create_keyval`` / ``Set_attr`` / ``Get_attr``): every Python object
-    of one communicator sees the same dict, a duplicate (``Dup``) starts with none (no
-    copy callback), and a freed communicator's dict goes with it. Keying by ``id(comm)``
-    instead would hand a freed sub-communicator's state to an unrelated communicator
-    that happens to reuse the Python object's address on some replicas only (their call
-    numbers then differ and every check fails). A Python object asking again finds its
-    dict through a weak reference to itself (about 150 ns, where ``Get_attr`` takes
-    200 ns more). An object that is not an mpi4py communicator keeps its dict as an
-    attribute.
-    """
-    hit = _by_object.get(id(comm))
-    if hit is not None and hit[0]() is comm:  # the fast path: this very Python object seen before
-        return hit[1]
-    get = getattr(comm, "Get_attr", None)
-    if get is None:
-        cache = getattr(comm, "_popdist_lite_cache", None)
-        if cache is None:
-            cache = {}
-            comm._popdist_lite_cache = cache
-        return cache
-    if not _keyval:
-        from mpi4py import MPI
-
-        _keyval.append(MPI.Comm.Create_keyval())
-    cache = get(_keyval[0])
-    if cache is None:
-        cache = {}
-        comm.Set_attr(_keyval[0], cache)
-    key = id(comm)
-    _by_object[key] = (weakref.ref(comm, lambda ref: _by_object.pop(key, None) if _by_object.get(key, (None,))[0]
-                                   is ref else None), cache)
-    return cache
-
+register_op("agree_objects")
 
 def set_collective_checks(enabled: bool) -> bool:
     """Turn the cross-replica argument check of the fixed-shape collectives on or off.
@@ -258,7 +215,8 @@ def set_collective_checks(enabled: bool) -> bool:
 
 def agree(op: str, x: np.ndarray | None, comm, *, problem: Problem | None = None,
           extra: int = 0, name: str = "x", payload: np.ndarray | None = None,
-          same_from: int | None = None, extra_name: str = "extra", extra_format=str) -> np.ndarray | None:
+          same_from: int | None = None, extra_name: str = "extra", extra_format=str,
+          what: str | None = None) -> np.ndarray | None:
     """Exchange call signatures and raise the same error on every replica if any is bad.
 
     Args:
@@ -277,6 +235,7 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: Problem | None = None
             byte comparison of the gathered table.
         extra_name, extra_format: how to name ``extra`` in the error message when it
             differs between replicas (e.g. ``"root"``).
+        what: names the call in a replica's ``problem`` when raised (default ``op``).
 
     Returns:
         every replica's signature, indexed by rank: a structured array ``(comm.size,)``
@@ -311,7 +270,8 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: Problem | None = None
     if problem is None:
         # a payload call with no array (the embedding headers): the row differs only in
         # its payload, written into the cached row below
-        key = (op, x.dtype, x.shape, extra) if payload is None else (op, extra, len(payload)) if x is None else None
+        key = (op, x.dtype, x.shape, extra) if payload is None and x is not None else \
+            (op, extra, len(payload)) if x is None and payload is not None else None
     sig = _signatures.get(key) if key is not None else None
     if sig is None:
         sig, problem = _signature(op, x, problem, extra, name, payload)
@@ -342,7 +302,7 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: Problem | None = None
                 same_from is None or ((table[:, _DTYPE:_SHAPE] == sig[_DTYPE:_SHAPE]).all()
                                       and (table[:, _SHAPE + 1:WIDTH] == sig[_SHAPE + 1:WIDTH]).all())):
             return _named(table)  # same collective and call number (and trailing shape for same_from=1)
-    return _disagree(op, table, problem, comm, same_from, name, extra_name, extra_format)
+    return _disagree(op, table, problem, comm, same_from, name, extra_name, extra_format, what)
 
 
 def _named(table: np.ndarray) -> np.ndarray:
@@ -360,7 +320,7 @@ def _op_name(code) -> str:
 
 
 def _disagree(op: str, table: np.ndarray, problem: Problem | None, comm, same_from, name: str, extra_name: str,
-              extra_format) -> np.ndarray:
+              extra_format, what: str | None = None) -> np.ndarray:
     """Raise the error the gathered ``table`` shows, the same on every replica (or return
     it, named, when the differences are allowed: a first dimension for ``same_from=1``)."""
     bad = np.flatnonzero((table[:, _OP] != table[0, _OP]) | (table[:, _CALL] != table[0, _CALL]))
@@ -373,7 +333,7 @@ def _disagree(op: str, table: np.ndarray, problem: Problem | None, comm, same_fr
     failed = np.flatnonzero(table[:, _STATUS])
     if failed.size:
         problems = comm.allgather(problem)  # error path only: pickling is fine
-        problems[int(failed[0])].raise_as(op, int(failed[0]))
+        problems[int(failed[0])].raise_as(what or op, int(failed[0]))
     if same_from is not None:
         bad = np.flatnonzero(table[:, _EXTRA] != table[0, _EXTRA])
         if bad.size:

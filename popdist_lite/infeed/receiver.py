@@ -45,6 +45,9 @@ class _Slot:
     data_requests: list = field(default_factory=list)
 
 
+_open: "FeederSource | None" = None  # this replica's session in progress, if any
+
+
 class FeederSource:
     """Batches of one replica's feeders (ranks ``1..F`` of ``comm``), in round-robin order."""
 
@@ -85,6 +88,8 @@ class FeederSource:
         self.header_words = protocol.HEADER_WORDS + num_shape_words(self.structure)
         self.fields = layout(self.structure) if self.structure else []
         self.next_step = first_step
+        global _open
+        _open = self
         for _ in range(self.depth):
             self._post()
 
@@ -146,6 +151,9 @@ class FeederSource:
 
     def finish(self) -> None:
         """End the session: answer-wait every outstanding credit, then ``STOP`` the feeders."""
+        global _open
+        if _open is self:
+            _open = None
         while self.slots:
             self._complete(self.slots.popleft())
         self._stop_feeders()
@@ -154,3 +162,15 @@ class FeederSource:
         for k in range(self.num_feeders):
             self.comm.Send(protocol.control(protocol.STOP), dest=1 + k, tag=protocol.CONTROL)
 
+
+def shutdown_feeders(comm) -> None:
+    """At a replica's exit: finish the session in progress, if any (every credit
+    answered, ``STOP``), then send ``SHUTDOWN`` to feeders ``1..F`` of its feed
+    communicator ``comm``; nothing once MPI is finalized. Registered by
+    :func:`popdist_lite.services.start` at exit, before MPI is finalized."""
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    if _open is not None:
+        _open.finish()
+    for k in range(1, comm.Get_size()):
+        comm.Send(protocol.control(protocol.SHUTDOWN), dest=k, tag=protocol.CONTROL)

@@ -2,7 +2,8 @@
 
 Every step each replica gets its next batch (from its feeders or its thread) and the
 replicas agree whether all of them have one: a one-integer ``MIN`` all-reduce on the
-replica communicator. If any replica's data has run out, every replica stops at that
+replica communicator (:func:`popdist_lite.calls.numbered_all_reduce`: numbered for the
+stall inspector and counted as ``infeed``). If any replica's data has run out, every replica stops at that
 step (the batches others already hold are dropped), so all replicas run the same
 number of steps and none is left waiting in a collective. Then the feeders are told
 to stop.
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import topology
-from . import protocol
+from ..calls import numbered_all_reduce
 from .position import session_start
 
 _active: "Infeed | None" = None  # the open session of this replica, if any
@@ -53,10 +54,7 @@ class Infeed:
         self._replicas = comm if comm.Get_size() > 1 else None  # None: nobody to agree with
         from mpi4py import MPI
 
-        from ..collectives import next_call_number
-
-        self._agree_args = (MPI.IN_PLACE, MPI.MIN)
-        self._next_call_number = next_call_number
+        self._minimum = MPI.MIN
 
     def start(self) -> "Infeed":
         """Start prefetching now (feeders call ``make_dataset``). Idempotent."""
@@ -125,10 +123,7 @@ class Infeed:
         batch = self._source.fetch()
         have = batch is not None
         if self._replicas is not None:  # every replica has a batch, or all stop here
-            self._next_call_number(self._replicas, "infeed")  # numbered for the stall inspector
-            flag = np.array([have], dtype=np.int32)
-            in_place, minimum = self._agree_args
-            self._replicas.Allreduce(in_place, flag, op=minimum)
+            flag = numbered_all_reduce(np.array([have], dtype=np.int32), self._minimum, self._replicas, "infeed")
             have = bool(flag[0])
         if not have:
             self.close()
@@ -188,22 +183,3 @@ class Infeed:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def shutdown_feeders() -> None:
-    """At a replica's exit: close the open session and tell this replica's feeders to
-    exit (nothing to do on a rank without feeders or before :func:`popdist_lite.init`).
-    Registered by :func:`popdist_lite.services.start` (at exit, before MPI is finalised)."""
-    from mpi4py import MPI
-
-    if not MPI.Is_initialized() or MPI.Is_finalized() or not topology.is_initialized():
-        return
-    topo = topology.current()
-    if topo.role != "replica" or topo.feed is None:
-        return
-    if _active is not None:
-        _active.close()
-    comm = topo.feed
-    for k in range(1, comm.Get_size()):
-        comm.Send(protocol.control(protocol.SHUTDOWN), dest=k, tag=protocol.CONTROL)
-

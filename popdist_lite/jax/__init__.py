@@ -14,15 +14,17 @@ only when :class:`SparseCoreEmbed` is used). Two ways in:
   jitted function (slower).
 
 Flax: :class:`SparseCoreEmbed` (after jax-tpu-embedding's layer of that name). Dense
-data parallelism: :func:`allreduce_gradients`, :func:`broadcast_params` and the Optax
-transformation :func:`cross_replica_mean`. Checkpoints (``popdist_lite.save_checkpoint``
+data parallelism: :func:`all_reduce_gradients`, :func:`broadcast_parameters` (aliases:
+``allreduce_gradients``, ``broadcast_params``) and the Optax transformation
+:func:`cross_replica_mean`. Checkpoints (``popdist_lite.save_checkpoint``
 / ``load_checkpoint``): :class:`PytreeState` holds a pytree (params, Optax state);
 :class:`HostEmbedding` and :class:`EmbeddingCollection` join as they are.
 """
 
 from .checkpoint import PytreeState
 from .collection import EmbeddingCollection
-from .data_parallel import allreduce_gradients, broadcast_params, cross_replica_mean
+from .data_parallel import (all_reduce_gradients, allreduce_gradients, broadcast_parameters, broadcast_params,
+                            cross_replica_mean)
 from .embedding import HostEmbedding, create_host_embedding
 from .specs import PADDING_ID, FeatureSpec, TableSpec
 from .train_step import TrainStep
@@ -39,5 +41,6 @@ def __getattr__(name):  # Flax is imported only when its layer is asked for
 
 
 __all__ = ["HostEmbedding", "create_host_embedding", "TableSpec", "FeatureSpec", "PADDING_ID", "EmbeddingCollection",
-           "TrainStep", "allreduce_gradients", "broadcast_params", "cross_replica_mean", "PytreeState",
+           "TrainStep", "all_reduce_gradients", "broadcast_parameters", "allreduce_gradients", "broadcast_params",
+           "cross_replica_mean", "PytreeState",
            "SparseCoreEmbed", "EmbeddingLookupInput", "HANDLE_PARAM_NAME"]

@@ -4,14 +4,18 @@
 
 The fast path runs between two jitted functions::
 
-    params = broadcast_params(params)                  # once: every replica starts alike
+    params = broadcast_parameters(params)              # once: every replica starts alike
     loss, grads = grad_fn(params, batch)               # jitted
-    grads = allreduce_gradients(grads)                 # host: one fused all-reduce per dtype
+    grads = all_reduce_gradients(grads)                # host: one fused all-reduce per dtype
     params, opt_state = update_fn(params, opt_state, grads)   # jitted (e.g. Optax)
 
 For an Optax chain inside one jitted step, :func:`cross_replica_mean` is a
 ``GradientTransformation`` doing the same all-reduce (through an ordered host
 callback when traced).
+
+``allreduce_gradients`` and ``broadcast_params`` are aliases of
+:func:`all_reduce_gradients` and :func:`broadcast_parameters` (the names of
+``popdist_lite`` and ``popdist_lite.torch``), kept for existing code.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import popdist_lite as pl
 from ._host import dedicated_comm, host_array, is_traced, to_jax
 
 
-def allreduce_gradients(grads, op: str = "mean", *, comm=None):
+def all_reduce_gradients(grads, op: str = "mean", *, comm=None):
     """All-reduce a pytree of gradients over the replicas. Collective; on the host
     (outside ``jax.jit``).
 
@@ -47,18 +51,18 @@ def allreduce_gradients(grads, op: str = "mean", *, comm=None):
         TypeError: a traced leaf (called inside jit: use :func:`cross_replica_mean`).
     """
     leaves, treedef = jax.tree.flatten(grads)
-    reduced = _allreduce_host([host_array(x, "allreduce_gradients: argument grads") for x in leaves], op,
+    reduced = _all_reduce_host([host_array(x, "all_reduce_gradients: argument grads") for x in leaves], op,
                               dedicated_comm(comm))
     return jax.tree.unflatten(treedef, [to_jax(x) for x in reduced])
 
 
-def _allreduce_host(leaves: list[np.ndarray], op: str, comm) -> list[np.ndarray]:
+def _all_reduce_host(leaves: list[np.ndarray], op: str, comm) -> list[np.ndarray]:
     keys = [f"{i:09d}" for i in range(len(leaves))]  # sorted as the leaves
     reduced = pl.all_reduce_gradients(dict(zip(keys, leaves)), op=op, comm=comm)
     return [reduced[k] for k in keys]
 
 
-def broadcast_params(params, root: int = 0, *, comm=None):
+def broadcast_parameters(params, root: int = 0, *, comm=None):
     """Every replica's copy of the ``root`` replica's pytree ``params``. Collective; on
     the host (outside ``jax.jit``).
 
@@ -77,9 +81,15 @@ def broadcast_params(params, root: int = 0, *, comm=None):
     """
     leaves, treedef = jax.tree.flatten(params)
     keys = [f"{i:09d}" for i in range(len(leaves))]
-    host = {k: np.array(host_array(x, "broadcast_params: argument params")) for k, x in zip(keys, leaves)}
+    host = {k: np.array(host_array(x, "broadcast_parameters: argument params")) for k, x in zip(keys, leaves)}
     pl.broadcast_parameters(host, root=root, comm=dedicated_comm(comm))
     return jax.tree.unflatten(treedef, [to_jax(host[k]) for k in keys])
+
+
+#: Alias of :func:`all_reduce_gradients` (the earlier spelling).
+allreduce_gradients = all_reduce_gradients
+#: Alias of :func:`broadcast_parameters` (the earlier spelling).
+broadcast_params = broadcast_parameters
 
 
 def cross_replica_mean(*, comm=None):
@@ -87,7 +97,7 @@ def cross_replica_mean(*, comm=None):
     replicas (no state), for chains such as
     ``optax.chain(cross_replica_mean(), optax.adam(1e-3))``.
 
-    Called eagerly, it is :func:`allreduce_gradients`. Traced (inside ``jax.jit``), it is
+    Called eagerly, it is :func:`all_reduce_gradients`. Traced (inside ``jax.jit``), it is
     one ``jax.experimental.io_callback(..., ordered=True)`` doing the same all-reduce on
     the host while the jitted function runs: correct, but every call of that function
     pays the callback and the fixed cost of an ordered effect (docs/jax.md), and
@@ -104,12 +114,12 @@ def cross_replica_mean(*, comm=None):
     def update_fn(updates, state, params=None):
         del params
         if not is_traced(updates):
-            return allreduce_gradients(updates, comm=comm), state
+            return all_reduce_gradients(updates, comm=comm), state
         leaves, treedef = jax.tree.flatten(updates)
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
 
         def host(*xs):
-            return [np.asarray(r, s.dtype) for r, s in zip(_allreduce_host([np.asarray(x) for x in xs], "mean", target),
+            return [np.asarray(r, s.dtype) for r, s in zip(_all_reduce_host([np.asarray(x) for x in xs], "mean", target),
                                                              shapes)]
 
         return jax.tree.unflatten(treedef, io_callback(host, shapes, *leaves, ordered=True)), state

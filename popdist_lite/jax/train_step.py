@@ -10,7 +10,7 @@ dispatch is asynchronous: a jitted function returns before it has computed)::
     dispatch grad_fn(params, acts, batch)  ------>  forward + backward
     next step's lookups of tables this step
       does not update (not trainable)               ... still computing
-    allreduce_gradients(g_params)  (waits for grad_fn)
+    all_reduce_gradients(g_params)  (waits for grad_fn)
     dispatch update_fn(params, opt_state, g)  --->  Optax update of the dense weights
     apply_gradients(features, g_acts)               ... still computing
     next step's lookups of the updated tables
@@ -31,7 +31,7 @@ import jax
 
 from ._host import to_jax
 from .collection import EmbeddingCollection
-from .data_parallel import allreduce_gradients, broadcast_params
+from .data_parallel import all_reduce_gradients, broadcast_parameters
 
 
 class TrainStep:
@@ -41,7 +41,7 @@ class TrainStep:
 
     Every replica computes the gradient of its own loss on its own batch; the step
     follows the gradient of the replicas' mean loss: the dense gradients are averaged
-    (:func:`allreduce_gradients`) and the tables divide the sum of every replica's
+    (:func:`all_reduce_gradients`) and the tables divide the sum of every replica's
     gradients by the number of replicas (``loss_scale`` of
     :meth:`EmbeddingCollection.apply_gradients`).
 
@@ -84,8 +84,8 @@ class TrainStep:
 
     def init(self, params):
         """``(params, opt_state)``: replica 0's ``params`` on every replica
-        (:func:`broadcast_params`) and the optimizer's initial state. Collective."""
-        params = broadcast_params(params, comm=self.embeddings.comm)
+        (:func:`broadcast_parameters`) and the optimizer's initial state. Collective."""
+        params = broadcast_parameters(params, comm=self.embeddings.comm)
         # Placed as the update's outputs will be (committed to the parameters' device):
         # otherwise the second step would compile the update again for the new placement.
         leaves, state = jax.tree.leaves(params), self.optimizer.init(params)
@@ -114,7 +114,7 @@ class TrainStep:
         Raises:
             As :meth:`EmbeddingCollection.lookup` for bad ``features`` or
             ``next_features`` (on every replica, before any update), and
-            :func:`allreduce_gradients`'s errors.
+            :func:`all_reduce_gradients`'s errors.
         """
         emb, r = self.embeddings, self.embeddings.comm.size
         inputs, acts = self._take_prefetched(features, weights)
@@ -129,7 +129,7 @@ class TrainStep:
         early = self._lookup(upcoming, frozen)
         self.overlapped = tuple(early or ())
         if r > 1:
-            g_params = allreduce_gradients(g_params, comm=emb.comm)
+            g_params = all_reduce_gradients(g_params, comm=emb.comm)
         params, opt_state = self._update(params, opt_state, g_params)
         # the gradients come from our own jitted function: their shapes are the specs'
         emb._update_host(inputs, g_acts, loss_scale=r)

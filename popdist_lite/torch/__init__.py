@@ -18,7 +18,7 @@ torch). A training step::
 - :class:`HostEmbedding`, :class:`HostEmbeddingBag`: ``nn.Embedding``/``nn.EmbeddingBag``
   over a :func:`popdist_lite.create_host_embedding` table (:mod:`.embedding`);
 - :class:`DistributedDataParallel`, :func:`broadcast_parameters`,
-  :func:`allreduce_gradients` (:mod:`.data_parallel`);
+  :func:`all_reduce_gradients` (alias: ``allreduce_gradients``) (:mod:`.data_parallel`);
 - :class:`GradScaler`: loss scaling agreed across replicas (:mod:`.grad_scaler`);
 - checkpoints: tensors, modules (their host embeddings' tables included), ``torch.optim``
   optimizers and :class:`GradScaler` join ``popdist_lite.save_checkpoint`` /
@@ -36,9 +36,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "(a CPU build: see docs/torch.md)") from exc
 
 from . import checkpoint as _checkpoint  # noqa: F401  (registers the checkpoint adapters)
-from .data_parallel import DistributedDataParallel, allreduce_gradients, broadcast_parameters
+from .data_parallel import DistributedDataParallel, all_reduce_gradients, allreduce_gradients, broadcast_parameters
 from .embedding import HostEmbedding, HostEmbeddingBag
 from .grad_scaler import GradScaler
 
 __all__ = ["HostEmbedding", "HostEmbeddingBag", "DistributedDataParallel", "broadcast_parameters",
-           "allreduce_gradients", "GradScaler"]
+           "all_reduce_gradients", "allreduce_gradients", "GradScaler"]

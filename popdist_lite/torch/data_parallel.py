@@ -3,12 +3,15 @@
 - :func:`broadcast_parameters`: every replica takes the root's parameters and buffers
   (sorted by name, as Horovod's ``broadcast_parameters``, so every replica goes in the
   same order).
-- :func:`allreduce_gradients`: a blocking, fused all-reduce of the gradients after
+- :func:`all_reduce_gradients`: a blocking, fused all-reduce of the gradients after
   backward (Horovod's tensor fusion: one message per dtype).
 - :class:`DistributedDataParallel`: the shape of ``torch.nn.parallel.DistributedDataParallel``:
-  gradients are all-reduced in flat buckets, each started with a non-blocking
-  ``Iallreduce`` as soon as its last gradient is ready, while backward still computes
-  the rest, and waited for when backward ends.
+  gradients are all-reduced in flat buckets, each started without blocking
+  (:func:`popdist_lite.collectives.all_reduce_start`) as soon as its last gradient is
+  ready, while backward still computes the rest, and waited for when backward ends.
+
+``allreduce_gradients`` is an alias of :func:`all_reduce_gradients` (the earlier
+spelling), kept for existing code.
 
 Host embeddings (:mod:`popdist_lite.torch.embedding`) hold no ``nn.Parameter``, so none of
 these ever touches them: their updates happen in their own backward.
@@ -20,20 +23,19 @@ import contextlib
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 import popdist_lite as pl
 
-from popdist_lite.collectives import Problem
+from popdist_lite.collectives import Problem, all_reduce_start
 
 from ._agree import agree_signatures
 
-__all__ = ["broadcast_parameters", "allreduce_gradients", "DistributedDataParallel"]
+__all__ = ["broadcast_parameters", "all_reduce_gradients", "allreduce_gradients", "DistributedDataParallel"]
 
 _OPS = ("mean", "sum")
-# dtypes MPI reduces everywhere; float16/bfloat16 buckets travel as float32 (Open MPI has no
-# float16 sum, see popdist_lite/collectives/_reduce.py; bfloat16 has no numpy dtype).
-_MPI_DTYPES = (torch.float32, torch.float64)
+# dtypes reduced in the bucket's own memory (float16 as all_reduce does: float16 on the
+# wire, summed in float64, rounded once); bfloat16 has no numpy dtype: it travels as float32.
+_WIRE_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
 def broadcast_parameters(module_or_state_dict, root: int = 0) -> None:
@@ -66,7 +68,7 @@ def broadcast_parameters(module_or_state_dict, root: int = 0) -> None:
     pl.broadcast_parameters({name: _bits(t) for name, t in tensors.items()}, root=root)
 
 
-def allreduce_gradients(module: torch.nn.Module, op: str = "mean") -> None:
+def all_reduce_gradients(module: torch.nn.Module, op: str = "mean") -> None:
     """All-reduce the gradients of ``module``'s parameters in place: one fused
     all-reduce per dtype. Blocking; collective.
 
@@ -95,6 +97,10 @@ def allreduce_gradients(module: torch.nn.Module, op: str = "mean") -> None:
             p.grad.copy_(torch.from_numpy(reduced[name]))
 
 
+#: Alias of :func:`all_reduce_gradients` (the earlier spelling).
+allreduce_gradients = all_reduce_gradients
+
+
 class _Bucket:
     """A flat gradient buffer for some parameters of one dtype, all-reduced as one."""
 
@@ -105,24 +111,19 @@ class _Bucket:
         self.views = [self.flat[a:b].view_as(p) for p, a, b in zip(params, self.offsets, self.offsets[1:])]
         self.slot = {id(p): i for i, p in enumerate(params)}
         self.ready: set[int] = set()
-        self.request = None
+        self.pending = None  # the started all-reduce (popdist_lite.collectives.PendingAllReduce)
         self.wire = None  # the array on the wire: flat's numpy view, or a float32 copy
 
-    def launch(self, comm) -> None:
-        self.wire = self.flat.numpy() if self.flat.dtype in _MPI_DTYPES else self.flat.float().numpy()
-        self.request = comm.Iallreduce(MPI.IN_PLACE, self.wire, op=MPI.SUM)
+    def launch(self, op: str, comm, numbered_on) -> None:
+        self.wire = self.flat.numpy() if self.flat.dtype in _WIRE_DTYPES else self.flat.float().numpy()
+        self.pending = all_reduce_start(self.wire, op, comm=comm, numbered_on=numbered_on)
 
-    def finish(self, scale: float) -> None:
-        """After the request completed: the reduced (and scaled) values in ``flat``."""
-        if self.flat.dtype in _MPI_DTYPES:  # the wire was flat's own memory
-            if scale != 1.0:
-                self.flat.mul_(scale)
-        else:
-            wire = torch.from_numpy(self.wire)
-            if scale != 1.0:
-                wire.mul_(scale)
-            self.flat.copy_(wire)
-        self.request = self.wire = None
+    def finish(self) -> None:
+        """Wait for the reduction (the bucket's numbered call): the reduced values in ``flat``."""
+        self.pending.wait()
+        if self.flat.dtype not in _WIRE_DTYPES:  # a float32 copy travelled
+            self.flat.copy_(torch.from_numpy(self.wire))
+        self.pending = self.wire = None
         self.ready.clear()
 
 
@@ -140,12 +141,16 @@ class DistributedDataParallel(torch.nn.Module):
     In backward: each parameter's ``register_post_accumulate_grad_hook`` copies its
     gradient into its bucket (nothing to copy when ``.grad`` is already the bucket's view);
     when a bucket is full, it and every earlier full bucket not yet started are started
-    with ``Iallreduce`` on a duplicated communicator, in bucket order on every replica.
-    Later hooks test the requests, which lets MPI progress them. When backward ends (the
-    autograd engine's ``queue_callback``, as DDP), buckets not yet started (parameters
-    without a gradient on this replica contribute zeros) are started, every request is
-    waited for, and the reduced gradients (divided by the replica count for ``op="mean"``)
-    are the parameters' ``.grad``.
+    (:func:`popdist_lite.collectives.all_reduce_start`: an ``Iallreduce``, or for float16
+    the ``Ialltoall`` of all-reduce's float16 path) on a duplicated communicator, in
+    bucket order on every replica. Later hooks test the requests, which lets MPI
+    progress them. When backward ends (the autograd engine's ``queue_callback``, as
+    DDP), buckets not yet started (parameters without a gradient on this replica
+    contribute zeros) are started, and each bucket is waited for in bucket order: one
+    numbered collective call ``all_reduce`` per bucket, in the replica communicator's
+    sequence (so poprun-lite's stall inspector names a replica that never reaches its
+    backward), counted in ``popdist_lite.stats()``. The reduced gradients (the mean over
+    replicas for ``op="mean"``) are the parameters' ``.grad``.
 
     Host embeddings have no parameters and are not touched (they update in their own
     backward). Buffers are broadcast at construction only (not at every forward).
@@ -159,8 +164,8 @@ class DistributedDataParallel(torch.nn.Module):
         op: ``"mean"`` (default, as DDP) or ``"sum"``.
         broadcast: broadcast parameters and buffers from replica 0 at construction.
 
-    float16/bfloat16 buckets travel as float32 (MPI has no portable float16 sum; a float32
-    sum keeps the overlap, at twice the bytes).
+    float16 buckets travel as float16 and are summed in float64, rounded once (as
+    :func:`popdist_lite.all_reduce`); bfloat16 buckets travel as float32.
 
     Raises:
         ValueError: on every replica, when the replicas' parameters differ, or for a bad
@@ -185,7 +190,7 @@ class DistributedDataParallel(torch.nn.Module):
         if broadcast:
             broadcast_parameters(module)
         self._comm = comm.Dup()  # the buckets' requests never mix with the library's collectives
-        self._scale = 1.0 / comm.size if op == "mean" else 1.0
+        self._numbered_on = comm  # ... but their calls are numbered in the replica communicator's sequence
         self._buckets = _make_buckets([p for _, p in named], int(bucket_cap_mb * 2 ** 20))
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._next = 0  # the first bucket not started in this backward
@@ -227,12 +232,11 @@ class DistributedDataParallel(torch.nn.Module):
         b = self._bucket_of[id(p)]
         _into(b, p, assign=self.gradient_as_bucket_view)
         b.ready.add(id(p))
-        requests = [x.request for x in self._buckets[:self._next]]
-        if requests:
-            MPI.Request.Testall(requests)  # lets MPI progress the started buckets
+        for started in self._buckets[:self._next]:
+            started.pending.test()  # lets MPI progress the started buckets
         while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == len(
                 self._buckets[self._next].params):
-            self._buckets[self._next].launch(self._comm)
+            self._buckets[self._next].launch(self.op, self._comm, self._numbered_on)
             self._next += 1
 
     def _wait(self) -> None:
@@ -243,11 +247,10 @@ class DistributedDataParallel(torch.nn.Module):
                 if id(p) not in b.ready:
                     b.views[b.slot[id(p)]].zero_()
                     p.grad = b.views[b.slot[id(p)]] if self.gradient_as_bucket_view else None
-            b.launch(self._comm)
+            b.launch(self.op, self._comm, self._numbered_on)
         self._next = len(self._buckets)
-        MPI.Request.Waitall([b.request for b in self._buckets])
         for b in self._buckets:
-            b.finish(self._scale)
+            b.finish()
             for p, view in zip(b.params, b.views):
                 if p.grad is None or not self.gradient_as_bucket_view:
                     if p.grad is None:

@@ -1,5 +1,6 @@
 """The stall inspector end to end: poprun-lite with a short --stall-warning over real
-ranks, one replica stalling in each of four ways. Each test checks the printed block
+ranks, one replica stalling in each of five ways (the fifth in a torch
+DistributedDataParallel backward). Each test checks the printed block
 (the right replica, operation and call number, and a Python stack naming the test
 program's own function), that it came within warning time + 10 s of the stall, and that
 --stall-timeout ends the job with the block as the root cause. Every run is under a
@@ -13,6 +14,7 @@ import textwrap
 import threading
 import time
 
+import pytest
 from peers import alive, wait_for
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
@@ -111,6 +113,28 @@ FEEDER = """
 """
 
 
+# After the prelude: DistributedDataParallel's construction agrees the parameters
+# (agree_objects #2), broadcasts them (agree_objects #3, broadcast #4 and #5); then each
+# backward waits for its one bucket: all_reduce #6, #7.
+DDP = PRELUDE + """
+    import torch
+    import popdist_lite.torch as pt
+
+    model = pt.DistributedDataParallel(torch.nn.Linear(4, 2))
+
+    def sleep_before_backward():
+        time.sleep(120)
+
+    for step in range(2):
+        loss = model(torch.ones(3, 4)).sum()
+        if step == 1:
+            if me == 1:
+                sleep_before_backward()
+            stall_starts()
+        loss.backward()
+"""
+
+
 def run_stalled(tmp_path, code, *args, replicas=2, timeout_after=None):
     """Run ``code`` under poprun-lite; return (stderr text, seconds from the stall's start
     to the first stall block, exit code)."""
@@ -172,6 +196,22 @@ def test_replica_sleeping_before_an_all_reduce(tmp_path):
     cause = block_of(err, "root cause: stall:")
     assert "in all_reduce (collective call #2) for replica 1" in cause
     assert "in sleep_before_all_reduce" in cause
+
+
+def test_replica_sleeping_before_a_ddp_backward(tmp_path):
+    """DistributedDataParallel's buckets are numbered collective calls: the replicas
+    waiting in a bucket name the one that never reached its backward."""
+    pytest.importorskip("torch", reason="popdist_lite.torch needs PyTorch: pip install '.[torch]'")
+    err, delay, code = run_stalled(tmp_path, DDP, timeout_after=5)
+    assert delay is not None and delay < WARNING + 10, err
+    block = block_of(err)
+    assert "replica 0 has waited" in block
+    assert "in all_reduce (collective call #7) for replica 1, which did not enter it" in block
+    assert "last entered all_reduce (collective call #6)" in block
+    assert "in sleep_before_backward" in block
+    assert code == 1, err
+    cause = block_of(err, "root cause: stall:")
+    assert "in all_reduce (collective call #7) for replica 1" in cause
 
 
 def test_replica_stuck_in_a_python_loop(tmp_path):

@@ -277,3 +277,82 @@ def test_call_numbers_live_on_the_mpi_communicator(comm):
     np.testing.assert_array_equal(pl.all_reduce(x, op="sum", comm=new), x * comm.size)
     dup.Free()
     new.Free()
+
+
+@pytest.mark.mpi
+def test_agree_objects_gathers_every_replicas_value(comm):
+    from popdist_lite.collectives import agree_objects
+
+    values = [{"replica": k, "pad": "x" * (7 * k)} for k in range(comm.size)]  # pickles of different lengths
+    assert agree_objects("probe", values[comm.rank], comm) == values
+    last = comm.size - 1
+    problem = pl.collectives.Problem(KeyError, "no such table") if comm.rank == last else None
+    with pytest.raises(KeyError, match=rf"probe: replica {last}: no such table"):
+        agree_objects("probe", 1, comm, problem=problem)
+    with pytest.raises(TypeError, match=rf"probe: replica {last}: argument value: cannot be pickled"):
+        agree_objects("probe", (lambda: 0) if comm.rank == last else 1, comm)
+    assert agree_objects("probe", comm.rank, comm) == list(range(comm.size))  # still in step
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("other", ["all_reduce", "broadcast"])
+def test_pickled_agreement_meeting_a_buffer_agreement_is_a_mismatch(comm, other):
+    """agree_objects carries its operation and call number: against a checked collective
+    on another replica, every replica raises 'collective mismatch' (it used to gather
+    pickles into the other replica's signature buffer)."""
+    from popdist_lite.collectives import agree_objects
+
+    x = np.ones(4, np.float32)
+    pl.all_reduce(x)  # agreed before: the other replica takes the cached fast path
+    last = comm.size - 1
+    with pytest.raises(RuntimeError, match=rf"collective mismatch: replica 0 called agree_objects .* "
+                                           rf"but replica {last} called {other}"):
+        if comm.rank == last:
+            getattr(pl, other)(x)
+        else:
+            agree_objects("probe", {"big": "y" * 1000}, comm)
+    assert pl.all_reduce(x)[0] == comm.size  # still in step
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_all_reduce_complex(comm, rng, dtype, op):
+    r = comm.size
+    x = (inputs(rng, r, (3, 4), np.float64) + 1j * inputs(rng, r, (3, 4), np.float64)).astype(dtype)
+    out = pl.all_reduce(x[comm.rank], op=op)
+    expected = x.astype(np.complex128).sum(axis=0) / (r if op == "mean" else 1)
+    assert out.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    with pytest.raises(TypeError, match="complex dtypes have no order"):
+        pl.all_reduce(x[comm.rank], op="max")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64, np.complex64])
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+def test_all_reduce_start_matches_all_reduce(comm, rng, dtype, op):
+    """The non-blocking all-reduce gives all_reduce's result in place (float16: the same
+    one rounding), numbered when waited for, on the communicator it is told to."""
+    from popdist_lite import calls
+    from popdist_lite.collectives import all_reduce_start
+
+    if (op == "mean" and np.dtype(dtype).kind == "i") or (op == "max" and np.dtype(dtype).kind == "c"):
+        with pytest.raises(TypeError, match="all_reduce_start: argument x: cannot reduce"):
+            all_reduce_start(np.zeros(2, dtype), op, comm=comm)
+        return
+    x = inputs(rng, comm.size, (7,), np.float64) * (1 + 1j if np.dtype(dtype).kind == "c" else 1)
+    x = x.astype(dtype)
+    mine = x[comm.rank].copy()
+    dup = comm.Dup()
+    try:
+        numbers = calls.comm_cache(comm).get(calls._CALLS, 0)
+        pending = all_reduce_start(mine, op, comm=dup, numbered_on=comm)
+        pending.test()
+        assert calls.comm_cache(comm).get(calls._CALLS, 0) == numbers  # not yet: numbered at the wait
+        assert pending.wait() is mine
+        assert calls.comm_cache(comm)[calls._CALLS] == numbers + 1
+        assert calls.comm_cache(dup).get(calls._CALLS, 0) == 0
+    finally:
+        dup.Free()
+    np.testing.assert_array_equal(mine, pl.all_reduce(x[comm.rank], op=op))

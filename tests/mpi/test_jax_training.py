@@ -1,6 +1,6 @@
 """popdist_lite.jax dense data parallelism and training steps at 1-4 replicas, against
-single-process JAX references: allreduce_gradients / cross_replica_mean against the
-gradient of the global batch, broadcast_params, TrainStep against a step written out
+single-process JAX references: all_reduce_gradients / cross_replica_mean against the
+gradient of the global batch, broadcast_parameters, TrainStep against a step written out
 by hand (with and without the next step's lookup overlapped), and the Flax
 SparseCoreEmbed (split and in-jit) against jnp.take and the combiners' definition."""
 
@@ -39,7 +39,7 @@ def test_broadcast_params_gives_every_replica_the_roots(comm, rng):
     every = [MLP().init(jax.random.key(j), jnp.zeros((1, 3))) for j in range(r)]
     every = [{**p, "count": np.int64(7 + j)} for j, p in enumerate(every)]
     root = r - 1
-    got = plj.broadcast_params(every[k], root=root)
+    got = plj.broadcast_parameters(every[k], root=root)
     assert jax.tree.structure(got) == jax.tree.structure(every[root])
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(every[root])):
         assert a.dtype == jnp.asarray(b).dtype
@@ -50,14 +50,14 @@ def test_broadcast_params_gives_every_replica_the_roots(comm, rng):
 def test_allreduce_gradients_equals_the_global_batch_gradient(comm, rng):
     r, k = comm.size, comm.rank
     x, y = global_batch(rng, r)
-    params = plj.broadcast_params(MLP().init(jax.random.key(k), jnp.zeros((1, 3))))  # replica 0's everywhere
+    params = plj.broadcast_parameters(MLP().init(jax.random.key(k), jnp.zeros((1, 3))))  # replica 0's everywhere
     mine = slice(k * B, (k + 1) * B)
     local = jax.jit(jax.grad(mse))(params, x[mine], y[mine])
-    reduced = plj.allreduce_gradients(local)
+    reduced = plj.all_reduce_gradients(local)
     expected = jax.grad(mse)(params, x, y)  # one process, the whole batch
     for a, b in zip(jax.tree.leaves(reduced), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
-    summed = plj.allreduce_gradients(local, op="sum")
+    summed = plj.all_reduce_gradients(local, op="sum")
     for a, b in zip(jax.tree.leaves(summed), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, r * b, rtol=2e-5, atol=1e-6)
 
@@ -68,7 +68,7 @@ def test_cross_replica_mean_in_an_optax_chain(comm, rng, jitted):
     """SGD through optax.chain(cross_replica_mean(), sgd) equals SGD on the global batch."""
     r, k = comm.size, comm.rank
     x, y = global_batch(rng, r)
-    params = plj.broadcast_params(MLP().init(jax.random.key(0), jnp.zeros((1, 3))))
+    params = plj.broadcast_parameters(MLP().init(jax.random.key(0), jnp.zeros((1, 3))))
     reference = params
     opt = optax.chain(plj.cross_replica_mean(), optax.sgd(0.1))
     state = opt.init(params)
@@ -91,7 +91,7 @@ def test_allreduce_gradients_with_a_different_tree_raises_on_every_replica(comm)
     if comm.size == 1:
         pytest.skip("needs two replicas")
     with pytest.raises(ValueError, match="replica"):
-        plj.allreduce_gradients(grads)
+        plj.all_reduce_gradients(grads)
     assert pl.all_reduce(np.array([1.0]))[0] == comm.size  # still in step
 
 
@@ -139,13 +139,13 @@ def test_train_step_equals_the_step_written_out(comm, rng, prefetch):
     # the same steps written out: lookup, grads, mean of dense grads, Adam, update / r
     b = plj.EmbeddingCollection(specs(cold))
     opt = optax.adam(0.01)
-    p, opt_state, losses_b = plj.broadcast_params(params), None, []
+    p, opt_state, losses_b = plj.broadcast_parameters(params), None, []
     opt_state = opt.init(p)
     grad_fn = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
     for features, labels in data:
         acts = b.lookup(features)
         loss, (g_p, g_acts) = grad_fn(p, acts, labels)
-        updates, opt_state = opt.update(plj.allreduce_gradients(g_p), opt_state, p)
+        updates, opt_state = opt.update(plj.all_reduce_gradients(g_p), opt_state, p)
         p = optax.apply_updates(p, updates)
         b.apply_gradients(features, {n: g / r for n, g in g_acts.items()})
         losses_b.append(float(loss))
@@ -218,7 +218,7 @@ def test_sparsecore_embed_split_and_in_jit(comm, rng):
         expected = (full[ids] * wb[:, None]).sum(0) / np.sqrt((wb * wb).sum()) if ids.size else np.zeros(E)
         np.testing.assert_allclose(acts["user"][b], expected, rtol=2e-6, atol=1e-6)
 
-    params_a = plj.broadcast_params(model_a.init(jax.random.key(k), inputs_a))
+    params_a = plj.broadcast_parameters(model_a.init(jax.random.key(k), inputs_a))
     assert jax.tree.structure(params_a) == jax.tree.structure({"params": {"Dense_0": {"bias": 0, "kernel": 0}}})
     inputs_b = embed_b.preprocess_inputs(features, w)
     params_b = {"params": {**params_a["params"], "SparseCoreEmbed_0": {plj.HANDLE_PARAM_NAME: in_jit.handle()}}}
@@ -236,9 +236,9 @@ def test_sparsecore_embed_split_and_in_jit(comm, rng):
             inputs_a, inputs_b = embed_a.preprocess_inputs(features, w), embed_b.preprocess_inputs(features, w)
         value_a, (g_params, g_inputs) = grads_a(params_a, inputs_a, labels)
         embed_a.apply_gradient(g_inputs, inputs_a)
-        params_a = sgd(params_a, plj.allreduce_gradients(g_params))
+        params_a = sgd(params_a, plj.all_reduce_gradients(g_params))
         value_b, g = grads_b(params_b, inputs_b, labels)
-        params_b = sgd(params_b, plj.allreduce_gradients(g))
+        params_b = sgd(params_b, plj.all_reduce_gradients(g))
         np.testing.assert_allclose(value_b, value_a, rtol=1e-5)
     np.testing.assert_allclose(params_b["params"]["Dense_0"]["kernel"], params_a["params"]["Dense_0"]["kernel"],
                                rtol=1e-5, atol=1e-6)
@@ -246,3 +246,8 @@ def test_sparsecore_embed_split_and_in_jit(comm, rng):
                                split.tables["flax_split"].get_embedding_tensor(), rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="updated in the backward pass"):
         embed_b.apply_gradient(g, inputs_b)
+
+
+def test_earlier_spellings_are_aliases():
+    assert plj.allreduce_gradients is plj.all_reduce_gradients
+    assert plj.broadcast_params is plj.broadcast_parameters

@@ -1,6 +1,6 @@
 """popdist_lite.torch's dense data parallelism at 1-4 replicas against single-process
 torch: the gradients after DistributedDataParallel's backward (and after
-allreduce_gradients) equal the gradient of the global batch's mean loss; a model of host
+all_reduce_gradients) equal the gradient of the global batch's mean loss; a model of host
 embeddings and dense layers trains as one process on the global batch; parameters
 broadcast from the root; mismatched models are named on every replica."""
 
@@ -98,7 +98,7 @@ def test_allreduce_gradients(comm, rng, op):
     pt.broadcast_parameters(net)
     xs, uses = global_batch(rng, r)
     (net(xs[comm.rank], uses[comm.rank]) ** 2).sum().backward()
-    pt.allreduce_gradients(net, op=op)
+    pt.all_reduce_gradients(net, op=op)
     want = reference_grads(Net(seed=0), xs, uses)
     for name, p in net.named_parameters():
         if p.requires_grad:
@@ -204,15 +204,34 @@ def test_buckets_start_while_backward_runs(comm, rng):
     xs, uses = global_batch(rng, comm.size)
     (ddp(xs[comm.rank], True) ** 2).sum().backward()
     assert started and started[0] >= 1, started
-    assert ddp._next == 0 and all(b.request is None for b in ddp._buckets)
+    assert ddp._next == 0 and all(b.pending is None for b in ddp._buckets)
+
+
+@pytest.mark.mpi
+def test_buckets_are_numbered_and_counted(comm, rng):
+    """Each bucket is one numbered collective call in the replica communicator's sequence
+    (what the stall inspector follows) and one counted all_reduce."""
+    from popdist_lite import calls
+
+    ddp = pt.DistributedDataParallel(Net(seed=0), bucket_cap_mb=1e-4)
+    xs, uses = global_batch(rng, comm.size)
+    numbers = calls.comm_cache(comm).get(calls._CALLS, 0)
+    before = pl.stats()["collectives"].get("all_reduce", {}).get("calls", 0)
+    (ddp(xs[comm.rank], True) ** 2).sum().backward()
+    assert calls.comm_cache(comm)[calls._CALLS] == numbers + len(ddp.buckets)
+    assert pl.stats()["collectives"]["all_reduce"]["calls"] == before + len(ddp.buckets)
+    assert pl.all_reduce(np.ones(2))[0] == comm.size  # the checked collectives are still in step
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_gradients(comm, rng, dtype):
-    """float16/bfloat16 buckets travel as float32 and come back in their dtype, rounded
-    once; allreduce_gradients agrees."""
+    """float16 buckets travel as float16 (the bytes all_reduce's float16 path moves) and
+    come back as the float16 rounding of the exact mean; bfloat16 buckets travel as
+    float32 and come back rounded once; all_reduce_gradients agrees."""
     r = comm.size
+    c = -(-5 // r)  # float16: the chunk of a reduce-scatter of 5 elements, padded
+    wire = {torch.float16: 2 * 2 * c * (r - 1), torch.bfloat16: 5 * 4 * (r - 1)}[dtype] + 3 * 4 * (r - 1)
 
     class Half(torch.nn.Module):
         def __init__(self):
@@ -228,10 +247,20 @@ def test_half_precision_gradients(comm, rng, dtype):
     for reduce in ("ddp", "allreduce"):
         model = Half()
         ddp = pt.DistributedDataParallel(model) if reduce == "ddp" else model
+        sent = pl.stats()["collectives"].get("all_reduce", {}).get("bytes_sent", 0)
         ddp(xs[comm.rank]).backward()
         if reduce == "allreduce":
-            pt.allreduce_gradients(model)
+            pt.all_reduce_gradients(model)
+        else:
+            assert pl.stats()["collectives"]["all_reduce"]["bytes_sent"] - sent == wire
         assert model.w.grad.dtype == dtype
+        if dtype == torch.float16:  # the rounding of the exact mean of the float16 gradients
+            exact = np.mean([x[:5].numpy().astype(np.float16).astype(np.float64) for x in xs], axis=0)
+            np.testing.assert_array_equal(model.w.grad.numpy(), exact.astype(np.float16))
         tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
         torch.testing.assert_close(model.w.grad.double(), want[:5], rtol=tol, atol=tol)
         torch.testing.assert_close(model.v.grad.double(), want[5:], rtol=1e-6, atol=1e-6)
+
+
+def test_earlier_spelling_is_an_alias():
+    assert pt.allreduce_gradients is pt.all_reduce_gradients
