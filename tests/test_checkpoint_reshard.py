@@ -14,10 +14,11 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import (CHECKPOINT_DENSE, CHECKPOINT_E, CHECKPOINT_T, ROOT, assemble_dumps,
-                     run_checkpoint_prog)
+from helpers import (CHECKPOINT_DENSE, CHECKPOINT_E, CHECKPOINT_T, ROOT, assemble_dumps, run_checkpoint_prog,
+                     timeout_for)
 
 T, E, DENSE = CHECKPOINT_T, CHECKPOINT_E, CHECKPOINT_DENSE
+pytestmark = timeout_for(3)  # the module's two saves and a load
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import EXAMPLE, ROOT, TINY, clean_env
+from helpers import EXAMPLE, JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
 
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
 
 
-#: Seconds a job may take (the launcher's --timeout; the subprocess gets 60 more); a test
-#: runs three jobs.
-JOB_SECONDS = 300
-pytestmark = pytest.mark.timeout(3 * (JOB_SECONDS + 60) + 60)
+pytestmark = timeout_for(3)
 
 
 def _command(feeders: int, *args) -> list[str]:

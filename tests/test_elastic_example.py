@@ -23,7 +23,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import EXAMPLE, ROOT, TINY, clean_env
+from helpers import EXAMPLE, JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
 
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
 ARGS = ["--seq-len", "20", "--batch-size", "2", "--log-every", "1", "--sample-chars", "0", "--steps", "20",
@@ -32,11 +32,7 @@ ARGS = ["--seq-len", "20", "--batch-size", "2", "--log-every", "1", "--sample-ch
 #: The step boundary where a job to be grown waits for the launcher's resize request
 #: (--test-hold-at): after the step-10 checkpoint, which makes the discovery script offer 4.
 GROW_AT = 11
-#: Seconds a job may take (the launcher's --timeout; the subprocess gets 60 more), ample
-#: for a 4-replica job on one busy core. A test runs at most two jobs (the module's
-#: straight run included).
-JOB_SECONDS = 300
-pytestmark = pytest.mark.timeout(2 * (JOB_SECONDS + 60) + 60)
+pytestmark = timeout_for(2)  # a test runs at most two jobs (the module's straight run included)
 
 
 def launch(replicas: str, *args) -> subprocess.CompletedProcess:

@@ -14,23 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, mpirun_command
+from helpers import JOB_SECONDS, ROOT, mpirun_command, timeout_for
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 PROG = [sys.executable, str(Path(__file__).parent / "progs" / "infeed_prog.py")]
 ITEMS_PER_BATCH = 4
 
 
-#: Seconds a job may take (the launcher's --timeout; the subprocess gets 30 more), ample for
-#: 6 processes on one busy core; a test runs at most two jobs.
-JOB_SECONDS = 180
-pytestmark = pytest.mark.timeout(2 * (JOB_SECONDS + 30) + 60)
+pytestmark = timeout_for(2)
 
 
 def launch(replicas, feeders, *prog_args):
     return subprocess.run([*LAUNCHER, "--timeout", str(JOB_SECONDS), "--num-replicas", str(replicas),
                            "--feeders-per-replica", str(feeders), *PROG, *map(str, prog_args)],
-                          capture_output=True, text=True, timeout=JOB_SECONDS + 30,
+                          capture_output=True, text=True, timeout=JOB_SECONDS + 60,
                           stdin=subprocess.DEVNULL, cwd=ROOT)
 
 

@@ -13,15 +13,11 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
-
-from helpers import EXAMPLE, ROOT, TINY, clean_env
+from helpers import EXAMPLE, JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
 
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$")
-#: Seconds a job may take (the launcher's --timeout; the subprocess gets 60 more); the test runs two.
-JOB_SECONDS = 300
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2", "--timeout", str(JOB_SECONDS)]
-pytestmark = pytest.mark.timeout(2 * (JOB_SECONDS + 60) + 60)
+pytestmark = timeout_for(2)
 
 
 def example_args(tmp_path, ckpt):

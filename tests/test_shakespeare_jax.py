@@ -10,7 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY, clean_env
+from helpers import JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
+
+pytestmark = timeout_for(3)
 
 EXAMPLES = ROOT / "examples"
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
@@ -47,9 +49,9 @@ def tiny(tmp_path):
 
 def _run(example: str, args: list, replicas: int = 2) -> str:
     """The example's stdout under poprun-lite (a failure fails the test)."""
-    cmd = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas), "--timeout", "240",
+    cmd = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas), "--timeout", str(JOB_SECONDS),
            sys.executable, str(EXAMPLES / example), *map(str, args)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_SECONDS + 60, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout
 
@@ -85,7 +87,7 @@ def test_losses_equal_the_numpy_job_for_20_steps_at_2_replicas(tiny, options):
 def test_single_process_run_prints_a_sample(tiny):
     r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), "--data", str(tiny), "--steps", "3",
                         "--seq-len", "20", "--batch-size", "4", "--log-every", "1", "--sample-chars", "30"],
-                       capture_output=True, text=True, timeout=180, cwd=ROOT, env=clean_env())
+                       capture_output=True, text=True, timeout=JOB_SECONDS, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert [n for n, _ in STEP_RE.findall(r.stdout)] == ["0", "1", "2"]
     assert "1 replica(s)" in r.stdout and "JAX split path" in r.stdout and "--- sample ---" in r.stdout

@@ -8,7 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY, clean_env
+from helpers import JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
+
+pytestmark = timeout_for(3)
 
 TORCH_EXAMPLE = ROOT / "examples" / "shakespeare_torch.py"
 NUMPY_EXAMPLE = ROOT / "examples" / "shakespeare.py"
@@ -21,11 +23,11 @@ def losses(stdout: str) -> list[tuple[int, float]]:
     return found
 
 
-def run(replicas: int, script, args: list[str], timeout: float = 240) -> str:
+def run(replicas: int, script, args: list[str], timeout: float = JOB_SECONDS + 60) -> str:
     cmd = [sys.executable, str(script), *args]
     if replicas > 1:
         cmd = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas),
-               "--timeout", str(timeout - 30), *cmd]
+               "--timeout", str(timeout - 60), *cmd]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=ROOT,
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
