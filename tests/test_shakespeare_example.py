@@ -188,11 +188,11 @@ def test_fetch_is_executable_and_idempotent(tmp_path):
     out = tmp_path / "corpus.txt"
     out.write_text("already here\n")
     r = subprocess.run([str(FETCH), "--output", str(out)], capture_output=True, text=True,
-                       timeout=60)
+                       timeout=JOB_SECONDS)
     assert r.returncode == 0, r.stderr
     assert "already exists" in r.stdout
     assert out.read_text() == "already here\n"
-    r = subprocess.run([str(FETCH), "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([str(FETCH), "--help"], capture_output=True, text=True, timeout=JOB_SECONDS)
     assert r.returncode == 0 and "--force" in r.stdout
 
 

@@ -21,7 +21,7 @@ STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
 def test_popdist_lite_does_not_import_jax():
     code = ("import sys, popdist_lite; assert not {'jax', 'flax', 'optax'} & set(sys.modules), 'imported'; "
             "print('OK')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=JOB_SECONDS, cwd=ROOT,
                        env=clean_env())
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
@@ -35,7 +35,7 @@ needs_jax = pytest.mark.skipif(
 def test_popdist_lite_jax_imports_flax_only_for_its_layer():
     code = ("import sys, popdist_lite.jax as plj; assert 'flax' not in sys.modules; plj.SparseCoreEmbed; "
             "assert 'flax' in sys.modules; print('OK')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=JOB_SECONDS, cwd=ROOT,
                        env=clean_env())
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
@@ -96,7 +96,7 @@ def test_single_process_run_prints_a_sample(tiny):
 @needs_jax
 def test_in_jit_path_refuses_joint_clipping():
     r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), "--path", "in-jit", "--steps", "1"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+                       capture_output=True, text=True, timeout=JOB_SECONDS, cwd=ROOT, env=clean_env())
     assert r.returncode == 2 and "--path in-jit needs --clip-norm 0" in r.stderr
 
 
@@ -107,7 +107,7 @@ def test_in_jit_path_refuses_joint_clipping():
 ])
 def test_checkpoint_options_are_checked(args, message):
     r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), *args], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT, env=clean_env())
+                       timeout=JOB_SECONDS, cwd=ROOT, env=clean_env())
     assert r.returncode == 2 and message in r.stderr
 
 
