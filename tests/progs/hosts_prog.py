@@ -64,4 +64,7 @@ elif what == "detach":  # every rank leaves a process outside its session behind
     pl.all_reduce(np.ones(4))
     if me == int(sys.argv[2]):
         os._exit(3)  # dies without finalizing MPI, as a crash does
-    pl.all_reduce(np.ones(4))
+    # The others wait outside MPI until the job is stopped: inside a collective they would
+    # fail too (the peer's socket closed), and on a busy machine such a consequence can
+    # reach the launcher first and be named the root cause.
+    time.sleep(600)
