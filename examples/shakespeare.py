@@ -253,6 +253,26 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return super()._get_help_string(action)
 
 
+#: --test-hold-at: polls of should_checkpoint() and the pause between two (a count, not a
+#: clock, so that every replica gives up at the same call).
+HOLD_POLLS, HOLD_POLL_SECONDS = 12_000, 0.05
+
+
+def resize_asked(args, done: int, first: int) -> bool:
+    """:func:`popdist_lite.should_checkpoint` (a collective), asked to decide whether a run
+    that started at step ``first`` stops for a resize after ``done`` steps. With
+    ``--test-hold-at done`` and ``first == 0``, asks again every ``HOLD_POLL_SECONDS``
+    until it is True; raises ``SystemExit`` on every replica after ``HOLD_POLLS`` polls
+    without a resize."""
+    if args.test_hold_at != done or first != 0:
+        return popdist_lite.should_checkpoint()
+    for _ in range(HOLD_POLLS):
+        if popdist_lite.should_checkpoint():
+            return True
+        time.sleep(HOLD_POLL_SECONDS)
+    raise SystemExit(f"--test-hold-at {done}: no resize asked after {HOLD_POLLS} polls")
+
+
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     """The checkpoint and data-order options every Shakespeare example takes."""
     p.add_argument("--checkpoint-dir", type=Path, default=None,
@@ -269,12 +289,19 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="shard: each replica shuffles its own shard of the text (the guide's "
                         "pipeline); global: one order of the whole text whatever the replica count, "
                         "so that an elastic job's resize neither repeats nor skips a sequence")
+    p.add_argument("--test-hold-at", type=int, default=None, metavar="N",
+                   help="for the test suite only: in a run that did not resume, wait until the "
+                        "launcher asks for a resize, which then stops the run after N steps (giving "
+                        f"up after about {HOLD_POLLS * HOLD_POLL_SECONDS / 60:.0f} minutes), so that a "
+                        "test meets the job at a known step whatever the speed of the machine")
 
 
 def check_checkpoint_args(p: argparse.ArgumentParser, args) -> None:
     """``p.error`` on checkpoint options that do not go together."""
     if (args.resume or args.checkpoint_every is not None) and args.checkpoint_dir is None:
         p.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.test_hold_at is not None and args.checkpoint_dir is None:
+        p.error("--test-hold-at needs --checkpoint-dir")
     if args.checkpoint_every is not None and args.checkpoint_every < 1 or args.checkpoint_keep < 1:
         p.error("--checkpoint-every and --checkpoint-keep must be >= 1")
 
@@ -540,7 +567,7 @@ def main(argv=None) -> int:
                     say(f"Step {step}, loss = {float(mean):.4f}")
             if bar is not None:
                 bar.update(1)
-            if args.checkpoint_dir is not None and popdist_lite.should_checkpoint():
+            if args.checkpoint_dir is not None and resize_asked(args, step + 1, first):
                 # an elastic job's launcher asks for a resize: every replica stops at this step
                 save(step + 1)
                 popdist_lite.wait_checkpoint()

@@ -366,7 +366,7 @@ def main(argv=None) -> int:
         # An elastic job's launcher may ask for a resize (docs/elastic.md): asked before the
         # next batch is taken, so that every replica stops after this step with the feed
         # at the batches trained on.
-        resize = args.checkpoint_dir is not None and popdist_lite.should_checkpoint()
+        resize = args.checkpoint_dir is not None and shakespeare.resize_asked(args, step + 1, first)
         # The next batch is taken one step ahead (TrainStep looks it up while this step
         # computes), except before a checkpoint: the feed position saved is then exactly
         # the batches trained on.

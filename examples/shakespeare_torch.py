@@ -254,7 +254,7 @@ def main(argv=None) -> int:
             if not np.isfinite(mean):
                 raise FloatingPointError(f"loss became {float(mean)} at step {step}; try a smaller --lr / --emb-lr")
             log(f"Step {step}, loss = {float(mean):.4f}")
-        if args.checkpoint_dir is not None and pl.should_checkpoint():
+        if args.checkpoint_dir is not None and shakespeare.resize_asked(args, step + 1, first):
             # an elastic job's launcher asks for a resize: every replica stops at this step
             save(step + 1)
             pl.wait_checkpoint()

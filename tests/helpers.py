@@ -26,6 +26,18 @@ TINY = (
 ) * 12
 
 
+#: Seconds one job of a test may take (a launcher's --timeout, a subprocess's timeout): ample
+#: on one core kept busy by another process (scripts/audit). A timeout only bounds a hang.
+JOB_SECONDS = 300
+
+
+def timeout_for(jobs: int):
+    """A pytest-timeout mark for a test that runs ``jobs`` jobs one after the other (module
+    fixtures included), each under ``JOB_SECONDS`` + 60: above their sum, so that a job's
+    own timeout, which shows the job's output, fires first."""
+    return pytest.mark.timeout(jobs * (JOB_SECONDS + 60) + 60)
+
+
 def clean_env(**extra) -> dict:
     """The environment without any MPI job's variables (tests may themselves run under a
     launcher), single-threaded BLAS, plus ``extra``."""
@@ -38,7 +50,7 @@ def clean_env(**extra) -> dict:
 def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -c code`` in the project root, outside any MPI job, under a timeout."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("POPDIST", "OMPI_", "PMIX_", "PMI_"))}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=JOB_SECONDS,
                           env={**clean, **(env or {})}, cwd=ROOT)
 
 
@@ -65,7 +77,7 @@ def mpirun_command(n: int, args: list[str]) -> list[str]:
     return cmd + args
 
 
-def run_mpi(n: int, args: list[str], timeout: float = 240, env: dict | None = None,
+def run_mpi(n: int, args: list[str], timeout: float = JOB_SECONDS, env: dict | None = None,
             cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run ``args`` on ``n`` ranks; a hang becomes ``subprocess.TimeoutExpired``."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **(env or {})}
@@ -83,7 +95,7 @@ CHECKPOINT_T, CHECKPOINT_E, CHECKPOINT_DENSE = 37, 6, 57
 def run_checkpoint_prog(ranks: int, *args) -> None:
     """Run ``checkpoint_prog.py args`` on ``ranks`` ranks; fail the test if it fails or hangs."""
     try:
-        r = run_mpi(ranks, [sys.executable, CHECKPOINT_PROG, *map(str, args)], timeout=120)
+        r = run_mpi(ranks, [sys.executable, CHECKPOINT_PROG, *map(str, args)])
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"checkpoint_prog {args} on {ranks} ranks hung:\n{e.stdout!r}")
     assert r.returncode == 0, f"{args} on {ranks} ranks:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"

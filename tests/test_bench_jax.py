@@ -7,17 +7,17 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import JOB_SECONDS, ROOT, timeout_for
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [timeout_for(1), pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import jax, flax, optax"], capture_output=True).returncode != 0,
-    reason="the JAX binding needs the [jax] extra (pip install '.[jax]')")
+    reason="the JAX binding needs the [jax] extra (pip install '.[jax]')")]
 
 
 def test_bench_jax_prints_every_variant_and_the_goals():
     done = subprocess.run([sys.executable, "scripts/bench_jax.py", "--ranks", "2", "--steps-char", "4",
                            "--steps-recsys", "4", "--blocks", "2", "--batch-size", "4", "--seq-len", "10",
-                           "--timeout", "200"], capture_output=True, text=True, timeout=260, cwd=ROOT)
+                           "--timeout", str(JOB_SECONDS)], capture_output=True, text=True, timeout=JOB_SECONDS + 60, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout)
     char = report["results"]["shakespeare"]["ms_per_step"]

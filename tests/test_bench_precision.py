@@ -4,12 +4,14 @@ import json
 import subprocess
 import sys
 
-from helpers import ROOT
+from helpers import JOB_SECONDS, ROOT, timeout_for
+
+pytestmark = timeout_for(1)
 
 
 def test_bench_precision_prints_json_with_half_the_fp16_bytes():
     done = subprocess.run([sys.executable, "scripts/bench_precision.py", "--replicas", "2", "--iters", "1",
-                           "--timeout", "90"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                           "--timeout", str(JOB_SECONDS)], capture_output=True, text=True, timeout=JOB_SECONDS + 60, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     two = json.loads(done.stdout)["replicas"]["2"]
     ar = two["all_reduce"]

@@ -1,6 +1,6 @@
 """A save that cannot finish leaves the previous checkpoint intact and loadable, and the
-job's error names the cause: a replica SIGKILLed in the middle of a save (slowed down by
-the test hook POPDIST_LITE_CHECKPOINT_SLOW_WRITE), and a full disk (a 1 MiB tmpfs; needs
+job's error names the cause: a replica SIGKILLed in the middle of a save (held there by
+the test hook POPDIST_LITE_CHECKPOINT_SLOW_WRITE until the kill), and a full disk (a 1 MiB tmpfs; needs
 root, skipped otherwise). Loaded state is compared with each replica's own arrays as
 they were saved (tests/progs/checkpoint_prog.py)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import CHECKPOINT_PROG, ROOT, assemble_dumps, clean_env, run_checkpoint_prog, run_mpi
+from helpers import CHECKPOINT_PROG, JOB_SECONDS, ROOT, assemble_dumps, clean_env, run_checkpoint_prog, timeout_for
 
 
 def _compare(out: Path, replicas: int) -> None:
@@ -26,20 +26,23 @@ def _compare(out: Path, replicas: int) -> None:
     assert got_values == want_values
 
 
+pytestmark = timeout_for(2)
+
+
 def test_replica_killed_during_save(tmp_path):
     ckpt = tmp_path / "ckpt"
-    job = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2", "--timeout", "100",
-                            sys.executable, CHECKPOINT_PROG, "torn", ckpt, tmp_path, "TOKEN"],
+    job = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2", "--timeout",
+                            str(JOB_SECONDS), sys.executable, CHECKPOINT_PROG, "torn", ckpt, tmp_path, "TOKEN"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT,
                            start_new_session=True)
     try:
-        deadline = time.monotonic() + 100
+        deadline = time.monotonic() + JOB_SECONDS
         while not any(ckpt.glob(".tmp-step-00000007-*/*.npy")):
             assert job.poll() is None, "the job ended before its second save:\n" + "".join(job.communicate())
             assert time.monotonic() < deadline
             time.sleep(0.01)
         os.kill(int((tmp_path / "pid.r1").read_text()), signal.SIGKILL)
-        out, err = job.communicate(timeout=60)
+        out, err = job.communicate(timeout=JOB_SECONDS)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)

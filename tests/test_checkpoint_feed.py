@@ -17,16 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, clean_env
+from helpers import JOB_SECONDS, ROOT, clean_env, timeout_for
 
 PROG = str(Path(__file__).parent / "progs" / "checkpoint_feed_prog.py")
 STEPS = 5
+pytestmark = timeout_for(2)
 
 
 def _run(replicas, feeders, *args):
     r = subprocess.run([sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas),
-                        "--feeders-per-replica", str(feeders), "--timeout", "100", sys.executable, PROG,
-                        *map(str, args)], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
+                        "--feeders-per-replica", str(feeders), "--timeout", str(JOB_SECONDS), sys.executable, PROG,
+                        *map(str, args)], capture_output=True, text=True, timeout=JOB_SECONDS + 60, env=clean_env(),
+                       cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -6,7 +6,9 @@ import os
 
 import pytest
 
-from helpers import run_python
+from helpers import run_python, timeout_for
+
+pytestmark = timeout_for(1)
 
 CODE = """
 import numpy as np, popdist_lite as pl

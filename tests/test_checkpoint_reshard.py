@@ -14,10 +14,11 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import (CHECKPOINT_DENSE, CHECKPOINT_E, CHECKPOINT_T, ROOT, assemble_dumps,
-                     run_checkpoint_prog)
+from helpers import (CHECKPOINT_DENSE, CHECKPOINT_E, CHECKPOINT_T, JOB_SECONDS, ROOT, assemble_dumps,
+                     run_checkpoint_prog, timeout_for)
 
 T, E, DENSE = CHECKPOINT_T, CHECKPOINT_E, CHECKPOINT_DENSE
+pytestmark = timeout_for(3)  # the module's two saves and a load
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_reshard(saved, tmp_path, source, ranks, target):
 
 def _cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "popdist_lite.checkpoint", *map(str, args)], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+                          text=True, timeout=JOB_SECONDS, cwd=ROOT)
 
 
 @pytest.mark.parametrize("strategy", ["TOKEN", "ENCODING"])

@@ -2,7 +2,8 @@
 replicas): 40 straight steps against a run whose whole job is SIGKILLed after its step-20
 checkpoint and resumed to step 40: the same losses step by step, and bit-identical
 tables, optimizer state and dense weights in the two step-40 checkpoints. For SGD and
-Adam tables, and with one feeder process per replica."""
+Adam tables, and with one feeder process per replica. The killed run waits at step 21
+(``--test-hold-at``), so the kill lands there whatever the machine's speed."""
 
 import os
 import re
@@ -15,14 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import EXAMPLE, ROOT, TINY, clean_env
+from helpers import EXAMPLE, JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
 
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
 
 
+pytestmark = timeout_for(3)
+
+
 def _command(feeders: int, *args) -> list[str]:
     return [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2", "--feeders-per-replica",
-            str(feeders), "--timeout", "150", sys.executable, str(EXAMPLE), *map(str, args)]
+            str(feeders), "--timeout", str(JOB_SECONDS), sys.executable, str(EXAMPLE), *map(str, args)]
 
 
 def _losses(stdout: str) -> dict[int, str]:
@@ -60,37 +64,36 @@ def test_killed_job_resumes_exactly(tmp_path, optimizer, feeders):
     env = clean_env()
 
     straight = subprocess.run(_command(feeders, *common, "--steps", 40, "--checkpoint-dir", tmp_path / "a"),
-                              capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+                              capture_output=True, text=True, timeout=JOB_SECONDS + 60, env=env, cwd=ROOT)
     assert straight.returncode == 0, straight.stdout + straight.stderr
     want = _losses(straight.stdout)
     assert sorted(want) == list(range(40))
 
-    # The killed run goes on towards step 1000; the whole job is SIGKILLed as soon as
-    # its step-20 checkpoint is committed.
+    # The killed run waits at step 21, after its step-20 checkpoint; the whole job is
+    # SIGKILLed as soon as that checkpoint is committed.
     ckpt = tmp_path / "b"
-    job = subprocess.Popen(_command(feeders, *common, "--steps", 1000, "--checkpoint-dir", ckpt),
+    job = subprocess.Popen(_command(feeders, *common, "--steps", 40, "--checkpoint-dir", ckpt, "--test-hold-at", 21),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                            start_new_session=True)
-    deadline = time.monotonic() + 150
-    while not (ckpt / "step-00000020" / "manifest.json").exists():
-        assert job.poll() is None, "the job ended before its first checkpoint:\n" + "".join(job.communicate())
-        assert time.monotonic() < deadline, "no checkpoint within 150 s"
-        time.sleep(0.005)
-    for pid in _descendants(job.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    try:
+        deadline = time.monotonic() + JOB_SECONDS
+        while not (ckpt / "step-00000020" / "manifest.json").exists():
+            assert job.poll() is None, "the job ended before its first checkpoint:\n" + "".join(job.communicate())
+            assert time.monotonic() < deadline, f"no checkpoint within {JOB_SECONDS} s"
+            time.sleep(0.01)
+    finally:
+        for pid in _descendants(job.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
     out, err = job.communicate(timeout=60)
     assert job.returncode == -signal.SIGKILL, (job.returncode, err)
     assert "trained" not in out
-    # A kill that landed after a later checkpoint: drop it, so the resume starts at 20.
-    for later in ckpt.glob("step-*"):
-        if later.name != "step-00000020":
-            os.rename(later, tmp_path / later.name)
+    assert [p.name for p in ckpt.iterdir()] == ["step-00000020"]
 
     resumed = subprocess.run(_command(feeders, *common, "--steps", 40, "--checkpoint-dir", ckpt, "--resume"),
-                             capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+                             capture_output=True, text=True, timeout=JOB_SECONDS + 60, env=env, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resumed from {ckpt / 'step-00000020'} (step 20)" in resumed.stdout
     got = _losses(resumed.stdout)

@@ -6,10 +6,12 @@ count (gradient accumulation), so
   4-replica run's tables, optimizer state and dense weights (float32 tolerance), with
   its losses;
 - grown from 2 to 4 replicas by the launcher (the discovery script offers 4 slots once
-  the step-10 checkpoint exists), the job stops at a step boundary, resumes there at 4
+  the step-10 checkpoint exists, while the job waits at step 11 for the launcher's
+  request: ``--test-hold-at``), the job stops at that step boundary, resumes there at 4
   replicas and prints the losses of an uninterrupted 4-replica run.
 
-Every run is under a timeout."""
+No test depends on how fast a step runs: the grow happens at step 11 whatever the
+machine's speed. Every run is under a timeout."""
 
 from __future__ import annotations
 
@@ -21,18 +23,22 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import EXAMPLE, ROOT, TINY, clean_env
+from helpers import EXAMPLE, JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
 
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
 ARGS = ["--seq-len", "20", "--batch-size", "2", "--log-every", "1", "--sample-chars", "0", "--steps", "20",
         "--checkpoint-every", "10", "--data-order", "global", "--global-batch-size", "8", "--clip-norm", "0",
         "--emb-optimizer", "adam"]
+#: The step boundary where a job to be grown waits for the launcher's resize request
+#: (--test-hold-at): after the step-10 checkpoint, which makes the discovery script offer 4.
+GROW_AT = 11
+pytestmark = timeout_for(2)  # a test runs at most two jobs (the module's straight run included)
 
 
-def launch(replicas: str, *args, timeout: float = 200) -> subprocess.CompletedProcess:
+def launch(replicas: str, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", replicas,
-                           "--timeout", "150", *args], capture_output=True, text=True, timeout=timeout,
-                          env=clean_env(), cwd=ROOT, stdin=subprocess.DEVNULL)
+                           "--timeout", str(JOB_SECONDS), *args], capture_output=True, text=True,
+                          timeout=JOB_SECONDS + 60, env=clean_env(), cwd=ROOT, stdin=subprocess.DEVNULL)
 
 
 def example(tmp_path, ckpt) -> list[str]:
@@ -83,34 +89,33 @@ def test_accumulation_at_2_replicas_equals_4(tmp_path, straight):
         np.testing.assert_allclose(mine[name], theirs[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def grow(tmp_path, command: list[str], steps: int = 20) -> tuple[int, subprocess.CompletedProcess]:
-    """Run ``command`` (an example with ``--checkpoint-dir tmp_path/ckpt --resume``) at 2
-    replicas, offered 4 once its step-10 checkpoint exists: ``(the step it stopped at for
-    the resize, the finished job)``, checked to have stopped at a step boundary, resumed
-    there at 4 replicas and printed every step once."""
+def grow(tmp_path, command: list[str]) -> subprocess.CompletedProcess:
+    """Run ``command`` (an example of 20 steps with ``--checkpoint-dir tmp_path/ckpt --resume``) at 2
+    replicas, offered 4 once its step-10 checkpoint exists and held at step
+    :data:`GROW_AT` until the launcher asks for the resize: the finished job, checked to
+    have stopped at that step boundary, resumed there at 4 replicas and printed every
+    step once."""
     ckpt = tmp_path / "ckpt"
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/usr/bin/env bash\nif [ -d {ckpt}/step-00000010 ]; then echo localhost:4; "
                         f"else echo localhost:2; fi\n")
     discover.chmod(0o755)
     proc = launch("4", "--min-replicas", "2", "--host-discovery-script", str(discover), "--discovery-interval",
-                  "0.5", *command)
+                  "0.5", *command, "--test-hold-at", str(GROW_AT))
     assert proc.returncode == 0, proc.stderr
-    stop = re.search(r"^stopping at step (\d+) for a resize \(checkpoint saved\)$", proc.stdout, re.M)
-    assert stop, proc.stdout
-    grown = int(stop[1])
-    assert 10 <= grown < steps
-    assert f"resumed from {ckpt}/step-{grown:08d} (step {grown})" in proc.stdout
-    assert sorted(losses(proc.stdout)) == list(range(steps))  # no step lost or repeated
+    assert re.findall(r"^stopping at step (\d+) for a resize \(checkpoint saved\)$", proc.stdout, re.M) == \
+        [str(GROW_AT)], proc.stdout
+    assert f"resumed from {ckpt}/step-{GROW_AT:08d} (step {GROW_AT})" in proc.stdout
+    assert sorted(losses(proc.stdout)) == list(range(20))  # no step lost or repeated
     assert "poprun-lite: job succeeded on attempt 2; attempts:\n" \
            "  attempt 1: 2 replicas on this host (2); stopped at a step boundary for a resize " \
            "(more replicas on this host)\n" in proc.stderr
-    return grown, proc
+    return proc
 
 
 def test_grown_by_the_launcher_at_a_step_boundary(tmp_path, straight):
     want, _ = straight
-    _, proc = grow(tmp_path, example(tmp_path, tmp_path / "ckpt"))
+    proc = grow(tmp_path, example(tmp_path, tmp_path / "ckpt"))
     got = losses(proc.stdout)
     np.testing.assert_allclose([got[s] for s in range(20)], [want[s] for s in range(20)], atol=2e-4)
 
@@ -120,23 +125,21 @@ def test_framework_examples_grow_at_a_step_boundary(tmp_path, framework):
     """shakespeare_torch.py and shakespeare_jax.py ask should_checkpoint() too: grown from
     2 to 4 replicas, each stops at a step boundary and the 4-replica attempt resumes
     there; its first step's loss is that of a 4-replica run started from the same
-    checkpoint by hand (the resumed state and feed position are the saved ones). These
-    examples take about 10 ms a step, so the job is long enough (400 steps) for the
-    launcher to see the new slots before it ends."""
+    checkpoint by hand (the resumed state and feed position are the saved ones)."""
     pytest.importorskip(framework, reason=f"the {framework} extra: pip install '.[{framework}]'")
     data = tmp_path / "tiny.txt"
     data.write_text(TINY)
     script = EXAMPLE.with_name(f"shakespeare_{framework}.py")
     command = [sys.executable, str(script), "--data", str(data), "--seq-len", "20", "--batch-size", "2",
-               "--log-every", "1", "--sample-chars", "0", "--steps", "400", "--checkpoint-every", "10",
+               "--log-every", "1", "--sample-chars", "0", "--steps", "20", "--checkpoint-every", "10",
                "--checkpoint-keep", "100", "--data-order", "global", "--clip-norm", "0", "--lr", "0.05",
                "--emb-lr", "0.5"]
-    grown, proc = grow(tmp_path, [*command, "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"], steps=400)
+    proc = grow(tmp_path, [*command, "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"])
     again = tmp_path / "again"
-    shutil.copytree(tmp_path / "ckpt" / f"step-{grown:08d}", again / f"step-{grown:08d}")
-    by_hand = launch("4", *command, "--steps", str(grown + 1), "--checkpoint-dir", str(again), "--resume")
+    shutil.copytree(tmp_path / "ckpt" / f"step-{GROW_AT:08d}", again / f"step-{GROW_AT:08d}")
+    by_hand = launch("4", *command, "--steps", str(GROW_AT + 1), "--checkpoint-dir", str(again), "--resume")
     assert by_hand.returncode == 0, by_hand.stderr
-    assert losses(by_hand.stdout) == {grown: losses(proc.stdout)[grown]}
+    assert losses(by_hand.stdout) == {GROW_AT: losses(proc.stdout)[GROW_AT]}
 
 
 def test_global_order_is_one_sequence_at_every_shard_count():

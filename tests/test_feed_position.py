@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 
-from helpers import run_python
+from helpers import run_python, timeout_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from popdist_lite.infeed import feed_shard
 from popdist_lite.infeed.position import feeder_skip, open_dataset, session_start, takes_offset
+
+pytestmark = timeout_for(1)
 
 N = 10_000
 

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import JOB_SECONDS
+
 
 def run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=JOB_SECONDS)
 
 
 @pytest.mark.parametrize("module", ["popdist_lite", "popdist_lite.records", "popdist_lite.progress"])

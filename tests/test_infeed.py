@@ -14,17 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, mpirun_command
+from helpers import JOB_SECONDS, ROOT, mpirun_command, timeout_for
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 PROG = [sys.executable, str(Path(__file__).parent / "progs" / "infeed_prog.py")]
 ITEMS_PER_BATCH = 4
 
 
-def launch(replicas, feeders, *prog_args, job_timeout=40):
-    return subprocess.run([*LAUNCHER, "--timeout", str(job_timeout), "--num-replicas", str(replicas),
+pytestmark = timeout_for(2)
+
+
+def launch(replicas, feeders, *prog_args):
+    return subprocess.run([*LAUNCHER, "--timeout", str(JOB_SECONDS), "--num-replicas", str(replicas),
                            "--feeders-per-replica", str(feeders), *PROG, *map(str, prog_args)],
-                          capture_output=True, text=True, timeout=job_timeout + 20,
+                          capture_output=True, text=True, timeout=JOB_SECONDS + 60,
                           stdin=subprocess.DEVNULL, cwd=ROOT)
 
 
@@ -86,7 +89,7 @@ def test_plain_mpirun_with_role_variables():
         feeder += [":", "-n", "1", "-x", "POPDIST_LITE_ROLE=feeder", "-x",
                    f"POPDIST_LITE_FEEDER_OF={replica}", *PROG, "24", "--depth", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(base + feeder, capture_output=True, text=True, timeout=60, env=env,
+    proc = subprocess.run(base + feeder, capture_output=True, text=True, timeout=JOB_SECONDS, env=env,
                           cwd=ROOT, stdin=subprocess.DEVNULL)
     assert got(proc) == feed_run(2, 1, 24)
 
@@ -98,12 +101,13 @@ def events(path):
 
 
 @pytest.mark.parametrize("feeders, depth", [(2, 2), (0, 3)])
-def test_prefetch_bound_with_slow_replica(tmp_path, feeders, depth):
+def test_prefetch_bound_with_a_patient_replica(tmp_path, feeders, depth):
     """Sent (feeder side: the dataset was resumed after handing a batch over) minus
     released (the replica asked for the next batch) never exceeds the depth, and the
-    feed does run ahead up to it."""
+    feed does run ahead up to it: the patient replica releases each batch only once the
+    feed is that far ahead (it fails if the feed never gets there)."""
     n = 16
-    proc = launch(1, feeders, n, "--depth", depth, "--slow-ms", 25, "--log", tmp_path)
+    proc = launch(1, feeders, n, "--depth", depth, "--patient", "--log", tmp_path)
     assert got(proc)[0][1] == n
     sent = sorted(t for p in tmp_path.glob("sent-*") for t in events(p))
     released = events(tmp_path / "released-0")
@@ -115,7 +119,7 @@ def test_prefetch_bound_with_slow_replica(tmp_path, feeders, depth):
 # ---------------------------------------------------------------- failures
 
 def test_feeder_exception_names_the_feeder():
-    proc = launch(2, 1, 40, "--fail-at", "1:0:3", job_timeout=30)
+    proc = launch(2, 1, 40, "--fail-at", "1:0:3")
     assert proc.returncode == 1, proc.stderr
     report = proc.stderr[proc.stderr.index("poprun-lite: job failed"):]
     assert "root cause: feeder 0 of replica 1 (rank 3" in report
@@ -128,7 +132,7 @@ def test_sys_exit_in_make_dataset_ends_the_job_naming_its_process(feeders):
     """sys.exit(0) in one replica's dataset: a feeder that ended quietly (or a replica
     that exited 0) would leave the other replica waiting until --timeout; the job ends
     at once, naming the feeder (or, without feeders, the replica whose thread it was)."""
-    proc = launch(2, feeders, 40, "--exit-at", "1:0:3", job_timeout=60)
+    proc = launch(2, feeders, 40, "--exit-at", "1:0:3")
     assert proc.returncode == 1, proc.stderr
     report = proc.stderr[proc.stderr.index("poprun-lite: job failed"):]
     if feeders:
@@ -142,14 +146,14 @@ def test_sys_exit_in_make_dataset_ends_the_job_naming_its_process(feeders):
 
 
 def test_killed_feeder_names_the_feeder():
-    proc = launch(2, 2, 40, "--kill-at", "0:1:2", job_timeout=30)
+    proc = launch(2, 2, 40, "--kill-at", "0:1:2")
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
     assert "root cause: feeder 1 of replica 0 (rank 3" in proc.stderr
     assert "signal SIGKILL\n  feeder about to be killed" in proc.stderr
 
 
 def test_feeders_with_different_structure_is_a_clear_error():
-    proc = launch(1, 2, 8, "--mixed", job_timeout=30)
+    proc = launch(1, 2, 8, "--mixed")
     assert proc.returncode == 1, proc.stderr
     report = proc.stderr[proc.stderr.index("poprun-lite: job failed"):]
     assert "root cause: replica 0 (rank 0" in report

@@ -11,6 +11,8 @@ import time
 
 from popdist_lite_launcher.rank_progress import RankProgress
 
+from helpers import JOB_SECONDS
+
 CHILD = textwrap.dedent("""
     import sys, time
     from popdist_lite import progress
@@ -48,27 +50,40 @@ def test_slot_and_stack_of_a_spinning_rank():
             assert again.count("spin_in_a_python_loop_for_the_test") == 1
         finally:
             child.kill()
-            child.wait(10)
+            child.wait(JOB_SECONDS)
     finally:
         rank.close()
 
 
 def test_watch_reports_each_new_call():
+    """The child enters each call only once the watcher has reported the previous one
+    (it reads a line the test writes when it does), so no call can be missed however
+    late the watcher's polls come."""
     rank = RankProgress()
     seen = []
     code = textwrap.dedent("""
-        import time
+        import sys
         from popdist_lite import progress
         progress.enable_from_env()
         for call, op in enumerate(["all_gather", "all_reduce", "broadcast"]):
             progress.record(op, call)
-            time.sleep(0.6)
+            assert sys.stdin.readline() == "seen\\n"
     """)
     try:
-        rank.watch(lambda *args: seen.append(args))
-        subprocess.run([sys.executable, "-c", code], env={**os.environ, **rank.env()},
-                       pass_fds=rank.fds(), timeout=30, check=True)
-        time.sleep(0.5)
+        child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **rank.env()},
+                                 stdin=subprocess.PIPE, text=True, pass_fds=rank.fds())
+
+        def report(*args):
+            seen.append(args)
+            child.stdin.write("seen\n")
+            child.stdin.flush()
+        try:
+            rank.watch(report)
+            assert child.wait(timeout=JOB_SECONDS) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
     finally:
         rank.close()
     assert [(call, op) for call, op, _ in seen] == [(0, "all_gather"), (1, "all_reduce"), (2, "broadcast")]
@@ -80,7 +95,7 @@ def test_off_by_default_records_nothing():
             "assert progress.record is progress._off\n"
             "progress.record('all_reduce', 0)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("POPDIST_LITE_")}
-    subprocess.run([sys.executable, "-c", code], env=env, timeout=30, check=True)
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=JOB_SECONDS, check=True)
 
 
 def test_stack_of_a_stopped_rank_reads_its_state():
@@ -111,3 +126,4 @@ def test_stack_of_a_stopped_rank_reads_its_state():
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+

@@ -1,7 +1,9 @@
 """Recovery end to end: examples/shakespeare.py under poprun-lite --max-restarts 1 with
 checkpoints every 10 steps; replica 1 is SIGKILLed at step 25 of 60. The restarted
 attempt resumes from the step-20 checkpoint and finishes all 60 steps, and its losses
-from step 30 on equal an uninterrupted run's. Every run is under a timeout."""
+from step 30 on equal an uninterrupted run's. The first attempt waits after step 25
+(``--test-hold-at 26``), so the kill lands there whatever the machine's speed. Every run
+is under a timeout."""
 
 import os
 import re
@@ -9,13 +11,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
-from helpers import EXAMPLE, ROOT, TINY, clean_env
+from helpers import EXAMPLE, JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
 
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$")
-LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2", "--timeout", "200"]
+LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2", "--timeout", str(JOB_SECONDS)]
+pytestmark = timeout_for(2)
 
 
 def example_args(tmp_path, ckpt):
@@ -46,12 +48,13 @@ def replica_program(replica: int, attempt: int) -> int | None:
 def test_killed_replica_restarts_from_the_checkpoint(tmp_path):
     env = clean_env()
     straight = subprocess.run([*LAUNCHER, *example_args(tmp_path, tmp_path / "a")], capture_output=True,
-                              text=True, timeout=240, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
+                              text=True, timeout=JOB_SECONDS + 60, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
     assert straight.returncode == 0, straight.stderr
     want = {int(m[1]): m[2] for m in map(STEP_RE.match, straight.stdout.splitlines()) if m}
     assert sorted(want) == list(range(60))
 
-    job = subprocess.Popen([*LAUNCHER, "--max-restarts", "1", *example_args(tmp_path, tmp_path / "b")],
+    job = subprocess.Popen([*LAUNCHER, "--max-restarts", "1", *example_args(tmp_path, tmp_path / "b"),
+                            "--test-hold-at", "26"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                            stdin=subprocess.DEVNULL)
     steps, killed = [], []  # (step, loss) in order of arrival; the kill's position in it
@@ -72,7 +75,7 @@ def test_killed_replica_restarts_from_the_checkpoint(tmp_path):
     for reader in readers:
         reader.start()
     try:
-        job.wait(timeout=240)
+        job.wait(timeout=JOB_SECONDS + 60)
     finally:
         if job.poll() is None:
             job.kill()

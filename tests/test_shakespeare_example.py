@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import EXAMPLE, ROOT, TINY, clean_env, run_mpi
+from helpers import EXAMPLE, JOB_SECONDS, ROOT, TINY, clean_env, run_mpi, timeout_for
 
 FETCH = ROOT / "scripts" / "fetch_shakespeare"
 sys.path.insert(0, str(ROOT / "examples"))
 
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
+pytestmark = timeout_for(2)
 
 @pytest.fixture
 def tiny(tmp_path):
@@ -33,7 +34,7 @@ def _steps(stdout):
     return found
 
 
-def _run(args, timeout=120, **env):
+def _run(args, timeout=JOB_SECONDS, **env):
     return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True,
                           timeout=timeout, env=clean_env(**env), cwd=ROOT)
 
@@ -74,7 +75,7 @@ def test_two_ranks(tiny, strategy):
     r = run_mpi(2, [sys.executable, str(EXAMPLE), "--data", str(tiny), "--steps", "3",
                     "--seq-len", "20", "--batch-size", "4", "--log-every", "1",
                     "--sample-chars", "20", "--partition-strategy", strategy],
-                timeout=180, env=clean_env())
+                env=clean_env())
     assert r.returncode == 0, r.stdout + r.stderr
     steps = _steps(r.stdout)
     # only replica 0 prints
@@ -84,7 +85,7 @@ def test_two_ranks(tiny, strategy):
 
 
 def test_missing_data_file(tmp_path):
-    r = _run(["--data", str(tmp_path / "nope.txt"), "--steps", "1"], timeout=60)
+    r = _run(["--data", str(tmp_path / "nope.txt"), "--steps", "1"])
     assert r.returncode != 0
     assert "data file not found" in r.stderr and "nope.txt" in r.stderr
 
@@ -92,7 +93,7 @@ def test_missing_data_file(tmp_path):
 def test_text_too_short(tmp_path):
     p = tmp_path / "short.txt"
     p.write_text("abc")
-    r = _run(["--data", str(p), "--steps", "1", "--seq-len", "20"], timeout=60)
+    r = _run(["--data", str(p), "--steps", "1", "--seq-len", "20"])
     assert r.returncode != 0
     assert "too short" in r.stderr
 
@@ -120,7 +121,7 @@ def test_progress_bar_on_a_terminal(tiny):
             if not data:
                 break
             chunks.append(data)
-        assert p.wait(timeout=120) == 0
+        assert p.wait(timeout=JOB_SECONDS) == 0
     finally:
         os.close(master)
     out = b"".join(chunks).decode(errors="replace")
@@ -187,11 +188,11 @@ def test_fetch_is_executable_and_idempotent(tmp_path):
     out = tmp_path / "corpus.txt"
     out.write_text("already here\n")
     r = subprocess.run([str(FETCH), "--output", str(out)], capture_output=True, text=True,
-                       timeout=60)
+                       timeout=JOB_SECONDS)
     assert r.returncode == 0, r.stderr
     assert "already exists" in r.stdout
     assert out.read_text() == "already here\n"
-    r = subprocess.run([str(FETCH), "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([str(FETCH), "--help"], capture_output=True, text=True, timeout=JOB_SECONDS)
     assert r.returncode == 0 and "--force" in r.stdout
 
 
@@ -202,7 +203,7 @@ def test_reduced_precision_trains_like_fp32(tiny, mode):
     """float16 modes on 2 ranks: the loss falls, tracking the fp32 run of the same seed."""
     args = ["--data", str(tiny), "--steps", "30", "--seq-len", "20", "--batch-size", "8",
             "--log-every", "10", "--sample-chars", "0"]
-    runs = [run_mpi(2, [sys.executable, str(EXAMPLE), *args, *extra], timeout=180, env=clean_env())
+    runs = [run_mpi(2, [sys.executable, str(EXAMPLE), *args, *extra], env=clean_env())
             for extra in ([], mode)]
     for r in runs:
         assert r.returncode == 0, r.stdout + r.stderr
@@ -221,8 +222,8 @@ def test_feeders_give_the_same_losses(tiny):
     runs = []
     for feeders in ("0", "1"):
         r = subprocess.run([sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", "2",
-                            "--feeders-per-replica", feeders, "--timeout", "150", *args],
-                           capture_output=True, text=True, timeout=180, env=clean_env(), cwd=ROOT)
+                            "--feeders-per-replica", feeders, "--timeout", str(JOB_SECONDS), *args],
+                           capture_output=True, text=True, timeout=JOB_SECONDS + 60, env=clean_env(), cwd=ROOT)
         assert r.returncode == 0, r.stdout + r.stderr
         runs.append(_steps(r.stdout))
     assert len(runs[0]) == 6 and runs[0] == runs[1], runs

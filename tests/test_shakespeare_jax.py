@@ -10,7 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY, clean_env
+from helpers import JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
+
+pytestmark = timeout_for(3)
 
 EXAMPLES = ROOT / "examples"
 STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
@@ -19,7 +21,7 @@ STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
 def test_popdist_lite_does_not_import_jax():
     code = ("import sys, popdist_lite; assert not {'jax', 'flax', 'optax'} & set(sys.modules), 'imported'; "
             "print('OK')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=JOB_SECONDS, cwd=ROOT,
                        env=clean_env())
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
@@ -33,7 +35,7 @@ needs_jax = pytest.mark.skipif(
 def test_popdist_lite_jax_imports_flax_only_for_its_layer():
     code = ("import sys, popdist_lite.jax as plj; assert 'flax' not in sys.modules; plj.SparseCoreEmbed; "
             "assert 'flax' in sys.modules; print('OK')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=JOB_SECONDS, cwd=ROOT,
                        env=clean_env())
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
@@ -47,9 +49,9 @@ def tiny(tmp_path):
 
 def _run(example: str, args: list, replicas: int = 2) -> str:
     """The example's stdout under poprun-lite (a failure fails the test)."""
-    cmd = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas), "--timeout", "240",
+    cmd = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas), "--timeout", str(JOB_SECONDS),
            sys.executable, str(EXAMPLES / example), *map(str, args)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_SECONDS + 60, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout
 
@@ -85,7 +87,7 @@ def test_losses_equal_the_numpy_job_for_20_steps_at_2_replicas(tiny, options):
 def test_single_process_run_prints_a_sample(tiny):
     r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), "--data", str(tiny), "--steps", "3",
                         "--seq-len", "20", "--batch-size", "4", "--log-every", "1", "--sample-chars", "30"],
-                       capture_output=True, text=True, timeout=180, cwd=ROOT, env=clean_env())
+                       capture_output=True, text=True, timeout=JOB_SECONDS, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert [n for n, _ in STEP_RE.findall(r.stdout)] == ["0", "1", "2"]
     assert "1 replica(s)" in r.stdout and "JAX split path" in r.stdout and "--- sample ---" in r.stdout
@@ -94,7 +96,7 @@ def test_single_process_run_prints_a_sample(tiny):
 @needs_jax
 def test_in_jit_path_refuses_joint_clipping():
     r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), "--path", "in-jit", "--steps", "1"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+                       capture_output=True, text=True, timeout=JOB_SECONDS, cwd=ROOT, env=clean_env())
     assert r.returncode == 2 and "--path in-jit needs --clip-norm 0" in r.stderr
 
 
@@ -105,7 +107,7 @@ def test_in_jit_path_refuses_joint_clipping():
 ])
 def test_checkpoint_options_are_checked(args, message):
     r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), *args], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT, env=clean_env())
+                       timeout=JOB_SECONDS, cwd=ROOT, env=clean_env())
     assert r.returncode == 2 and message in r.stderr
 
 

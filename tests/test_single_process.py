@@ -6,7 +6,9 @@ import sys
 
 import numpy as np
 
-from helpers import run_python
+from helpers import run_python, timeout_for
+
+pytestmark = timeout_for(1)
 
 
 def test_single_process_is_one_replica():

@@ -12,7 +12,9 @@ import pytest
 
 import popdist_lite as pl
 from popdist_lite import counters
-from helpers import ROOT, run_mpi
+from helpers import JOB_SECONDS, ROOT, run_mpi, timeout_for
+
+pytestmark = timeout_for(1)
 
 PROGRAM = """
     import numpy as np
@@ -55,7 +57,7 @@ def test_timeline_under_plain_mpirun(tmp_path, ranks):
     script = tmp_path / "prog.py"
     script.write_text(textwrap.dedent(PROGRAM))
     out = tmp_path / "trace.json"
-    result = run_mpi(ranks, [sys.executable, str(script)], timeout=120, env={"POPDIST_LITE_TIMELINE": str(out)})
+    result = run_mpi(ranks, [sys.executable, str(script)], env={"POPDIST_LITE_TIMELINE": str(out)})
     assert result.returncode == 0, result.stderr[-3000:]
     check_trace(out, ranks)
     assert not list(tmp_path.glob("*.tmp"))
@@ -66,9 +68,10 @@ def test_timeline_through_poprun_lite(tmp_path):
     script.write_text(textwrap.dedent(PROGRAM))
     out = tmp_path / "sub" / "trace.json"
     out.parent.mkdir()
-    result = subprocess.run([sys.executable, "-m", "popdist_lite_launcher", "--timeout", "60", "--num-replicas", "2",
+    result = subprocess.run([sys.executable, "-m", "popdist_lite_launcher", "--timeout", str(JOB_SECONDS), "--num-replicas", "2",
                              "--timeline", str(out), sys.executable, str(script)],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL)
+                            capture_output=True, text=True, timeout=JOB_SECONDS + 60, cwd=ROOT,
+                            stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"timeline written to {out}" in result.stderr
     check_trace(out, 2)

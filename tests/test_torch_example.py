@@ -8,7 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY, clean_env
+from helpers import JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
+
+pytestmark = timeout_for(3)
 
 TORCH_EXAMPLE = ROOT / "examples" / "shakespeare_torch.py"
 NUMPY_EXAMPLE = ROOT / "examples" / "shakespeare.py"
@@ -21,11 +23,11 @@ def losses(stdout: str) -> list[tuple[int, float]]:
     return found
 
 
-def run(replicas: int, script, args: list[str], timeout: float = 240) -> str:
+def run(replicas: int, script, args: list[str], timeout: float = JOB_SECONDS + 60) -> str:
     cmd = [sys.executable, str(script), *args]
     if replicas > 1:
         cmd = [sys.executable, "-m", "popdist_lite_launcher", "--num-replicas", str(replicas),
-               "--timeout", str(timeout - 30), *cmd]
+               "--timeout", str(timeout - 60), *cmd]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=ROOT,
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -34,7 +36,7 @@ def run(replicas: int, script, args: list[str], timeout: float = 240) -> str:
 
 def test_import_popdist_lite_does_not_import_torch():
     code = "import popdist_lite, sys; assert 'torch' not in sys.modules, 'torch was imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=clean_env())
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=JOB_SECONDS, env=clean_env())
 
 
 @pytest.fixture
@@ -105,6 +107,6 @@ def test_resumed_run_continues_exactly_as_a_straight_one(tiny, tmp_path, extra):
 def test_checkpoint_options_are_checked():
     pytest.importorskip("torch", reason="popdist_lite.torch needs PyTorch: pip install '.[torch]'")
     for bad in (["--resume"], ["--checkpoint-every", "5"], ["--checkpoint-dir", "x", "--checkpoint-every", "0"]):
-        r = subprocess.run([sys.executable, str(TORCH_EXAMPLE), *bad], capture_output=True, text=True, timeout=120,
+        r = subprocess.run([sys.executable, str(TORCH_EXAMPLE), *bad], capture_output=True, text=True, timeout=JOB_SECONDS,
                            env=clean_env(), cwd=ROOT, stdin=subprocess.DEVNULL)
         assert r.returncode == 2 and "--checkpoint" in r.stderr, (bad, r.stderr)

@@ -20,15 +20,16 @@ import pytest
 torch = pytest.importorskip("torch", reason="popdist_lite.torch needs PyTorch: pip install '.[torch]'")
 
 from progs import torch_checkpoint_prog as prog  # noqa: E402
-from helpers import ROOT, run_mpi  # noqa: E402
+from helpers import ROOT, run_mpi, timeout_for  # noqa: E402
 
 PROG = str(ROOT / "tests" / "progs" / "torch_checkpoint_prog.py")
 F = torch.nn.functional
+pytestmark = timeout_for(2)  # the module's save and a load
 
 
 def run_prog(ranks: int, *args) -> None:
     try:
-        r = run_mpi(ranks, [sys.executable, PROG, *map(str, args)], timeout=180)
+        r = run_mpi(ranks, [sys.executable, PROG, *map(str, args)])
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"torch_checkpoint_prog {args} on {ranks} ranks hung:\n{e.stdout!r}")
     assert r.returncode == 0, f"{args} on {ranks} ranks:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"

@@ -1,13 +1,14 @@
 """POPDIST_LITE_STALL_TIMEOUT under plain mpirun (no poprun-lite): a replica that has
 waited that long inside one collective prints its replica, operation, call number and
-stack, and ends the job. Runs under a timeout."""
+stack, and ends the job (long before the other replica would have entered it). Runs
+under a timeout."""
 
 import subprocess
 import sys
 import textwrap
-import time
+from helpers import run_mpi, timeout_for
 
-from helpers import run_mpi
+pytestmark = timeout_for(1)
 
 PROG = textwrap.dedent("""
     import time
@@ -15,7 +16,7 @@ PROG = textwrap.dedent("""
     import popdist_lite as pl
 
     def sleep_before_all_reduce():
-        time.sleep(120)
+        time.sleep(3600)
 
     pl.init()
     x = np.ones(3)
@@ -30,9 +31,7 @@ PROG = textwrap.dedent("""
 def test_stall_timeout_under_plain_mpirun(tmp_path):
     prog = tmp_path / "prog.py"
     prog.write_text(PROG)
-    start = time.monotonic()
-    proc = run_mpi(2, [sys.executable, str(prog)], timeout=90, env={"POPDIST_LITE_STALL_TIMEOUT": "3"})
-    elapsed = time.monotonic() - start
+    proc = run_mpi(2, [sys.executable, str(prog)], env={"POPDIST_LITE_STALL_TIMEOUT": "3"})
     assert proc.returncode != 0
     assert "finished" not in proc.stdout
     err = proc.stderr
@@ -41,7 +40,6 @@ def test_stall_timeout_under_plain_mpirun(tmp_path):
            "(POPDIST_LITE_STALL_TIMEOUT=3)" in err
     stack = err[err.index("Python stack of replica 0:"):]
     assert "in all_gather" in stack and "<module>" in stack
-    assert elapsed < 60
 
 
 def test_work_outside_collectives_is_not_a_stall(tmp_path):
@@ -57,6 +55,6 @@ def test_work_outside_collectives_is_not_a_stall(tmp_path):
         pl.all_reduce(np.ones(2))
         print("finished", flush=True)
     """))
-    proc = run_mpi(1, [sys.executable, str(prog)], timeout=90, env={"POPDIST_LITE_STALL_TIMEOUT": "1"})
+    proc = run_mpi(1, [sys.executable, str(prog)], env={"POPDIST_LITE_STALL_TIMEOUT": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "finished" in proc.stdout and "stall timeout" not in proc.stderr

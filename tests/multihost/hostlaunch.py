@@ -19,7 +19,7 @@ def prog(*args: str, mpich: bool = False) -> list[str]:
     return [MPICH_PYTHON if mpich else sys.executable, PROG_PY, *args]
 
 
-def poprun_command(hosts, *args, job_timeout: float = 60, python: str = sys.executable) -> list[str]:
+def poprun_command(hosts, *args, job_timeout: float = 240, python: str = sys.executable) -> list[str]:
     """poprun-lite over every test host, with the launch agent and the test network."""
     return [python, "-m", "popdist_lite_launcher", "--timeout", str(job_timeout),
             "-H", ",".join(hosts.names), "--launch-agent", testhosts.LAUNCH_AGENT,
@@ -32,7 +32,7 @@ def mpich_env() -> dict:
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "POPRUN_LITE_MPIRUN": str(bin_dir / "mpiexec")}
 
 
-def poprun(hosts, *args, timeout: float = 90, job_timeout: float = 60, mpich: bool = False,
+def poprun(hosts, *args, timeout: float = 300, job_timeout: float = 240, mpich: bool = False,
            **kw) -> subprocess.CompletedProcess:
     python = MPICH_PYTHON if mpich else sys.executable
     env = {**os.environ, **(mpich_env() if mpich else {}), **kw.pop("env", {})}

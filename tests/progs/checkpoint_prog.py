@@ -2,8 +2,8 @@
 
     checkpoint_prog.py save DIR OUT STRATEGY      train 4 steps, save, dump, train 3 more, dump
     checkpoint_prog.py load DIR OUT STRATEGY      load the newest checkpoint, dump, train 3 more, dump
-    checkpoint_prog.py torn DIR OUT STRATEGY      save at step 4, dump, then a slow save at 7 (the test kills
-                                                  a replica during it)
+    checkpoint_prog.py torn DIR OUT STRATEGY      save at step 4, dump, then a save at 7 that waits 600 s
+                                                  after each block (the test kills a replica during it)
     checkpoint_prog.py disk DIR OUT STRATEGY      save at step 4, dump, then a save too big for the disk:
                                                   write its error, load step 4 back, dump
 
@@ -99,7 +99,7 @@ def main() -> None:
         if command == "torn":
             with open(f"{out}/pid.r{pl.replica_id()}", "w") as f:
                 f.write(str(os.getpid()))
-            os.environ[SLOW_WRITE_ENV] = "0.5"
+            os.environ[SLOW_WRITE_ENV] = "600"  # it never ends by itself, however slow the test is to kill
             pl.save_checkpoint(directory, state, step=END)
             raise SystemExit("the test should have killed a replica during the save")
         state["big"] = np.ones(400_000, np.float32)  # 1.6 MB, on a 1 MiB filesystem

@@ -1,9 +1,9 @@
-"""The elastic job of tests/multihost/test_hosts_elastic.py (and scripts/bench_elastic.py): a
+"""The elastic job of tests/multihost/test_hosts_elastic.py: a
 tiny model trained for one epoch of numbered samples, with the global batch kept fixed
 at any replica count by gradient accumulation, resumable at any replica count, stopping
 at a step boundary when the launcher asks for a resize.
 
-    python tests/progs/hosts_elastic_prog.py CKPT --samples N --batch B --global-batch G [--sleep S]
+    python tests/progs/hosts_elastic_prog.py CKPT --samples N --batch B --global-batch G [--hold A:S ...]
 
 Samples are numbered 0..N-1; global batch ``g`` (of the feed's global sequence) holds
 samples ``g*B .. g*B + B-1`` and the dataset takes ``offset=``, so the feed resumes
@@ -21,6 +21,12 @@ Every replica prints, per step, ``TOOK attempt step replica id id ...`` (the sam
 took); replica 0 prints ``RESUMED step replicas`` after loading a checkpoint,
 ``STOPPED step`` when it stopped for a resize and ``DONE steps`` at the end of the
 epoch. A checkpoint is saved every 10 steps (keep 100) and at the end.
+
+``--hold A:S`` (repeatable): in attempt A (``POPDIST_LITE_RESTART_COUNT``), after step
+S (the step of its TOOK lines), the replicas wait at that step boundary until the
+launcher asks for a resize, or until the attempt is torn down (a host lost), so that a
+test meets the job at a known step however fast the steps run. They give up after
+HOLD_POLLS polls (an error on every replica).
 """
 
 import argparse
@@ -37,9 +43,10 @@ parser.add_argument("ckpt")
 parser.add_argument("--samples", type=int, required=True)
 parser.add_argument("--batch", type=int, required=True)
 parser.add_argument("--global-batch", type=int, required=True)
-parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to see events happen)")
+parser.add_argument("--hold", action="append", default=[], metavar="A:S", help="see above")
 parser.add_argument("--every", type=int, default=10)
 args = parser.parse_args()
+HOLD_POLLS, HOLD_POLL_SECONDS = 6000, 0.05  # a count, not a clock: every replica gives up at the same call
 
 
 def make_dataset(shard_index, num_shards, offset=0):
@@ -85,8 +92,14 @@ with table.register(), seen.register():
         table.apply_gradients(ids, d_rows.astype(np.float32))      # summed over replicas
         seen.apply_gradients(ids, -np.ones((len(ids), 1), np.float32))
         optimizer.step(params, {"w": grad_w.astype(np.float32)})
-        time.sleep(args.sleep)
         done = step + 1
+        if f"{attempt}:{step}" in args.hold:
+            for _ in range(HOLD_POLLS):
+                if pl.should_checkpoint():
+                    break
+                time.sleep(HOLD_POLL_SECONDS)
+            else:
+                raise SystemExit(f"--hold {attempt}:{step}: no resize asked after {HOLD_POLLS} polls")
         if pl.should_checkpoint():
             state["step"] = done
             pl.save_checkpoint(args.ckpt, state, step=done, keep=100)

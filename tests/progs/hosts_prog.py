@@ -50,11 +50,11 @@ elif what == "loop":
     while True:
         pl.all_reduce(np.ones(4))
         time.sleep(0.05)
-elif what == "wait":  # until DIR/go exists (DIR in the project: the hosts share it), 60 s at most
+elif what == "wait":  # until DIR/go exists (DIR in the project: the hosts share it), 10 minutes at most
     go = os.path.join(sys.argv[2], "go")
     pl.all_reduce(np.ones(4))
     print(f"READY {me} {host} {os.getpid()}", flush=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600  # generous: the job's --timeout ends it first
     while not os.path.exists(go) and time.monotonic() < deadline:
         time.sleep(0.05)
     pl.all_reduce(np.ones(4))
@@ -64,4 +64,7 @@ elif what == "detach":  # every rank leaves a process outside its session behind
     pl.all_reduce(np.ones(4))
     if me == int(sys.argv[2]):
         os._exit(3)  # dies without finalizing MPI, as a crash does
-    pl.all_reduce(np.ones(4))
+    # The others wait outside MPI until the job is stopped: inside a collective they would
+    # fail too (the peer's socket closed), and on a busy machine such a consequence can
+    # reach the launcher first and be named the root cause.
+    time.sleep(600)
