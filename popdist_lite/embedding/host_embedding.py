@@ -208,7 +208,7 @@ class HostEmbedding:
         start = perf_counter()
         bags, flat, problem = _prepare_bags(self.spec, values, lengths, weights, combiner, padding_id, clip_indices)
         rows = self._lookup_flat(flat, problem)
-        out = combiners.pool(rows, bags)
+        out = combiners.pool(rows, bags, overwrite_rows=True)  # the rows are this call's own
         counters.record("lookup_bags", start, kind=counters.PHASE, detail=self.name)
         return out
 

@@ -275,23 +275,15 @@ class HostEmbeddingBag(_HostTableModule):
             problem = Problem(problem.error, f"module {self.name!r}: {problem.message}")
         agree(_BAGS, _NO_ARRAY, self._comm, problem=problem, same_from=0)  # raised on every replica
         tensors = [t for t in (input, offsets, per_sample_weights) if t is not None]
-        return self._run(_Bags(*bags, self.mode, self.dtype), *tensors)
+        return self._run(_Bags(*bags), *tensors)
 
     def _lookup(self, bags: "_Bags") -> torch.Tensor:
-        rows = torch.from_numpy(self.table.lookup(bags.values)).to(bags.acc)
-        if bags.scale is not None:
-            rows.mul_(bags.scale[:, None])
-        out = torch.zeros(bags.count, self.embedding_dim, dtype=bags.acc)
-        out.index_add_(0, bags.bag, rows)
-        return out.to(self.dtype).reshape(bags.shape + (self.embedding_dim,))
+        pooled = self.table.lookup_bags(bags.values, bags.lengths, bags.weights, combiner=self.mode)
+        return torch.from_numpy(pooled).reshape(bags.shape + (self.embedding_dim,))
 
     def _update(self, bags: "_Bags", grad: np.ndarray, loss_scale: float) -> None:
-        grad = torch.from_numpy(grad).reshape(bags.count, self.embedding_dim)
-        per_id = grad.to(bags.acc).index_select(0, bags.bag)
-        if bags.scale is not None:
-            per_id.mul_(bags.scale[:, None])
-        per_id = per_id.to(self.dtype)
-        self.table.apply_gradients(bags.values, per_id.numpy(), loss_scale=loss_scale)
+        self.table.apply_bag_gradients(bags.values, grad.reshape(bags.count, self.embedding_dim), bags.lengths,
+                                       bags.weights, combiner=self.mode, loss_scale=loss_scale)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}" + \
@@ -299,33 +291,15 @@ class HostEmbeddingBag(_HostTableModule):
 
 
 class _Bags:
-    """One replica's bags, flattened: ``values`` int64[n] (padding removed), ``bag``
-    (each value's bag, int64[n]) and ``scale`` (``w_i / d_b``, each value's weight over
-    its bag's divisor, in the accumulation dtype ``acc``: float32 for float16 tables; None
-    when every scale is 1),
-    ``count`` bags of batch ``shape``. The combiners are SparseCore's (``popdist_lite.COMBINERS``):
-    divisor 1 (``"sum"``), the sum of the weights (``"mean"``) or the root of the sum of
-    their squares (``"sqrtn"``); an empty bag (or a divisor of 0) pools to zeros. Bags are
-    pooled with ``Tensor.index_add_`` after every row has come back, so a divisor is always
-    its whole bag's, wherever its rows live."""
+    """One replica's bags as the table's ragged bags: ``values`` int[n] (padding
+    removed), ``lengths`` int64[B], ``weights`` float[n] or None, ``count`` = B bags of
+    batch ``shape``. :meth:`popdist_lite.HostEmbedding.lookup_bags` and
+    :meth:`~popdist_lite.HostEmbedding.apply_bag_gradients` pool and unpool them
+    (SparseCore's combiners, :mod:`popdist_lite.embedding.combiners`)."""
 
-    def __init__(self, values, lengths, weights, shape, mode: str, dtype):
-        self.values, self.shape, self.count = values, shape, lengths.size
-        self.acc = torch.float32 if dtype == torch.float16 else dtype
-        self.bag = torch.repeat_interleave(torch.arange(lengths.size), torch.from_numpy(lengths))
-        if mode == "sum" and weights is None:
-            self.scale = None
-            return
-        w = torch.ones(values.size, dtype=torch.float64) if weights is None else \
-            torch.from_numpy(np.asarray(weights, np.float64))
-        if mode == "sum":
-            self.scale = w.to(self.acc)
-            return
-        divisor = torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.bag, w if mode == "mean" else w * w)
-        if mode == "sqrtn":
-            divisor = divisor.sqrt()
-        inverse = torch.where(divisor != 0, 1.0 / divisor, torch.zeros_like(divisor))
-        self.scale = (w * inverse[self.bag]).to(self.acc)
+    def __init__(self, values, lengths, weights, shape):
+        self.values, self.lengths, self.weights, self.shape = values, lengths, weights, shape
+        self.count = lengths.size
 
 
 def _numpy(t) -> np.ndarray:
