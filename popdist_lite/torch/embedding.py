@@ -246,8 +246,12 @@ class HostEmbeddingBag(_HostTableModule):
       ``"sum"`` only). They are constants: a ``per_sample_weights`` that requires a
       gradient is an error.
 
-    Returns ``(B, embedding_dim)`` of ``dtype``. Collective: besides the table's exchange,
-    one all-reduce of one int32 agrees the torch arguments' check.
+    Returns ``(B, embedding_dim)`` of ``dtype``: the table's
+    :meth:`~popdist_lite.HostEmbedding.lookup_bags` (bags of one ID of scale 1 are the
+    looked-up rows themselves, no copy), and in backward its
+    :meth:`~popdist_lite.HostEmbedding.apply_bag_gradients` with the output's gradient.
+    Collective: besides the table's exchange, one agreement (a small ``Allgather``,
+    :func:`popdist_lite.collectives.agree`) checks the torch arguments on every replica.
 
     Raises:
         ValueError, TypeError: on every replica, for any replica's malformed input,

@@ -317,3 +317,43 @@ def test_bag_step_equals_the_numpy_bag_api(comm, rng, strategy, mode, case):
         assert out.dtype == dtype
         np.testing.assert_array_equal(out.detach().numpy(), want)
     np.testing.assert_array_equal(module.table.get_embedding_tensor(), table.get_embedding_tensor())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bags", [False, True], ids=["embedding", "bag"])
+def test_rows_and_gradient_cross_without_a_copy(comm, bags):
+    """The table's rows become the output, and the output's gradient reaches the
+    table's update, without a copy (one ID per bag: pooling is the identity); the
+    graph holds no reference to the output or its gradient after backward."""
+    import gc
+    import weakref
+
+    spec = pl.HostEmbeddingOptimizerSpec(0.1)
+    module = (pt.HostEmbeddingBag(9, 4, mode="sum", optimizer_spec=spec) if bags
+              else pt.HostEmbedding(9, 4, optimizer_spec=spec))
+    seen = {}
+    table = module.table
+    lookup, update = (table.lookup_bags, table.apply_bag_gradients) if bags else (table.lookup, table.apply_gradients)
+
+    def spy_lookup(*args, **kwargs):
+        seen["rows"] = lookup(*args, **kwargs)
+        return seen["rows"]
+
+    def spy_update(values, grads, *args, **kwargs):
+        seen["grads"] = grads
+        return update(values, grads, *args, **kwargs)
+
+    name = "bags" if bags else ""
+    setattr(table, f"lookup{'_' + name if name else ''}", spy_lookup)
+    setattr(table, "apply_bag_gradients" if bags else "apply_gradients", spy_update)
+    ids = torch.tensor([1, 5, 5, 8])
+    out = module(ids, torch.arange(4)) if bags else module(ids)
+    assert np.shares_memory(out.detach().numpy(), seen["rows"])
+    grad = torch.ones(4, 4)
+    out.backward(grad)
+    assert np.shares_memory(seen["grads"], grad.numpy())
+    seen.clear()
+    alive = weakref.ref(out)
+    del out
+    gc.collect()
+    assert alive() is None
