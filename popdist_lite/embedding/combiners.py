@@ -101,6 +101,7 @@ def make_bags(values, lengths=None, weights=None, combiner: str = "sum", padding
                 np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=np.intp)
             ids, w = ids[real], w[real]
     starts = np.cumsum(sizes) - sizes
+    bag = None
     if combiner == "sum" and weights is None:
         scale = w  # ones
     else:
@@ -115,7 +116,10 @@ def make_bags(values, lengths=None, weights=None, combiner: str = "sum", padding
             inverse = np.where(divisor != 0, 1.0 / divisor, 0.0)
         scale = w * inverse[bag]
     unit = ids.size == sizes.size and bool((sizes == 1).all()) and bool((scale == 1).all())
-    bag = None if unit else np.repeat(np.arange(sizes.size), sizes)
+    if unit:
+        bag = None
+    elif bag is None:
+        bag = np.repeat(np.arange(sizes.size), sizes)
     return Bags(ids, scale, starts, sizes, tuple(shape), bag, unit)
 
 
