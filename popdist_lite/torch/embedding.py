@@ -22,7 +22,8 @@ The lookup is one ``torch.autograd.Function`` (:class:`_HostLookup`):
 
 Every replica runs the same graph, so the lookups and updates are collectives in the same
 order everywhere; an error found on one replica (a bad index, a malformed bag) is raised
-on every replica by the table's checks or by :mod:`._agree`.
+on every replica by the table's checks (the bag module hands its own check of the torch
+arguments to the table's lookup) or, at construction, by :mod:`._agree`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 import popdist_lite as pl
 
-from popdist_lite.collectives import Problem, agree, register_op
+from popdist_lite.collectives import Problem
 
 from ._agree import agree_signatures
 
@@ -44,8 +45,21 @@ _DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: 
 _OPS = ("mean", "sum")
 _MODES = ("sum", "mean", "sqrtn")
 _names = itertools.count()
-_BAGS = register_op("torch.HostEmbeddingBag")
-_NO_ARRAY = np.zeros(0, np.int8)  # the agreement of the bag arguments compares no array
+_BAGS = "torch.HostEmbeddingBag"  # how a bag argument's problem is named when raised
+_NO_IDS = np.zeros(0, np.int64)
+_NO_LENGTHS = np.zeros(0, np.int64)
+
+
+class _BagProblem(Problem):
+    """A malformed torch argument of :class:`HostEmbeddingBag` on one replica, handed to
+    the table's lookup: the table's first agreement (the collective it runs anyway)
+    raises it on every replica as ``torch.HostEmbeddingBag: replica k: ...``, whichever
+    collective carries it, so the module's check costs no collective of its own."""
+
+    __slots__ = ()
+
+    def raise_as(self, op: str, replica: int):
+        Problem.raise_as(self, _BAGS, replica)
 
 
 class _HostLookup(torch.autograd.Function):
@@ -250,8 +264,8 @@ class HostEmbeddingBag(_HostTableModule):
     :meth:`~popdist_lite.HostEmbedding.lookup_bags` (bags of one ID of scale 1 are the
     looked-up rows themselves, no copy), and in backward its
     :meth:`~popdist_lite.HostEmbedding.apply_bag_gradients` with the output's gradient.
-    Collective: besides the table's exchange, one agreement (a small ``Allgather``,
-    :func:`popdist_lite.collectives.agree`) checks the torch arguments on every replica.
+    Collective: the table's exchange and nothing more; a malformed torch argument on
+    any replica travels in the table's own agreement and is raised on every replica.
 
     Raises:
         ValueError, TypeError: on every replica, for any replica's malformed input,
@@ -275,14 +289,14 @@ class HostEmbeddingBag(_HostTableModule):
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         problem, bags = _make_bags(input, offsets, per_sample_weights, self.include_last_offset, self.padding_idx)
-        if problem is not None:
-            problem = Problem(problem.error, f"module {self.name!r}: {problem.message}")
-        agree(_BAGS, _NO_ARRAY, self._comm, problem=problem, same_from=0)  # raised on every replica
+        if problem is not None:  # raised on every replica by the table's lookup
+            problem = _BagProblem(problem.error, f"module {self.name!r}: {problem.message}")
+            bags = (_NO_IDS, _NO_LENGTHS, None, (0,))
         tensors = [t for t in (input, offsets, per_sample_weights) if t is not None]
-        return self._run(_Bags(*bags), *tensors)
+        return self._run(_Bags(*bags, problem), *tensors)
 
     def _lookup(self, bags: "_Bags") -> torch.Tensor:
-        pooled = self.table.lookup_bags(bags.values, bags.lengths, bags.weights, combiner=self.mode)
+        pooled = self.table._lookup_bags(bags.values, bags.lengths, bags.weights, self.mode, problem=bags.problem)
         return torch.from_numpy(pooled).reshape(bags.shape + (self.embedding_dim,))
 
     def _update(self, bags: "_Bags", grad: np.ndarray, loss_scale: float) -> None:
@@ -297,13 +311,15 @@ class HostEmbeddingBag(_HostTableModule):
 class _Bags:
     """One replica's bags as the table's ragged bags: ``values`` int[n] (padding
     removed), ``lengths`` int64[B], ``weights`` float[n] or None, ``count`` = B bags of
-    batch ``shape``. :meth:`popdist_lite.HostEmbedding.lookup_bags` and
+    batch ``shape``; ``problem``: this replica's :class:`_BagProblem` (then no bags),
+    raised on every replica by the table's lookup.
+    :meth:`popdist_lite.HostEmbedding.lookup_bags` and
     :meth:`~popdist_lite.HostEmbedding.apply_bag_gradients` pool and unpool them
     (SparseCore's combiners, :mod:`popdist_lite.embedding.combiners`)."""
 
-    def __init__(self, values, lengths, weights, shape):
+    def __init__(self, values, lengths, weights, shape, problem=None):
         self.values, self.lengths, self.weights, self.shape = values, lengths, weights, shape
-        self.count = lengths.size
+        self.count, self.problem = lengths.size, problem
 
 
 def _numpy(t) -> np.ndarray:
