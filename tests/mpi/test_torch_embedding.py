@@ -356,3 +356,24 @@ def test_rows_and_gradient_cross_without_a_copy(comm, bags):
     del out
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("options", [{}, {"exchange": "dense"}, {"partition_strategy": "ENCODING"},
+                                     {"max_ids_per_partition": 4, "enable_minibatching": True}],
+                         ids=["sparse", "dense", "encoding", "id-limits"])
+def test_bad_bag_argument_raises_everywhere_through_the_tables_agreement(comm, options):
+    """A malformed offsets on the last replica is raised on every replica, named as the
+    module's, by the table's own lookup (whatever exchange or ID limits it has); the
+    replicas stay in step and nothing was updated."""
+    r, last = comm.size, comm.rank == comm.size - 1
+    bag = pt.HostEmbeddingBag(7, 3, mode="mean", optimizer_spec=pl.HostEmbeddingOptimizerSpec(0.5), **options)
+    before = bag.get_embedding_tensor().clone()
+    with pytest.raises(ValueError, match=rf"HostEmbeddingBag: replica {r - 1}: module .*argument offsets"):
+        bag(torch.tensor([1, 2, 3]), torch.tensor([1, 2] if last else [0, 2]))
+    out = bag(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
+    out.sum().backward()
+    weight = before.double()
+    want = torch.nn.EmbeddingBag.from_pretrained(weight, mode="mean")(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
+    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(bag.get_embedding_tensor(), before)
