@@ -38,7 +38,8 @@ Summary ratios (of the maxima over replicas) and goals: char ``binding_over_ddp_
 (at most 0.9) and, for context, ``binding_over_local`` (the binding against its compute
 alone); recsys ``gloo_over_binding`` (at least 3.5), ``binding_over_numpy`` (at
 most 1.1) and ``binding_bag_over_numpy_bag`` (at most 1.15); ``summary.goals.met``
-says which goal each workload met; ``*_paired`` are the median over rounds of the two variants' block ratios.
+says which goal was met; ``*_paired`` are the median over rounds of the two variants'
+block ratios.
 """
 
 from __future__ import annotations
