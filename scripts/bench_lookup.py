@@ -34,7 +34,8 @@ avg and max across replicas) for lookup and lookup + update, payload bytes moved
 replica and lookup step (sent + received, popdist_lite.stats()), unique-index ratio,
 resident memory the variant added (its table, state and scratch, after warm-up) and the
 job's peak RSS per replica (ru_maxrss), and the time per lookup phase. The summary gives
-dense / sparse and sparse / mpi4py as ratios of those medians (the targets) and, as a
+dense / sparse, sparse / mpi4py and sparse / np_take (recommender lookup: at most
+1.5) as ratios of those medians (the targets) and, as a
 check on drift, ``*_paired``: the median over rounds of the ratio of the two variants'
 blocks in the same round (each block the slowest replica's).
 """
@@ -229,6 +230,8 @@ def worker(opts) -> None:
     paired = {}
     if "dense" in lookup and "sparse" in lookup:
         paired["dense_over_sparse_lookup"] = paired_ratio(comm, lookup["dense"], lookup["sparse"])
+    if "sparse" in lookup and "np_take" in lookup:
+        paired["sparse_over_np_take_lookup"] = paired_ratio(comm, lookup["sparse"], lookup["np_take"])
     if "sparse" in lookup and "mpi4py" in lookup:
         paired["sparse_over_mpi4py_lookup"] = paired_ratio(comm, lookup["sparse"], lookup["mpi4py"])
     if comm.rank == 0:
@@ -267,6 +270,9 @@ def main() -> None:
         s = {}
         if "sparse" in r and "dense" in r:
             s["dense_over_sparse_lookup"] = round(r["dense"]["lookup_ms"]["max"] / r["sparse"]["lookup_ms"]["max"], 2)
+        if "sparse" in r and "np_take" in r:
+            s["sparse_over_np_take_lookup"] = round(r["sparse"]["lookup_ms"]["max"] / r["np_take"]["lookup_ms"]["max"],
+                                                    3)
         if "sparse" in r and "mpi4py" in r:
             s["sparse_over_mpi4py_lookup"] = round(r["sparse"]["lookup_ms"]["max"] / r["mpi4py"]["lookup_ms"]["max"], 3)
         for name, ratio in paired[workload].items():
@@ -274,8 +280,10 @@ def main() -> None:
         summary[workload] = s
     rec = summary.get("recsys", {})
     summary["targets"] = {"dense_over_sparse_lookup_at_least": 5.0, "sparse_over_mpi4py_lookup_at_most": 1.25,
+                          "sparse_over_np_take_lookup_at_most": 1.5,
                           "met": bool(rec.get("dense_over_sparse_lookup", 0) >= 5.0
-                                      and rec.get("sparse_over_mpi4py_lookup", 99) <= 1.25)}
+                                      and rec.get("sparse_over_mpi4py_lookup", 99) <= 1.25),
+                          "sparse_over_np_take_met": bool(rec.get("sparse_over_np_take_lookup", 99) <= 1.5)}
     where = test_hosts_setup(opts.hosts, opts.ranks) if opts.hosts else {}
     print(json.dumps({"benchmark": "lookup", "replicas": opts.ranks, **where, "seconds": round(time.perf_counter() - start, 1),
                       "machine": {"cpus": os.cpu_count(), "load_avg_1min_before": round(load_before, 2),

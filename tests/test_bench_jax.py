@@ -23,7 +23,7 @@ def test_bench_jax_prints_every_variant_and_the_goals():
     char = report["results"]["shakespeare"]["ms_per_step"]
     assert set(char) == {"split", "dense", "split_noclip", "in_jit"}
     assert all(v["max"] > 0 and len(v["per_replica"]) == 2 for v in char.values())
-    assert set(report["results"]["recsys"]["ms_per_step"]) == {"numpy", "jax"}
+    assert set(report["results"]["recsys"]["ms_per_step"]) == {"numpy", "jax", "numpy_bag", "jax_bag"}
     targets = report["summary"]["targets"]
     assert {"binding_overhead_met", "recsys_met"} <= set(targets)
     assert "load_avg_1min_before" in report["machine"]

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._buffers import aligned_empty
+from ._segment import sum_groups
+
 COMBINERS = ("sum", "mean", "sqrtn")
 
 
@@ -37,13 +40,17 @@ COMBINERS = ("sum", "mean", "sqrtn")
 class Bags:
     """Bags flattened for one lookup: ``ids`` ``int64[n]`` (padding removed, bag order),
     ``scale`` ``float64[n]`` (``w_i / d_b``), ``starts``/``sizes`` ``int[B]`` of each bag's
-    run in ``ids``, ``shape``: the batch shape (the output is ``shape + (e,)``)."""
+    run in ``ids``, ``shape``: the batch shape (the output is ``shape + (e,)``); ``bag``
+    ``int[n]``: each ID's bag; ``unit``: every bag holds exactly one ID of scale 1, so
+    pooling and its gradient are the identity (no arithmetic, no copy)."""
 
     ids: np.ndarray
     scale: np.ndarray
     starts: np.ndarray
     sizes: np.ndarray
     shape: tuple
+    bag: np.ndarray | None = None
+    unit: bool = False
 
 
 def make_bags(values, lengths=None, weights=None, combiner: str = "sum", padding_id=None) -> Bags:
@@ -94,16 +101,26 @@ def make_bags(values, lengths=None, weights=None, combiner: str = "sum", padding
                 np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=np.intp)
             ids, w = ids[real], w[real]
     starts = np.cumsum(sizes) - sizes
-    bag = np.repeat(np.arange(sizes.size), sizes)
-    if combiner == "sum":
-        divisor = np.ones(sizes.size)
-    elif combiner == "mean":
-        divisor = np.bincount(bag, weights=w, minlength=sizes.size)
+    bag = None
+    if combiner == "sum" and weights is None:
+        scale = w  # ones
     else:
-        divisor = np.sqrt(np.bincount(bag, weights=w * w, minlength=sizes.size))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        inverse = np.where(divisor != 0, 1.0 / divisor, 0.0)
-    return Bags(ids, w * inverse[bag], starts, sizes, tuple(shape))
+        bag = np.repeat(np.arange(sizes.size), sizes)
+        if combiner == "sum":
+            divisor = np.ones(sizes.size)
+        elif combiner == "mean":
+            divisor = np.bincount(bag, weights=w, minlength=sizes.size)
+        else:
+            divisor = np.sqrt(np.bincount(bag, weights=w * w, minlength=sizes.size))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inverse = np.where(divisor != 0, 1.0 / divisor, 0.0)
+        scale = w * inverse[bag]
+    unit = ids.size == sizes.size and bool((sizes == 1).all()) and bool((scale == 1).all())
+    if unit:
+        bag = None
+    elif bag is None:
+        bag = np.repeat(np.arange(sizes.size), sizes)
+    return Bags(ids, scale, starts, sizes, tuple(shape), bag, unit)
 
 
 def acc_dtype(dtype) -> np.dtype:
@@ -111,24 +128,58 @@ def acc_dtype(dtype) -> np.dtype:
     return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
 
 
-def pool(rows: np.ndarray, bags: Bags) -> np.ndarray:
+def pool(rows: np.ndarray, bags: Bags, overwrite_rows: bool = False) -> np.ndarray:
     """Pool looked-up rows ``(n, e)`` (in ``bags.ids`` order) to ``bags.shape + (e,)``,
-    in the rows' dtype (accumulated in float32 for float16)."""
-    e = rows.shape[1]
+    in the rows' dtype (accumulated in float32 for float16).
+
+    Bags of one ID of scale 1 (``bags.unit``) return ``rows`` itself, reshaped. Else
+    the rows are scaled (in place when ``overwrite_rows`` and they are already in the
+    accumulation dtype) and each bag's run is summed in order: one ``sum`` over a
+    ``(B, L, e)`` view when every bag holds ``L`` IDs, else
+    :func:`._segment.sum_groups`'s padded block sums. The result is a new array
+    aligned for zero-copy hand-over (:func:`._buffers.aligned_empty`), except for unit
+    bags, which return the caller's rows.
+    """
+    n, e = rows.shape
+    out_shape = bags.shape + (e,)
+    if bags.unit:
+        return rows.reshape(out_shape)
     acc = acc_dtype(rows.dtype)
-    weighted = rows.astype(acc) * bags.scale.astype(acc)[:, None]
-    out = np.zeros((bags.sizes.size, e), dtype=acc)
-    full = bags.sizes > 0
-    if weighted.shape[0]:
-        out[full] = np.add.reduceat(weighted, bags.starts[full], axis=0)
-    return out.astype(rows.dtype, copy=False).reshape(bags.shape + (e,))
+    if overwrite_rows and rows.dtype == acc:
+        weighted = rows
+        weighted *= bags.scale.astype(acc, copy=False)[:, None]
+    else:
+        weighted = rows.astype(acc) * bags.scale.astype(acc, copy=False)[:, None]
+    count = bags.sizes.size
+    out = aligned_empty((count, e), acc)
+    sizes = bags.sizes
+    if n == 0:
+        out[...] = 0
+    elif sizes.size and (sizes == sizes[0]).all():
+        np.sum(weighted.reshape(count, int(sizes[0]), e), axis=1, out=out)
+    else:
+        full = np.flatnonzero(sizes)
+        sums = sum_groups(weighted, np.arange(n), bags.starts[full])
+        if full.size < count:
+            out[...] = 0
+        out[full] = sums
+    if out.dtype != rows.dtype:
+        final = aligned_empty((count, e), rows.dtype)
+        final[...] = out
+        out = final
+    return out.reshape(out_shape)
 
 
 def unpool(grads: np.ndarray, bags: Bags, e: int, dtype) -> np.ndarray:
     """Gradient of each ID ``(n, e)`` from the gradient of the pooled rows
-    ``bags.shape + (e,)``: ``g_b * w_i / d_b``."""
+    ``bags.shape + (e,)``: ``g_b * w_i / d_b`` (in the accumulation dtype, then
+    ``dtype``). Unit bags (one ID of scale 1 each) pass ``grads`` through, reshaped and
+    cast to ``dtype`` only when it differs (no copy)."""
     grads = np.asarray(grads)
+    g = grads.reshape(-1, e)
+    if bags.unit:
+        return g.astype(dtype, copy=False)
     acc = acc_dtype(dtype)
-    g = grads.reshape(-1, e).astype(acc, copy=False)
-    bag = np.repeat(np.arange(bags.sizes.size), bags.sizes)
-    return (g[bag] * bags.scale.astype(acc)[:, None]).astype(dtype, copy=False)
+    per_id = np.take(g, bags.bag, axis=0).astype(acc, copy=False)
+    per_id *= bags.scale.astype(acc, copy=False)[:, None]
+    return per_id.astype(dtype, copy=False)

@@ -205,10 +205,19 @@ class HostEmbedding:
                 (see :func:`~popdist_lite.embedding.combiners.make_bags`).
             IndexError, IdLimitError: as :meth:`lookup`.
         """
+        return self._lookup_bags(values, lengths, weights, combiner, padding_id, clip_indices)
+
+    def _lookup_bags(self, values, lengths=None, weights=None, combiner: str = "sum", padding_id=None,
+                     clip_indices: bool = False, *, problem: Problem | None = None) -> np.ndarray:
+        """:meth:`lookup_bags`, with the caller's own ``problem`` (its arguments' check,
+        e.g. a binding's) raised on every replica by the lookup's agreement before this
+        call's own checks."""
         start = perf_counter()
-        bags, flat, problem = _prepare_bags(self.spec, values, lengths, weights, combiner, padding_id, clip_indices)
-        rows = self._lookup_flat(flat, problem)
-        out = combiners.pool(rows, bags)
+        bags, flat, own = _prepare_bags(self.spec, values, lengths, weights, combiner, padding_id, clip_indices)
+        if problem is not None:
+            flat = np.zeros(0, dtype=np.int64)
+        rows = self._lookup_flat(flat, problem or own)
+        out = combiners.pool(rows, bags, overwrite_rows=True)  # the rows are this call's own
         counters.record("lookup_bags", start, kind=counters.PHASE, detail=self.name)
         return out
 

@@ -22,7 +22,8 @@ The lookup is one ``torch.autograd.Function`` (:class:`_HostLookup`):
 
 Every replica runs the same graph, so the lookups and updates are collectives in the same
 order everywhere; an error found on one replica (a bad index, a malformed bag) is raised
-on every replica by the table's checks or by :mod:`._agree`.
+on every replica by the table's checks (the bag module hands its own check of the torch
+arguments to the table's lookup) or, at construction, by :mod:`._agree`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 import popdist_lite as pl
 
-from popdist_lite.collectives import Problem, agree, register_op
+from popdist_lite.collectives import Problem
 
 from ._agree import agree_signatures
 
@@ -44,8 +45,21 @@ _DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: 
 _OPS = ("mean", "sum")
 _MODES = ("sum", "mean", "sqrtn")
 _names = itertools.count()
-_BAGS = register_op("torch.HostEmbeddingBag")
-_NO_ARRAY = np.zeros(0, np.int8)  # the agreement of the bag arguments compares no array
+_BAGS = "torch.HostEmbeddingBag"  # how a bag argument's problem is named when raised
+_NO_IDS = np.zeros(0, np.int64)
+_NO_LENGTHS = np.zeros(0, np.int64)
+
+
+class _BagProblem(Problem):
+    """A malformed torch argument of :class:`HostEmbeddingBag` on one replica, handed to
+    the table's lookup: the table's first agreement (the collective it runs anyway)
+    raises it on every replica as ``torch.HostEmbeddingBag: replica k: ...``, whichever
+    collective carries it, so the module's check costs no collective of its own."""
+
+    __slots__ = ()
+
+    def raise_as(self, op: str, replica: int):
+        Problem.raise_as(self, _BAGS, replica)
 
 
 class _HostLookup(torch.autograd.Function):
@@ -246,8 +260,12 @@ class HostEmbeddingBag(_HostTableModule):
       ``"sum"`` only). They are constants: a ``per_sample_weights`` that requires a
       gradient is an error.
 
-    Returns ``(B, embedding_dim)`` of ``dtype``. Collective: besides the table's exchange,
-    one all-reduce of one int32 agrees the torch arguments' check.
+    Returns ``(B, embedding_dim)`` of ``dtype``: the table's
+    :meth:`~popdist_lite.HostEmbedding.lookup_bags` (bags of one ID of scale 1 are the
+    looked-up rows themselves, no copy), and in backward its
+    :meth:`~popdist_lite.HostEmbedding.apply_bag_gradients` with the output's gradient.
+    Collective: the table's exchange and nothing more; a malformed torch argument on
+    any replica travels in the table's own agreement and is raised on every replica.
 
     Raises:
         ValueError, TypeError: on every replica, for any replica's malformed input,
@@ -271,27 +289,19 @@ class HostEmbeddingBag(_HostTableModule):
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         problem, bags = _make_bags(input, offsets, per_sample_weights, self.include_last_offset, self.padding_idx)
-        if problem is not None:
-            problem = Problem(problem.error, f"module {self.name!r}: {problem.message}")
-        agree(_BAGS, _NO_ARRAY, self._comm, problem=problem, same_from=0)  # raised on every replica
+        if problem is not None:  # raised on every replica by the table's lookup
+            problem = _BagProblem(problem.error, f"module {self.name!r}: {problem.message}")
+            bags = (_NO_IDS, _NO_LENGTHS, None, (0,))
         tensors = [t for t in (input, offsets, per_sample_weights) if t is not None]
-        return self._run(_Bags(*bags, self.mode, self.dtype), *tensors)
+        return self._run(_Bags(*bags, problem), *tensors)
 
     def _lookup(self, bags: "_Bags") -> torch.Tensor:
-        rows = torch.from_numpy(self.table.lookup(bags.values)).to(bags.acc)
-        if bags.scale is not None:
-            rows.mul_(bags.scale[:, None])
-        out = torch.zeros(bags.count, self.embedding_dim, dtype=bags.acc)
-        out.index_add_(0, bags.bag, rows)
-        return out.to(self.dtype).reshape(bags.shape + (self.embedding_dim,))
+        pooled = self.table._lookup_bags(bags.values, bags.lengths, bags.weights, self.mode, problem=bags.problem)
+        return torch.from_numpy(pooled).reshape(bags.shape + (self.embedding_dim,))
 
     def _update(self, bags: "_Bags", grad: np.ndarray, loss_scale: float) -> None:
-        grad = torch.from_numpy(grad).reshape(bags.count, self.embedding_dim)
-        per_id = grad.to(bags.acc).index_select(0, bags.bag)
-        if bags.scale is not None:
-            per_id.mul_(bags.scale[:, None])
-        per_id = per_id.to(self.dtype)
-        self.table.apply_gradients(bags.values, per_id.numpy(), loss_scale=loss_scale)
+        self.table.apply_bag_gradients(bags.values, grad.reshape(bags.count, self.embedding_dim), bags.lengths,
+                                       bags.weights, combiner=self.mode, loss_scale=loss_scale)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}" + \
@@ -299,33 +309,17 @@ class HostEmbeddingBag(_HostTableModule):
 
 
 class _Bags:
-    """One replica's bags, flattened: ``values`` int64[n] (padding removed), ``bag``
-    (each value's bag, int64[n]) and ``scale`` (``w_i / d_b``, each value's weight over
-    its bag's divisor, in the accumulation dtype ``acc``: float32 for float16 tables; None
-    when every scale is 1),
-    ``count`` bags of batch ``shape``. The combiners are SparseCore's (``popdist_lite.COMBINERS``):
-    divisor 1 (``"sum"``), the sum of the weights (``"mean"``) or the root of the sum of
-    their squares (``"sqrtn"``); an empty bag (or a divisor of 0) pools to zeros. Bags are
-    pooled with ``Tensor.index_add_`` after every row has come back, so a divisor is always
-    its whole bag's, wherever its rows live."""
+    """One replica's bags as the table's ragged bags: ``values`` int[n] (padding
+    removed), ``lengths`` int64[B], ``weights`` float[n] or None, ``count`` = B bags of
+    batch ``shape``; ``problem``: this replica's :class:`_BagProblem` (then no bags),
+    raised on every replica by the table's lookup.
+    :meth:`popdist_lite.HostEmbedding.lookup_bags` and
+    :meth:`~popdist_lite.HostEmbedding.apply_bag_gradients` pool and unpool them
+    (SparseCore's combiners, :mod:`popdist_lite.embedding.combiners`)."""
 
-    def __init__(self, values, lengths, weights, shape, mode: str, dtype):
-        self.values, self.shape, self.count = values, shape, lengths.size
-        self.acc = torch.float32 if dtype == torch.float16 else dtype
-        self.bag = torch.repeat_interleave(torch.arange(lengths.size), torch.from_numpy(lengths))
-        if mode == "sum" and weights is None:
-            self.scale = None
-            return
-        w = torch.ones(values.size, dtype=torch.float64) if weights is None else \
-            torch.from_numpy(np.asarray(weights, np.float64))
-        if mode == "sum":
-            self.scale = w.to(self.acc)
-            return
-        divisor = torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.bag, w if mode == "mean" else w * w)
-        if mode == "sqrtn":
-            divisor = divisor.sqrt()
-        inverse = torch.where(divisor != 0, 1.0 / divisor, torch.zeros_like(divisor))
-        self.scale = (w * inverse[self.bag]).to(self.acc)
+    def __init__(self, values, lengths, weights, shape, problem=None):
+        self.values, self.lengths, self.weights, self.shape = values, lengths, weights, shape
+        self.count, self.problem = lengths.size, problem
 
 
 def _numpy(t) -> np.ndarray:

@@ -444,3 +444,22 @@ def test_split_api_refuses_traced_ids(comm):
     emb = plj.create_host_embedding("traced", [T, E])
     with pytest.raises(TypeError, match="outside jax.jit"):
         jax.jit(lambda ids: emb.lookup(ids))(jnp.arange(3))
+
+
+@pytest.mark.mpi
+def test_pooled_bags_reach_jax_without_a_copy(comm, rng):
+    """Pooled bags are new 64-byte-aligned arrays (JAX shares them), bags of one ID of
+    scale 1 are the exchange's own rows; both equal the rows pooled in numpy."""
+    from popdist_lite.jax._host import to_jax
+
+    full = rng.standard_normal((T, E)).astype(np.float32)
+    emb = plj.create_host_embedding("shared_bags", [T, E], initializer=full)
+    for lengths in (np.array([2, 0, 3, 1]), np.full(4, 3), np.ones(5, np.int64)):
+        values = rng.integers(0, T, int(lengths.sum()))
+        pooled = emb.table.lookup_bags(values, lengths, combiner="mean")
+        assert pooled.ctypes.data % 64 == 0 and pooled.flags.c_contiguous
+        assert to_jax(pooled).unsafe_buffer_pointer() == pooled.ctypes.data
+        starts = np.cumsum(lengths) - lengths
+        want = np.array([full[values[s:s + n]].mean(axis=0) if n else np.zeros(E) for s, n in zip(starts, lengths)])
+        np.testing.assert_allclose(np.asarray(emb.lookup_bags(values, lengths, combiner="mean")), want,
+                                   rtol=1e-6, atol=1e-6)

@@ -226,3 +226,76 @@ def test_sparse_moves_fewer_bytes_than_dense(comm, rng):
         emb.lookup(idx[k])
         moved[exchange] = totals(comm)[1][0]
     assert moved["sparse"] < moved["dense"] / 2
+
+
+def bag_layout(rng, shape_kind, t, k):
+    """One replica's bags as ``(values, lengths or None, padding_id or None, weighted)``:
+    ``unit`` one ID per bag, ``equal`` padded 2-D of one width, ``ragged`` with empty
+    bags, ``padded`` 2-D with a padding ID."""
+    n = 4 + 3 * k
+    if shape_kind == "unit":
+        return rng.integers(0, t, size=n), np.ones(n, np.int64), None
+    if shape_kind == "equal":
+        return rng.integers(0, t, size=(n, 3)), None, None
+    if shape_kind == "ragged":
+        lengths = rng.integers(0, 4, size=n)
+        lengths[0] = 0
+        return rng.integers(0, t, size=int(lengths.sum())), lengths, None
+    values = rng.integers(0, t, size=(n, 4))
+    values[rng.random(values.shape) < 0.4] = t + 5  # the padding ID (out of the table: never looked up)
+    values[0] = t + 5  # an empty bag
+    return values, None, t + 5
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("shape_kind", ["unit", "equal", "ragged", "padded"])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_bags_pool_and_update_match_numpy(comm, rng, exchange, shape_kind, combiner, weighted, dtype):
+    """lookup_bags / apply_bag_gradients against per-bag loops in float64, every bag
+    layout (the unit-bag shortcut, one width, ragged with empty bags, padding)."""
+    r, k, t, e, lr = comm.size, comm.rank, 23, 5, 0.5
+    full = rng.standard_normal((t, e)).astype(dtype)
+    emb = make("bags", t, e, exchange, full, lr=lr, dtype=dtype)
+    reference = full.astype(np.float64)
+    tol = 2e-3 if dtype == np.float16 else 1e-5
+    for _ in range(2):
+        steps = [bag_layout(rng, shape_kind, t, j) for j in range(r)]
+        weights = [rng.uniform(0.5, 2.0, size=v.shape) if weighted else None for v, _, _ in steps]
+        batch = [(v.shape[0] if lengths is None else lengths.size) for v, lengths, _ in steps]
+        grads = [rng.standard_normal((b, e)).astype(dtype) for b in batch]
+        acc = np.zeros((t, e))
+        for j, ((values, lengths, pad), w) in enumerate(zip(steps, weights)):
+            bags = np.split(values.reshape(-1), np.cumsum(lengths)[:-1]) if lengths is not None else list(values)
+            wb = (np.split(w.reshape(-1), np.cumsum(lengths)[:-1]) if lengths is not None else list(w)) \
+                if w is not None else [np.ones(b.size) for b in bags]
+            want = np.zeros((len(bags), e))
+            for b, (ids, ws) in enumerate(zip(bags, wb)):
+                keep = ids != pad if pad is not None else np.ones(ids.size, bool)
+                ids, ws = ids[keep], ws[keep]
+                d = {"sum": 1.0, "mean": ws.sum(), "sqrtn": np.sqrt((ws * ws).sum())}[combiner]
+                scale = ws / d if ids.size else ws
+                want[b] = (reference[ids] * scale[:, None]).sum(axis=0)
+                np.add.at(acc, ids, grads[j][b].astype(np.float64) * scale[:, None])
+            if j == k:
+                got = emb.lookup_bags(values, lengths, w, combiner=combiner, padding_id=pad)
+                assert got.shape == (len(bags), e) and got.dtype == dtype
+                np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+                emb.apply_bag_gradients(values, grads[j], lengths, w, combiner=combiner, padding_id=pad)
+        reference -= lr * acc
+    np.testing.assert_allclose(emb.get_embedding_tensor().astype(np.float64), reference, rtol=tol, atol=tol)
+
+
+def test_unit_bags_pool_without_a_copy():
+    """One ID per bag with scale 1: pooling and its gradient return the arrays given."""
+    from popdist_lite.embedding import combiners
+
+    bags = combiners.make_bags(np.array([3, 1, 3]), np.array([1, 1, 1]), combiner="mean")
+    assert bags.unit
+    rows = np.arange(6, dtype=np.float32).reshape(3, 2)
+    assert np.shares_memory(combiners.pool(rows, bags), rows)
+    assert np.shares_memory(combiners.unpool(rows, bags, 2, np.float32), rows)
+    assert not combiners.make_bags(np.array([3, 1]), np.array([1, 1]), weights=np.array([1.0, 2.0])).unit
+    assert not combiners.make_bags(np.array([3, 1]), np.array([2, 0])).unit

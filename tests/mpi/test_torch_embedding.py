@@ -272,3 +272,108 @@ def test_bad_input_on_one_replica_raises_on_every_replica(comm):
             pt.HostEmbedding(5, 2, padding_idx=1 if last else 0)
     # still in step: the next collective works everywhere
     assert float(bag(torch.tensor([[1, 2]])).sum()) == pytest.approx(float(bag.get_embedding_tensor()[[1, 2]].sum()))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("mode", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("case", ["unit", "weighted", "padding", "last_offset", "2d", "fp16"])
+def test_bag_step_equals_the_numpy_bag_api(comm, rng, strategy, mode, case):
+    """HostEmbeddingBag's lookup and update are the table's lookup_bags and
+    apply_bag_gradients (loss_scale = the replica count, op="mean"): the same values
+    and the same table, bit for bit, after three steps."""
+    t, e, r = 17, 4, comm.size
+    dtype = torch.float16 if case == "fp16" else torch.float32
+    np_dtype = np.float16 if case == "fp16" else np.float32
+    pad = 3 if case == "padding" else None
+    spec = pl.HostEmbeddingOptimizerSpec(0.5)
+    module = pt.HostEmbeddingBag(t, e, mode=mode, **layout(strategy), optimizer_spec=spec, seed=9, dtype=dtype,
+                                 padding_idx=pad, include_last_offset=case == "last_offset")
+    table = pl.create_host_embedding(f"bag_numpy_{case}", shape=[t, e], dtype=np_dtype, optimizer_spec=spec,
+                                     seed=9, **layout(strategy))
+    for _ in range(3):
+        lengths = [np.ones(6, np.int64) if case == "unit" else rng.integers(0, 4, size=5) for _ in range(r)]
+        values = [rng.integers(0, t, size=(5, 3) if case == "2d" else int(n.sum())) for n in lengths]
+        weights = [rng.uniform(0.5, 2.0, size=v.shape).astype(np.float32) if case == "weighted" else None
+                   for v in values]
+        n, v, w = lengths[comm.rank], values[comm.rank], weights[comm.rank]
+        grad = rng.standard_normal((r, v.shape[0] if case == "2d" else n.size, e))[comm.rank].astype(np_dtype)
+        offsets = None if case == "2d" else torch.from_numpy(np.cumsum(n) - n)
+        if case == "last_offset":
+            offsets = torch.from_numpy(np.append(offsets.numpy(), v.size))
+        psw = None if w is None else torch.from_numpy(w)
+        out = module(torch.from_numpy(v), offsets, psw)
+        out.backward(torch.from_numpy(grad))
+        # the numpy API on the same bags
+        if case == "2d":
+            want = table.lookup_bags(v, combiner=mode)
+            table.apply_bag_gradients(v, grad, combiner=mode, loss_scale=r)
+        else:
+            keep = v != pad if pad is not None else np.ones(v.size, bool)
+            kept = np.bincount(np.repeat(np.arange(n.size), n)[keep], minlength=n.size)
+            ww = None if w is None else w[keep]
+            want = table.lookup_bags(v[keep], kept, ww, combiner=mode)
+            table.apply_bag_gradients(v[keep], grad, kept, ww, combiner=mode, loss_scale=r)
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(out.detach().numpy(), want)
+    np.testing.assert_array_equal(module.table.get_embedding_tensor(), table.get_embedding_tensor())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bags", [False, True], ids=["embedding", "bag"])
+def test_rows_and_gradient_cross_without_a_copy(comm, bags):
+    """The table's rows become the output, and the output's gradient reaches the
+    table's update, without a copy (one ID per bag: pooling is the identity); the
+    graph holds no reference to the output or its gradient after backward."""
+    import gc
+    import weakref
+
+    spec = pl.HostEmbeddingOptimizerSpec(0.1)
+    module = (pt.HostEmbeddingBag(9, 4, mode="sum", optimizer_spec=spec) if bags
+              else pt.HostEmbedding(9, 4, optimizer_spec=spec))
+    seen = {}
+    table = module.table
+    lookup, update = (table._lookup_bags, table.apply_bag_gradients) if bags else (table.lookup, table.apply_gradients)
+
+    def spy_lookup(*args, **kwargs):
+        seen["rows"] = lookup(*args, **kwargs)
+        return seen["rows"]
+
+    def spy_update(values, grads, *args, **kwargs):
+        seen["grads"] = grads
+        return update(values, grads, *args, **kwargs)
+
+    setattr(table, "_lookup_bags" if bags else "lookup", spy_lookup)
+    setattr(table, "apply_bag_gradients" if bags else "apply_gradients", spy_update)
+    ids = torch.tensor([1, 5, 5, 8])
+    out = module(ids, torch.arange(4)) if bags else module(ids)
+    assert np.shares_memory(out.detach().numpy(), seen["rows"])
+    grad = torch.ones(4, 4)
+    out.backward(grad)
+    assert np.shares_memory(seen["grads"], grad.numpy())
+    seen.clear()
+    alive = weakref.ref(out)
+    del out
+    gc.collect()
+    assert alive() is None
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("options", [{}, {"exchange": "dense"}, {"partition_strategy": "ENCODING"},
+                                     {"max_ids_per_partition": 4, "enable_minibatching": True}],
+                         ids=["sparse", "dense", "encoding", "id-limits"])
+def test_bad_bag_argument_raises_everywhere_through_the_tables_agreement(comm, options):
+    """A malformed offsets on the last replica is raised on every replica, named as the
+    module's, by the table's own lookup (whatever exchange or ID limits it has); the
+    replicas stay in step and nothing was updated."""
+    r, last = comm.size, comm.rank == comm.size - 1
+    bag = pt.HostEmbeddingBag(7, 3, mode="mean", optimizer_spec=pl.HostEmbeddingOptimizerSpec(0.5), **options)
+    before = bag.get_embedding_tensor().clone()
+    with pytest.raises(ValueError, match=rf"HostEmbeddingBag: replica {r - 1}: module .*argument offsets"):
+        bag(torch.tensor([1, 2, 3]), torch.tensor([1, 2] if last else [0, 2]))
+    out = bag(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
+    out.sum().backward()
+    weight = before.double()
+    want = torch.nn.EmbeddingBag.from_pretrained(weight, mode="mean")(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
+    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(bag.get_embedding_tensor(), before)
