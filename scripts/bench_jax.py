@@ -108,7 +108,7 @@ def shakespeare_worker(opts) -> dict:
             train, job = self.job.train, self.job
             _, g_params, _ = train._grads(job.params, self.acts, steps[s % BATCHES][1])
             job.params, job.opt_state = train._update(job.params, job.opt_state,
-                                                      plj.allreduce_gradients(g_params, comm=job.embeddings.comm))
+                                                      plj.all_reduce_gradients(g_params, comm=job.embeddings.comm))
 
     class Full:
         def __init__(self, name, path, clip_norm):
