@@ -49,15 +49,17 @@ def test_restart_after_failures_then_success(tmp_path):
     err = proc.stderr
     for attempt in (1, 2):
         assert f"poprun-lite: attempt {attempt} of 4 failed (exit code 3)" in err
-        assert (f"poprun-lite: restarting the job: attempt {attempt + 1} of 4 "
+        assert (f"poprun-lite: restarting the job after failure {attempt} of at most 3 (--max-restarts)\n"
+                f"poprun-lite: attempt {attempt + 1} of 4: 2 replicas on this host (2), after a failure "
                 f"(POPDIST_LITE_RESTART_COUNT={attempt})") in err
     assert "root cause: replica 1 (rank 1" in err
     assert "replica 1 fails on attempt 0" in err and "replica 1 fails on attempt 1" in err
-    assert "poprun-lite: job succeeded on attempt 3 of 4; earlier attempts:" in err
+    assert "poprun-lite: job succeeded on attempt 3 of 4; attempts:" in err
     summary = err[err.index("job succeeded on attempt"):].splitlines()
-    assert summary[1].startswith("  attempt 1: replica 1 (rank 1") and summary[1].endswith(
-        ": exit code 3 (exit code 3)")
-    assert summary[2].startswith("  attempt 2: replica 1 (rank 1")
+    assert summary[1].startswith("  attempt 1: 2 replicas on this host (2); failed: replica 1 (rank 1") \
+        and summary[1].endswith(": exit code 3 (exit code 3)")
+    assert summary[2].startswith("  attempt 2: 2 replicas on this host (2), after a failure; failed: replica 1 (rank 1")
+    assert summary[3] == "  attempt 3: 2 replicas on this host (2), after a failure; succeeded"
     assert "attempt 2 replica 1 ok" in proc.stdout
 
 
@@ -78,7 +80,10 @@ def test_without_max_restarts_no_restart(tmp_path):
     proc = run(tmp_path, fail_attempts=1)
     assert proc.returncode == 3
     assert attempts_logged(tmp_path) == [(0, 0), (0, 1)]
-    assert "restarting" not in proc.stderr and "attempts:" not in proc.stderr
+    assert "restarting" not in proc.stderr
+    final = proc.stderr[proc.stderr.rindex("poprun-lite: job failed (exit code 3)"):].splitlines()
+    assert final[-2] == "attempts:" and final[-1].startswith("  attempt 1: 2 replicas on this host (2); failed: "
+                                                             "replica 1 (rank 1")
 
 
 def test_sigterm_stops_without_restarting(tmp_path):
