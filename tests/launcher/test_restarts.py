@@ -1,6 +1,7 @@
 """poprun-lite --max-restarts: a failed attempt is reported and the job launched again,
 POPDIST_LITE_RESTART_COUNT tells the program which attempt it is, the final report
-lists every attempt, and SIGTERM stops without restarting. Every run under a timeout."""
+lists every attempt (also when an attempt could not be started, in fixed and elastic
+jobs), and SIGTERM stops without restarting. Every run under a timeout."""
 
 import os
 import signal
@@ -9,6 +10,9 @@ import sys
 import textwrap
 import time
 
+import pytest
+
+from popdist_lite_launcher.mpirun import find_mpirun
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 
@@ -117,3 +121,28 @@ def test_bad_max_restarts_value():
     env = {**os.environ, "POPDIST_LITE_STALL_TIMEOUT": "soon"}
     proc = subprocess.run([*LAUNCHER, "true"], capture_output=True, text=True, timeout=30, env=env)
     assert proc.returncode == 2 and "$POPDIST_LITE_STALL_TIMEOUT: invalid float value: 'soon'" in proc.stderr
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
+def test_an_attempt_that_cannot_start_still_prints_the_attempts(tmp_path, elastic):
+    """Attempt 1 fails; attempt 2 cannot start mpirun (the fake mpirun made itself not
+    executable after its first run): the job ends with exit code 2, the error and the
+    attempts, both of them, in a fixed and an elastic job."""
+    real = find_mpirun(None)
+    fake = tmp_path / "mpirun"
+    fake.write_text(f'#!/usr/bin/env bash\n[ "$1" = --version ] || chmod -x "$0"\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    elastic_args = ["--min-replicas", "2"] if elastic else []
+    proc = run(tmp_path, "--max-restarts", "1", "--mpirun", str(fake), *elastic_args, fail_attempts=1)
+    assert proc.returncode == 2, proc.stderr
+    assert attempts_logged(tmp_path) == [(0, 0), (0, 1)]
+    err = proc.stderr
+    of = "" if elastic else " of 2"
+    assert f"poprun-lite: attempt 1{of} failed (exit code 3)" in err
+    final = err[err.index(f"poprun-lite: error: cannot run {fake}: [Errno 13] Permission denied"):].splitlines()
+    assert final[1] == "attempts:", err
+    assert final[2].startswith("  attempt 1: 2 replicas on this host (2); failed: replica 1 (rank 1") \
+        and final[2].endswith(": exit code 3 (exit code 3)"), err
+    assert final[3] == (f"  attempt 2: 2 replicas on this host (2), after a failure; could not be started: "
+                        f"cannot run {fake}: [Errno 13] Permission denied: '{fake}' (exit code 2)"), err
+    assert len(final) == 4, err
