@@ -1,34 +1,28 @@
 """Elastic jobs: ``poprun-lite --min-replicas N`` (``--num-replicas`` is the most), hosts
 from ``--host-discovery-script`` (or ``-H``/``--hostfile``), a membership per attempt.
+The attempts themselves run in :mod:`popdist_lite_launcher.attempts` (its
+``ElasticPolicy`` uses what is here).
 
-Every attempt runs on a **membership**: the usable hosts' slots, taken in discovery
-order, up to ``--num-replicas`` replicas (a replica and its feeders on one host, so a
-host of S slots holds ``S // (1 + F)`` replicas; a host listed without slots holds one).
-Usable means the host is discovered and passes the probe
-(:func:`popdist_lite_launcher.network.probe_hosts`). Below ``--min-replicas`` the launcher
-waits, polling every ``--discovery-interval`` seconds and saying what it waits for, at
-most ``--elastic-timeout`` seconds (and within ``--timeout``).
+Every attempt runs on a **membership** (:class:`Membership`): the usable hosts' slots,
+taken in discovery order, up to ``--num-replicas`` replicas (a replica and its feeders
+on one host, so a host of S slots holds ``S // (1 + F)`` replicas; a host listed without
+slots holds one). Usable means the host is discovered and passes the probe
+(:func:`popdist_lite_launcher.network.probe_hosts`); hosts are probed in discovery order,
+only as many as fill the replicas (:meth:`Cluster.usable`). Below ``--min-replicas`` the
+launcher waits (:func:`wait_for_membership`), polling every ``--discovery-interval``
+seconds and saying what it waits for, at most ``--elastic-timeout`` seconds (and within
+``--timeout``).
 
-An attempt ends in one of four ways:
-
-* it **succeeds** (every rank exits 0, no resize asked): the job is done;
-* it **stops for a resize** (:class:`ResizeMonitor`): discovery found more usable slots
-  than the attempt uses (up to ``--num-replicas``), or stopped listing a host the
-  attempt uses; every replica's agent got a ``resize_request``, the replicas agreed at a
-  step boundary (:func:`popdist_lite.should_checkpoint`), saved a checkpoint, sent
-  ``resize_stop`` and exited 0. The next attempt starts on the new membership;
-* it **loses a host**: it failed, and at the check that follows a host it used is gone
-  (not discovered, or its probe fails). The next attempt runs on the hosts left;
-* it **fails** otherwise (an exception, a crash, a stall, on hosts that are all still
-  usable). The next attempt runs on the same hosts, up to ``--max-restarts`` times.
-
-Only failures count against ``--max-restarts``: a lost host or a resize is a change of
-membership (torchrun likewise restarts its workers for a new node without counting it).
-The program resumes from its newest checkpoint, whose tables, optimizer state and feed
-position reshard to the new replica count (docs/checkpoint.md). Discovery errors: at the
-job's start they stop it (exit code 2); later, during a run the current membership is
-kept and the error printed, and between attempts the launcher retries, waiting as for
-hosts.
+During an attempt the :class:`ResizeMonitor` looks at the hosts every
+``--discovery-interval`` seconds and, when discovery finds more usable slots than the
+attempt uses (up to ``--num-replicas``) or stops listing a host the attempt uses, asks
+every replica's agent for a resize (``resize_request``): the replicas agree at a step
+boundary (:func:`popdist_lite.should_checkpoint`), save a checkpoint, send
+``resize_stop`` and exit 0. After a failed attempt, a host it used that is no longer
+discovered or fails its probe is lost (:meth:`Survey.lost`): a change of membership, not
+a failure. Discovery errors: at the job's start they stop it (exit code 2); later,
+during a run the current membership is kept and the error printed, and between attempts
+the launcher retries, waiting as for hosts.
 """
 
 from __future__ import annotations
