@@ -249,6 +249,8 @@ class AttemptsLoop:
         try:
             return self._run()
         except Exception as exc:  # noqa: BLE001 - a bug in the launcher: report what is known
+            if self.history and self.history[-1].outcome == "running":
+                self.history[-1].outcome = "ended by an internal error in poprun-lite"
             self._print_internal_error(exc)
             return 1
         finally:

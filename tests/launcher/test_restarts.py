@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from popdist_lite_launcher import attempts, cli, job
 from popdist_lite_launcher.mpirun import find_mpirun
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
@@ -146,3 +147,41 @@ def test_an_attempt_that_cannot_start_still_prints_the_attempts(tmp_path, elasti
     assert final[3] == (f"  attempt 2: 2 replicas on this host (2), after a failure; could not be started: "
                         f"cannot run {fake}: [Errno 13] Permission denied: '{fake}' (exit code 2)"), err
     assert len(final) == 4, err
+
+
+class ScriptedLauncher:
+    """A launcher (the attempts.Launcher interface) that plays back ``outcomes``: a
+    JobResult to return, or an exception to raise; it records the attempts it got."""
+
+    def __init__(self, *outcomes):
+        self.outcomes, self.attempts = list(outcomes), []
+
+    def run(self, attempt):
+        self.attempts.append(attempt)
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return attempts.Outcome(outcome)
+
+
+@pytest.mark.parametrize("error, code, line", [
+    (attempts.AttemptError("no mpirun today"), 2,
+     "  attempt 2: 1 replica on this host (1), after a failure; could not be started: no mpirun today "
+     "(exit code 2)"),
+    (RuntimeError("a bug"), 1, "  attempt 2: 1 replica on this host (1), after a failure; ended by an internal "
+                               "error in poprun-lite"),
+])
+def test_the_loop_with_another_launcher(capsys, error, code, line):
+    """The loop drives any Launcher: attempt 1 fails (mpirun's code 3), attempt 2 raises;
+    the attempts are printed either way (an AttemptError: exit code 2; a launcher bug: 1)."""
+    opts = cli.parse_args(["--max-restarts", "2", "prog"])
+    launcher = ScriptedLauncher(job.JobResult(returncode=3), error)
+    loop = attempts.AttemptsLoop(opts, launcher, attempts.FixedPolicy(opts), say=lambda text: None)
+    assert loop.run() == code
+    assert [(a.index, a.membership.hosts, a.hosts_checked, a.watch) for a in launcher.attempts] == \
+        [(0, ((None, 1),), False, None), (1, ((None, 1),), False, None)]
+    err = capsys.readouterr().err
+    assert "poprun-lite: attempt 1 of 3 failed (exit code 3)" in err
+    assert f"attempts:\n  attempt 1: 1 replica on this host (1); failed: failed (exit code 3)\n{line}\n" in err, err
+    if code == 1:
+        assert "poprun-lite: internal error: RuntimeError: a bug (at test_restarts.py:" in err
