@@ -1,9 +1,12 @@
 """poprun-lite: a PopRun-style launcher over mpirun (Open MPI or MPICH).
 
-Modules: ``cli`` (options, rank plan, main), ``hosts`` (host names, hostfiles),
-``network`` (the launcher's address, the reachability check), ``probe`` (its host side),
-``elastic`` (an elastic job's attempts and memberships), ``discovery`` (host discovery
-scripts), ``cleanup`` (killing what an attempt left on every host), ``mpirun`` (finding
+Modules: ``cli`` (the command line, main), ``options`` (the options, typed), ``plan``
+(the rank plan), ``attempts`` (the attempts loop, membership policies, the launch
+interface), ``ssh_launch`` (mpirun over the launch agent), ``hosts`` (host names,
+hostfiles), ``network`` (the launcher's address, the reachability check), ``probe`` (its
+host side), ``elastic`` (an elastic job's memberships, hosts and resize monitor),
+``discovery`` (host discovery scripts), ``children`` (discovery and probe processes,
+killed at each attempt's end), ``cleanup`` (killing what an attempt left on every host), ``mpirun`` (finding
 mpirun, MPMD command), ``job`` (running it), ``channel`` (the job's key, the handshake
 and authenticated framing between agents and launcher), ``collector`` (the records of
 the ranks' agents), ``agent`` (per-rank supervisor), ``report`` (failure report),

@@ -1,9 +1,13 @@
-"""``poprun-lite``: options, the rank plan, and ``main``.
+"""``poprun-lite``: its options (:func:`build_parser`, :func:`parse_args`, which returns
+them typed, :class:`~popdist_lite_launcher.options.Options`), mpirun's environment
+(:func:`job_environment`) and ``main``.
 
 The job is planned as a list of :class:`~popdist_lite_launcher.mpirun.RankSpec`
-by :func:`plan_ranks`; :func:`~popdist_lite_launcher.mpirun.build_command` turns
-that list into the MPMD mpirun command. New kinds of ranks (e.g. host feeders)
-only need new specs in :func:`plan_ranks` and new options in :func:`build_parser`.
+by :func:`~popdist_lite_launcher.plan.plan_ranks` (also importable from here);
+:func:`~popdist_lite_launcher.mpirun.build_command` turns that list into the MPMD
+mpirun command. New kinds of ranks (e.g. host feeders) only need new specs in
+``plan_ranks`` and new options in :func:`build_parser` and ``Options``. The attempts
+run in :mod:`popdist_lite_launcher.attempts`.
 """
 
 from __future__ import annotations
@@ -13,15 +17,15 @@ import os
 import shlex
 import signal
 import sys
-import time
 
 from popdist_lite import records
 
-from . import __version__, channel, cleanup, elastic, hosts, job, network, report
-from .collector import ENROLMENT_SECONDS, Collector
-from .inspector import StallInspector
-from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,
-                     default_rank_env, detect_implementation, find_mpirun, is_local_host)
+from . import __version__, attempts, channel, children, cleanup, elastic, hosts, job, report
+from .collector import Collector
+from .mpirun import LauncherError, detect_implementation, find_mpirun
+from .options import Options
+from .plan import RESTART_COUNT_ENV, format_topology, placement, plan_ranks, processes_of  # noqa: F401
+from .ssh_launch import SshLauncher
 
 EPILOG = """\
 examples:
@@ -74,8 +78,6 @@ def _number(parse, minimum, what: str):
 
 #: Default of ``--stall-timeout``; under plain mpirun each rank reads it itself.
 STALL_TIMEOUT_ENV = "POPDIST_LITE_STALL_TIMEOUT"
-#: Which attempt a rank belongs to (0 for the first, 1 after the first restart, ...).
-RESTART_COUNT_ENV = "POPDIST_LITE_RESTART_COUNT"
 
 _positive_int = _number(int, 1, "at least 1")
 _non_negative_int = _number(int, 0, "0 or more")
@@ -214,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and cross-check the options (errors exit via ``parser.error``)."""
+def parse_args(argv: list[str] | None = None) -> Options:
+    """Parse and cross-check the options (errors exit via ``parser.error``), typed."""
     parser = build_parser()
     opts = parser.parse_args(argv)
     if opts.stall_timeout is None:
@@ -255,7 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if opts.min_replicas > opts.num_replicas:
             parser.error(f"--min-replicas {opts.min_replicas} is more than --num-replicas "
                          f"{opts.num_replicas} (the most replicas)")
-        return opts  # hosts and slots are sized per attempt (elastic.size_attempt)
+        return Options.from_namespace(opts)  # hosts and slots are sized per attempt (elastic.size_attempt)
     if opts.hosts and opts.num_instances % len(opts.hosts):
         parser.error(f"{opts.num_instances} instances cannot be divided evenly among "
                      f"{len(opts.hosts)} hosts")
@@ -266,108 +268,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 parser.error(f"host {name} has {slots} slot(s) but would run {per_host} "
                              f"ranks ({opts.num_instances // len(opts.hosts)} instance(s) and "
                              f"their feeders)")
-    return opts
-
-
-def placement(opts: argparse.Namespace) -> tuple[tuple[str | None, int], ...]:
-    """``(host, instances)`` of a job that is not elastic: ``--num-instances`` divided
-    evenly among the hosts, in their order, or all on this machine (host None)."""
-    n = opts.num_instances
-    if not opts.hosts:
-        return ((None, n),)
-    return tuple((host, n // len(opts.hosts)) for host in opts.hosts)
-
-
-def plan_ranks(opts: argparse.Namespace, attempt: int = 0,
-               membership: "elastic.Membership | None" = None) -> list[RankSpec]:
-    """One :class:`RankSpec` per MPI rank, in rank order, with its PopDist environment.
-    (The collector's address and the job's key, the same for every rank, are not in the
-    specs: :func:`job_environment` puts them in mpirun's environment, forwarded by name.)
-
-    Instance ``i`` drives replica ``i``; instances are placed on the hosts of
-    ``membership`` (an elastic job's attempt: its replica count is the attempt's),
-    else divided evenly (consecutive blocks) among ``--host`` (:func:`placement`), and
-    ``POPDIST_LOCAL_INSTANCE_INDEX`` counts instances per host. With
-    ``--feeders-per-replica F`` the replicas keep ranks
-    ``0..R-1`` and feeder ``k`` of replica ``r`` is rank ``R + r*F + k``, on its
-    replica's host, with its replica's environment and MPI arguments plus the role
-    variables (``POPDIST_LITE_ROLE=feeder``, ``POPDIST_LITE_FEEDER_OF=r``,
-    ``POPDIST_LITE_FEEDER_INDEX=k``). Every rank gets ``POPDIST_LITE_RESTART_COUNT=attempt``,
-    and ``POPRUN_LITE_STALL_INSPECTOR=1`` when ``--stall-warning`` or ``--stall-timeout``
-    is on (its agent then records its progress).
-    """
-    hosts = membership.hosts if membership is not None else placement(opts)
-    n = sum(count for _, count in hosts)
-    local_args = [a for text in opts.mpi_local_args for a in shlex.split(text)]
-    instance_args: dict[int, list[str]] = {}
-    for index, args in opts.instance_mpi_local_args:
-        instance_args.setdefault(index, []).extend(args)
-    common = default_rank_env()
-    common.update({
-        "POPDIST_NUM_TOTAL_REPLICAS": str(n),
-        "POPDIST_NUM_IPUS_PER_REPLICA": str(opts.ipus_per_replica),
-        "POPDIST_NUM_LOCAL_REPLICAS": "1",
-        "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE": "1",
-        # Open MPI gives every rank a pty, so ranks can't tell a terminal from a pipe.
-        "POPDIST_LITE_STDOUT_ISATTY": "1" if sys.stdout.isatty() else "0",
-        "POPDIST_LITE_FEEDERS_PER_REPLICA": str(opts.feeders_per_replica),
-        RESTART_COUNT_ENV: str(attempt),
-    })
-    if getattr(opts, "stall_warning", 0) or getattr(opts, "stall_timeout", 0):
-        common[records.INSPECTOR_ENV] = "1"
-    if opts.only_output_from_instance is not None:
-        common["POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE"] = str(opts.only_output_from_instance)
-    if getattr(opts, "timeline", None):
-        common["POPDIST_LITE_TIMELINE"] = os.path.abspath(opts.timeline)
-    ranks = []
-    for host, count in hosts:
-        for local in range(count):
-            i = len(ranks)
-            env = dict(common)
-            env.update({
-                "POPDIST_REPLICA_INDEX_OFFSET": str(i),
-                "POPDIST_LOCAL_INSTANCE_INDEX": str(local),
-                "POPDIST_LITE_ROLE": "replica",
-            })
-            ranks.append(RankSpec(role="replica", replica=i, host=host, env=env,
-                                  mpi_args=local_args + instance_args.get(i, [])))
-    feeders = []
-    for replica in ranks:
-        for k in range(opts.feeders_per_replica):
-            env = dict(replica.env)
-            env.update({
-                "POPDIST_LITE_ROLE": "feeder",
-                "POPDIST_LITE_FEEDER_OF": str(replica.replica),
-                "POPDIST_LITE_FEEDER_INDEX": str(k),
-            })
-            feeders.append(RankSpec(role="feeder", replica=replica.replica, host=replica.host,
-                                    env=env, mpi_args=list(replica.mpi_args)))
-    return ranks + feeders
-
-
-def format_topology(ranks: list[RankSpec]) -> str:
-    """A table of replica, instance, rank, host and role, one row per rank; a feeder's
-    row reads ``feeder K of replica N`` (the replica it feeds)."""
-    rows = [("replica", "instance", "rank", "host", "role")]
-    for rank, spec in enumerate(ranks):
-        role = spec.role
-        if role == "feeder":
-            role = f"feeder {spec.env.get('POPDIST_LITE_FEEDER_INDEX', '?')} of replica {spec.replica}"
-        rows.append((str(spec.replica), str(spec.replica), str(rank),
-                     spec.host or "localhost", role))
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-                     for row in rows)
+    return Options.from_namespace(opts)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run ``poprun-lite`` and exit with the job's exit code (0 on success, the root
     cause's code or 128+signal on failure, 1 for a stall or an internal error, 124 on
-    --timeout, 2 on usage errors). With ``--max-restarts N`` a failed attempt is reported
-    and the job launched again, up to N times; the last attempt's outcome decides the
+    --timeout, 2 on usage errors and attempts that could not be started). The attempts
+    run in :class:`~popdist_lite_launcher.attempts.AttemptsLoop` (a fixed or an elastic
+    membership, mpirun over the launch agent); the last attempt's outcome decides the
     exit code. Whatever happens, no mpirun session is left running (a ``finally``
-    SIGKILLs what is left of one) and connections or records the collectors did not
-    believe are counted in one line at the end."""
+    SIGKILLs what is left of one, and of the discovery and probe processes) and
+    connections or records the collectors did not believe are counted in one line at
+    the end."""
     opts = parse_args(argv)
     try:
         mpirun = find_mpirun(opts.mpirun)
@@ -375,124 +288,20 @@ def main(argv: list[str] | None = None) -> None:
     except LauncherError as exc:
         print(f"poprun-lite: error: {exc}", file=sys.stderr)
         sys.exit(2)
-
-    seen = {"history": [], "result": None, "refused": {}, "dropped": {}}
+    policy = attempts.ElasticPolicy(opts) if opts.elastic else attempts.FixedPolicy(opts)
+    loop = attempts.AttemptsLoop(opts, SshLauncher(opts, mpirun, implementation), policy)
     try:
-        if opts.elastic:
-            def attempt(index, membership, timeout, monitor_factory):
-                return _noted(seen, _run_attempt(opts, mpirun, implementation, index, timeout,
-                                                 membership, monitor_factory))
-            code = elastic.run(opts, attempt, _exit_code)
-        else:
-            code = _run_attempts(opts, mpirun, implementation, seen)
-    except Exception as exc:  # noqa: BLE001 - a bug in the launcher: report, never orphan
-        code = 1
-        _print_internal_error(exc, seen)
+        code = loop.run()
     except KeyboardInterrupt:  # outside run_job, which handles SIGINT itself
         code = 128 + signal.SIGINT
         print("poprun-lite: interrupted by SIGINT", file=sys.stderr, flush=True)
     finally:
         job.kill_sessions()
-    line = report.format_ignored(seen["refused"], seen["dropped"])
+        children.kill_all()
+    line = report.format_ignored(loop.refused, loop.dropped)
     if line:
         print(line, file=sys.stderr, flush=True)
     sys.exit(code)
-
-
-def _run_attempts(opts: argparse.Namespace, mpirun: str, implementation: str, seen: dict) -> int:
-    """Run the job's attempts, print their reports, and return the exit code; every
-    attempt's result and its collector's counts go into ``seen``."""
-    attempts = opts.max_restarts + 1
-    deadline = time.monotonic() + opts.timeout if opts.timeout else None
-    history: list[str] = seen["history"]  # one line per failed attempt
-    for attempt in range(attempts):
-        left = opts.timeout or None  # --timeout covers all attempts together
-        if deadline is not None and attempt:
-            left = max(0.001, deadline - time.monotonic())
-        result = _noted(seen, _run_attempt(opts, mpirun, implementation, attempt, left))
-        if result.returncode == 0 and not result.stop_reason and not result.failures \
-                and not result.internal_error:
-            if opts.timeline:
-                path = os.path.abspath(opts.timeline)
-                state = "written to" if os.path.exists(path) else "not written (did the program call popdist_lite.init()?):"
-                print(f"poprun-lite: timeline {state} {path}", file=sys.stderr, flush=True)
-            if history:
-                print(f"poprun-lite: job succeeded on attempt {attempt + 1} of {attempts}; "
-                      f"earlier attempts:", *history, sep="\n", file=sys.stderr, flush=True)
-            return 0
-        code = _exit_code(result)
-        summary = report.summary(result.failures, reason=result.stop_reason,
-                                 stalled=result.stall is not None)
-        history.append(f"  attempt {attempt + 1}: {summary} (exit code {code})")
-        final = attempt + 1 == attempts or result.stop_signal is not None or result.timed_out \
-            or result.internal_error is not None
-        reason = result.stop_reason if final else f"attempt {attempt + 1} of {attempts} failed"
-        if result.internal_error:
-            reason = "job stopped after an internal error in poprun-lite"
-        text = report.format_report(result.failures, code, reason=reason,
-                                    mpirun_tail=result.mpirun_tail, cause=result.stall)
-        if final and len(history) > 1:
-            text += "\nattempts:\n" + "\n".join(history)
-        if result.internal_error:
-            text += f"\npoprun-lite: internal error: {result.internal_error}"
-        print(text, file=sys.stderr, flush=True)
-        if final:
-            return code
-        print(f"poprun-lite: restarting the job: attempt {attempt + 2} of {attempts} "
-              f"({RESTART_COUNT_ENV}={attempt + 1})", file=sys.stderr, flush=True)
-    raise AssertionError("unreachable: the last attempt is final")
-
-
-def _noted(seen: dict, result: job.JobResult) -> job.JobResult:
-    """``result``, kept in ``seen`` as the last one, its collector's counts added up."""
-    seen["result"] = result
-    for total, counts in ((seen["refused"], result.refused), (seen["dropped"], result.dropped)):
-        for reason, count in counts.items():
-            total[reason] = total.get(reason, 0) + count
-    return result
-
-
-def _print_internal_error(exc: Exception, seen: dict) -> None:
-    """What is known when the launcher itself failed outside :func:`job.run_job`: the
-    attempts so far, the failures of the last one, and the error."""
-    lines = ["poprun-lite: job ended by an internal error in poprun-lite (exit code 1)"]
-    result = seen["result"]
-    if result is not None:
-        for failure in result.failures:
-            try:
-                lines.append(f"  {failure.title()}: {failure.status()}")
-            except Exception:  # noqa: BLE001 - print what can be printed
-                lines.append(f"  rank {getattr(failure, 'rank', '?')}: failed")
-    if seen["history"]:
-        lines += ["attempts:", *seen["history"]]
-    lines.append(f"poprun-lite: internal error: {job.describe(exc)}")
-    print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def _exit_code(result: job.JobResult) -> int:
-    """The exit code of a failed attempt."""
-    if result.internal_error:
-        cause = report.root_cause(result.failures)
-        return cause.launcher_exit_code() if cause is not None else 1
-    if result.timed_out:
-        return 124
-    if result.stop_signal is not None:
-        return 128 + result.stop_signal
-    if result.stall is not None:
-        return 1
-    return report.exit_code_for(result.failures, result.returncode)
-
-
-def processes_of(ranks: list[RankSpec]) -> dict[int, list[tuple[str, int]]]:
-    """For each replica, ``(who, rank)`` of its processes: its own rank first, then its
-    feeders' (``"feeder 0 of replica 1"``)."""
-    processes: dict[int, list[tuple[str, int]]] = {}
-    for rank, spec in enumerate(ranks):
-        who = f"replica {spec.replica}"
-        if spec.role == "feeder":
-            who = f"feeder {spec.env.get('POPDIST_LITE_FEEDER_INDEX', '?')} of replica {spec.replica}"
-        processes.setdefault(spec.replica, []).append((who, rank))
-    return processes
 
 
 def job_environment(collector: Collector, mark: str, launch_agent: str | None = None) -> dict[str, str]:
@@ -506,98 +315,6 @@ def job_environment(collector: Collector, mark: str, launch_agent: str | None = 
     if launch_agent is not None:
         env[cleanup.LAUNCH_AGENT_ENV] = launch_agent
     return env
-
-
-def _run_attempt(opts: argparse.Namespace, mpirun: str, implementation: str, attempt: int,
-                 timeout: float | None, membership: "elastic.Membership | None" = None,
-                 monitor_factory=None) -> job.JobResult:
-    """Launch the job once (attempt ``attempt``, counted from 0; each with its own
-    collector, key, mark and stall inspector; on ``membership`` for an elastic job, whose
-    hosts were checked already) and return its result, with the collector's counts of
-    what it refused and the ``resize_stop`` records it got. ``monitor_factory(send)``
-    makes the attempt's :class:`~popdist_lite_launcher.elastic.ResizeMonitor`. When the
-    attempt has ended, whatever is left of it is killed on every host
-    (:mod:`popdist_lite_launcher.cleanup`). Exits with code 2 when the hosts fail their
-    check or the collector or mpirun cannot be started."""
-    ranks = plan_ranks(opts, attempt, membership)
-    remote = list(dict.fromkeys(spec.host for spec in ranks if not is_local_host(spec.host)))
-    try:
-        address = network.launcher_address(opts.network_interface, remote) if remote \
-            else "127.0.0.1"
-        if remote and opts.host_check and membership is None:
-            network.check_hosts(opts.launch_agent, remote, address=address)
-        collector = Collector(address, ranks=len(ranks), enrolment=ENROLMENT_SECONDS)
-    except (OSError, LauncherError) as exc:
-        print(f"poprun-lite: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    mark = cleanup.new_mark()
-    try:
-        with collector:
-            result = _launch(opts, mpirun, implementation, attempt, timeout, ranks, remote, address,
-                             collector, mark, monitor_factory)
-    finally:
-        _clean_up(opts, ranks, remote, mark)
-    result.refused, result.dropped = collector.ignored()
-    return result
-
-
-def _launch(opts, mpirun, implementation, attempt, timeout, ranks, remote, address, collector,
-            mark, monitor_factory) -> job.JobResult:
-    """Build the attempt's mpirun command and run it (:func:`job.run_job`) with its stall
-    inspector and resize monitor."""
-    inspector = None
-    if opts.stall_warning or opts.stall_timeout:
-        inspector = StallInspector(
-            len([spec for spec in ranks if spec.role == "replica"]), processes_of(ranks),
-            lambda rank, request: collector.send(rank, records.make("stack_request", request=request)),
-            warning=opts.stall_warning, timeout=opts.stall_timeout)
-        collector.subscribe("progress", inspector.on_progress)
-        collector.subscribe("stack", inspector.on_stack)
-    export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
-    cmd = build_command(
-        mpirun, implementation, ranks, [opts.program, *opts.args],
-        global_args=[a for text in opts.mpi_global_args for a in shlex.split(text)],
-        tag_output=opts.tag_output,
-        oversubscribe=not remote or len(ranks) > (os.cpu_count() or 1),
-        allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
-        export=[*export, records.COLLECTOR_ENV, channel.KEY_ENV, cleanup.MARK_ENV],
-        launch_agent=cleanup.ATTEMPT_AGENT if remote else None,
-        network=opts.network_interface if remote else None,
-        launcher_address=address if remote else None)
-    if opts.print_topology and (attempt == 0 or opts.elastic):
-        print(format_topology(ranks), flush=True)
-    env = job_environment(collector, mark, opts.launch_agent if remote else None)
-    if opts.verbose:
-        shown = [f"{name}={env[name]}" for name in (cleanup.LAUNCH_AGENT_ENV, cleanup.MARK_ENV)
-                 if remote and name in env]
-        print(shlex.join([*shown, *cmd]), file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    monitor = monitor_factory(collector.send).start() if monitor_factory is not None else None
-    try:
-        result = job.run_job(cmd, collector, timeout=timeout, inspector=inspector, env=env)
-    except OSError as exc:
-        print(f"poprun-lite: error: cannot run {mpirun}: {exc}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        if monitor is not None:
-            monitor.stop()
-    result.resize_stops = len(collector.records("resize_stop"))
-    return result
-
-
-def _clean_up(opts: argparse.Namespace, ranks: list[RankSpec], remote: list[str], mark: str) -> None:
-    """Kill what is left of the attempt ``mark``: on this machine if it ran ranks here,
-    on every remote host through the launch agent; print every host where that failed."""
-    problems = {}
-    if any(is_local_host(spec.host) for spec in ranks):
-        _, left = cleanup.kill_marked(mark)
-        if left:
-            problems["this host"] = f"{len(left)} process(es) still running (pids {left[:10]})"
-    if remote:
-        problems.update(cleanup.clean_hosts(opts.launch_agent, remote, mark))
-    for host, problem in problems.items():
-        print(f"poprun-lite: cleanup after the attempt failed on {host}: {problem}",
-              file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import os
 import selectors
-import signal
 import subprocess
 import time
 
-from . import hosts
+from . import children, hosts
 from .mpirun import LauncherError
 
 #: Seconds a discovery script may run before it is killed and the discovery fails.
 DISCOVERY_TIMEOUT_SECONDS = 10.0
 #: Most bytes of a discovery script's output read (stdout; stderr's end is kept).
 MAX_OUTPUT_BYTES = 1 << 20
+#: Most hosts a discovery script may list: an attempt probes only as many of them, in
+#: order, as it needs, but a longer list is refused as a runaway script.
+MAX_HOSTS = 1024
 _STDERR_TAIL_BYTES = 2000
 
 
@@ -45,7 +47,7 @@ def parse(text: bytes, script: str) -> list[tuple[str, int | None]]:
 
     Raises:
         DiscoveryError: naming ``script`` and the line: a bad line, text that is not
-            UTF-8, or a host listed twice.
+            UTF-8, a host listed twice, or more than :data:`MAX_HOSTS` hosts.
     """
     found: list[tuple[str, int | None]] = []
     first_line: dict[str, int] = {}
@@ -61,13 +63,19 @@ def parse(text: bytes, script: str) -> list[tuple[str, int | None]]:
         if key in first_line:
             raise DiscoveryError(f"host discovery script {script}, line {number}: host {host[0]} "
                                  f"listed again (first on line {first_line[key]})")
+        if len(found) == MAX_HOSTS:
+            raise DiscoveryError(f"host discovery script {script}, line {number}: more than "
+                                 f"{MAX_HOSTS} hosts listed (the most poprun-lite takes)")
         first_line[key] = number
         found.append(host)
     return found
 
 
 def discover(script: str, timeout: float = DISCOVERY_TIMEOUT_SECONDS) -> list[tuple[str, int | None]]:
-    """Run the discovery ``script`` and return its hosts, in the order printed.
+    """Run the discovery ``script`` and return its hosts, in the order printed. The
+    script runs in its own session (:mod:`popdist_lite_launcher.children`); its process
+    group is SIGKILLed when it ends, however it ends, and by
+    :func:`children.kill_all <popdist_lite_launcher.children.kill_all>`.
 
     Raises:
         DiscoveryError: the script cannot be run, exits with another code than 0, is
@@ -75,38 +83,39 @@ def discover(script: str, timeout: float = DISCOVERY_TIMEOUT_SECONDS) -> list[tu
             :data:`MAX_OUTPUT_BYTES` or a line that is not a host (:func:`parse`).
     """
     try:
-        proc = subprocess.Popen([script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
+        proc = children.start([script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
     except OSError as exc:
         raise DiscoveryError(f"host discovery script {script} cannot be run: {exc}") from None
-    out, err, problem = bytearray(), bytearray(), None
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ, out)
-        selector.register(proc.stderr, selectors.EVENT_READ, err)
-        while selector.get_map() and problem is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
+    try:
+        out, err, problem = bytearray(), bytearray(), None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout, selectors.EVENT_READ, out)
+            selector.register(proc.stderr, selectors.EVENT_READ, err)
+            while selector.get_map() and problem is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    problem = f"still running after {timeout:g} s (killed)"
+                    break
+                for key, _ in selector.select(left):
+                    chunk = os.read(key.fileobj.fileno(), 65536)
+                    if not chunk:
+                        selector.unregister(key.fileobj)
+                        continue
+                    key.data.extend(chunk)
+                    if len(out) > MAX_OUTPUT_BYTES:
+                        problem = f"printed more than {MAX_OUTPUT_BYTES} bytes (killed)"
+                    del err[:-_STDERR_TAIL_BYTES]
+        if problem is None:
+            try:
+                code = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 problem = f"still running after {timeout:g} s (killed)"
-                break
-            for key, _ in selector.select(left):
-                chunk = os.read(key.fileobj.fileno(), 65536)
-                if not chunk:
-                    selector.unregister(key.fileobj)
-                    continue
-                key.data.extend(chunk)
-                if len(out) > MAX_OUTPUT_BYTES:
-                    problem = f"printed more than {MAX_OUTPUT_BYTES} bytes (killed)"
-                del err[:-_STDERR_TAIL_BYTES]
-    if problem is None:
-        try:
-            code = proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            problem = f"still running after {timeout:g} s (killed)"
-    if problem is not None:
-        _kill_group(proc)
-    proc.stdout.close()
-    proc.stderr.close()
+    finally:
+        children.finish(proc)  # its group, whatever it left running, and the reaping
+        proc.stdout.close()
+        proc.stderr.close()
     said = err.decode("utf-8", "replace").strip().splitlines()[-3:]
     said = ": " + " / ".join(said) if said else ""
     if problem is not None:
@@ -116,11 +125,3 @@ def discover(script: str, timeout: float = DISCOVERY_TIMEOUT_SECONDS) -> list[tu
         raise DiscoveryError(f"host discovery script {script} {how}{said}")
     return parse(bytes(out), script)
 
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the script's process group (its own session) and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    proc.wait()

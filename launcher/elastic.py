@@ -1,34 +1,28 @@
 """Elastic jobs: ``poprun-lite --min-replicas N`` (``--num-replicas`` is the most), hosts
 from ``--host-discovery-script`` (or ``-H``/``--hostfile``), a membership per attempt.
+The attempts themselves run in :mod:`popdist_lite_launcher.attempts` (its
+``ElasticPolicy`` uses what is here).
 
-Every attempt runs on a **membership**: the usable hosts' slots, taken in discovery
-order, up to ``--num-replicas`` replicas (a replica and its feeders on one host, so a
-host of S slots holds ``S // (1 + F)`` replicas; a host listed without slots holds one).
-Usable means the host is discovered and passes the probe
-(:func:`popdist_lite_launcher.network.probe_hosts`). Below ``--min-replicas`` the launcher
-waits, polling every ``--discovery-interval`` seconds and saying what it waits for, at
-most ``--elastic-timeout`` seconds (and within ``--timeout``).
+Every attempt runs on a **membership** (:class:`Membership`): the usable hosts' slots,
+taken in discovery order, up to ``--num-replicas`` replicas (a replica and its feeders
+on one host, so a host of S slots holds ``S // (1 + F)`` replicas; a host listed without
+slots holds one). Usable means the host is discovered and passes the probe
+(:func:`popdist_lite_launcher.network.probe_hosts`); hosts are probed in discovery order,
+only as many as fill the replicas (:meth:`Cluster.usable`). Below ``--min-replicas`` the
+launcher waits (:func:`wait_for_membership`), polling every ``--discovery-interval``
+seconds and saying what it waits for, at most ``--elastic-timeout`` seconds (and within
+``--timeout``).
 
-An attempt ends in one of four ways:
-
-* it **succeeds** (every rank exits 0, no resize asked): the job is done;
-* it **stops for a resize** (:class:`ResizeMonitor`): discovery found more usable slots
-  than the attempt uses (up to ``--num-replicas``), or stopped listing a host the
-  attempt uses; every replica's agent got a ``resize_request``, the replicas agreed at a
-  step boundary (:func:`popdist_lite.should_checkpoint`), saved a checkpoint, sent
-  ``resize_stop`` and exited 0. The next attempt starts on the new membership;
-* it **loses a host**: it failed, and at the check that follows a host it used is gone
-  (not discovered, or its probe fails). The next attempt runs on the hosts left;
-* it **fails** otherwise (an exception, a crash, a stall, on hosts that are all still
-  usable). The next attempt runs on the same hosts, up to ``--max-restarts`` times.
-
-Only failures count against ``--max-restarts``: a lost host or a resize is a change of
-membership (torchrun likewise restarts its workers for a new node without counting it).
-The program resumes from its newest checkpoint, whose tables, optimizer state and feed
-position reshard to the new replica count (docs/checkpoint.md). Discovery errors: at the
-job's start they stop it (exit code 2); later, during a run the current membership is
-kept and the error printed, and between attempts the launcher retries, waiting as for
-hosts.
+During an attempt the :class:`ResizeMonitor` looks at the hosts every
+``--discovery-interval`` seconds and, when discovery finds more usable slots than the
+attempt uses (up to ``--num-replicas``) or stops listing a host the attempt uses, asks
+every replica's agent for a resize (``resize_request``): the replicas agree at a step
+boundary (:func:`popdist_lite.should_checkpoint`), save a checkpoint, send
+``resize_stop`` and exit 0. After a failed attempt, a host it used that is no longer
+discovered or fails its probe is lost (:meth:`Survey.lost`): a change of membership, not
+a failure. Discovery errors: at the job's start they stop it (exit code 2); later,
+during a run the current membership is kept and the error printed, and between attempts
+the launcher retries, waiting as for hosts.
 """
 
 from __future__ import annotations
@@ -42,8 +36,9 @@ from typing import Callable
 
 from popdist_lite import records
 
-from . import discovery, network, report
+from . import children, discovery, network
 from .mpirun import LauncherError, is_local_host
+from .options import Options
 
 #: Default of ``--discovery-interval``: seconds between two checks of the hosts.
 DISCOVERY_INTERVAL_SECONDS = 2.0
@@ -52,6 +47,8 @@ DISCOVERY_INTERVAL_SECONDS = 2.0
 ELASTIC_TIMEOUT_SECONDS = 600.0
 #: Seconds between two sends of a resize request to agents that did not get it yet.
 RESEND_SECONDS = 0.5
+#: Most seconds :meth:`ResizeMonitor.stop` waits for the monitor's thread.
+STOP_SECONDS = 30.0
 
 
 def _say(text: str) -> None:
@@ -143,33 +140,30 @@ def resize_reason(current: Membership, target: Membership,
     return None
 
 
-@dataclass
-class AttemptRecord:
-    """One attempt in the report: its number (from 1), membership, why it has that
-    membership, and how it ended."""
-
-    number: int
-    membership: Membership
-    why: str = ""
-    outcome: str = "running"
-
-    def line(self) -> str:
-        why = f", after {self.why}" if self.why else ""
-        return f"  attempt {self.number}: {self.membership.describe()}{why}; {self.outcome}"
-
-
-def format_attempts(history: list[AttemptRecord]) -> str:
-    """``attempts:`` and one line per attempt (membership, why, outcome)."""
-    return "\n".join(["attempts:", *(record.line() for record in history)])
-
-
 # ------------------------------------------------------------------ hosts
 
-class Cluster:
-    """The hosts of an elastic job, as discovery and the probes see them now (``opts``:
-    poprun-lite's options)."""
+@dataclass(frozen=True)
+class Survey:
+    """What one look at the hosts found: the ``membership`` an attempt would get, the
+    ``available`` hosts (discovered, in order), the ``usable`` ones among them (those
+    probed or trusted, up to where the membership was filled), and for each host that
+    failed its probe, why (``problems``)."""
 
-    def __init__(self, opts):
+    membership: Membership
+    available: list[tuple[str, int | None]]
+    usable: list[tuple[str, int | None]]
+    problems: dict[str, str]
+
+    def lost(self, previous: Membership) -> list[str]:
+        """The hosts of ``previous`` that are gone now: not discovered, or their probe failed."""
+        listed = {host for host, _ in self.available}
+        return [host for host in previous.names() if host not in listed or host in self.problems]
+
+
+class Cluster:
+    """The hosts of an elastic job, as discovery and the probes see them now."""
+
+    def __init__(self, opts: Options):
         self.opts = opts
 
     def discover(self) -> list[tuple[str, int | None]]:
@@ -191,20 +185,55 @@ class Cluster:
 
     def usable(self, available: list[tuple[str, int | None]],
                trusted=()) -> tuple[list[tuple[str, int | None]], dict[str, str]]:
-        """The ``available`` hosts that pass the probe (hosts in ``trusted``, this
-        machine, and every host with ``--no-host-check``, are not probed), in order, and
-        why each other one failed."""
+        """The ``available`` hosts, in order, that can hold a replica and are usable, up to
+        the first ``--num-replicas`` replicas' worth, and why each host that failed its
+        probe failed. Hosts are probed in discovery order, each batch just large enough
+        to fill what is still missing (all at once), until the replicas are filled or
+        the list ends: a long list costs only the probes the job needs. Hosts in
+        ``trusted``, this machine, and every host with ``--no-host-check`` count
+        without a probe."""
         opts = self.opts
-        remote = [host for host, _ in available if not is_local_host(host) and host not in trusted]
+        feeders, need = opts.feeders_per_replica, opts.num_replicas
+        good: set[str] = set()
         problems: dict[str, str] = {}
-        if remote and opts.host_check:
-            try:
-                address = self.address(remote)
-            except LauncherError as exc:
-                problems = {host: str(exc) for host in remote}
+        batch: list[tuple[str, int]] = []
+
+        def probe() -> None:
+            nonlocal need
+            failed = self._probe([host for host, _ in batch])
+            problems.update(failed)
+            for host, room in batch:
+                if host not in failed:
+                    good.add(host)
+                    need -= room
+            batch.clear()
+
+        for host, slots in available:
+            if need - sum(room for _, room in batch) <= 0:
+                probe()
+                if need <= 0:
+                    break
+            room = capacity(slots, feeders)
+            if room == 0:
+                continue  # no room for a replica (and its feeders): never used
+            if is_local_host(host) or host in trusted or not opts.host_check:
+                good.add(host)
+                need -= room
             else:
-                problems = {h: p for h, p in network.probe_hosts(opts.launch_agent, remote, address).items() if p}
-        return [(host, slots) for host, slots in available if host not in problems], problems
+                batch.append((host, room))
+        if batch:
+            probe()
+        return [(host, slots) for host, slots in available if host in good], problems
+
+    def _probe(self, remote: list[str]) -> dict[str, str]:
+        """For each host of ``remote`` that fails the probe, why."""
+        if not remote:
+            return {}
+        try:
+            address = self.address(remote)
+        except LauncherError as exc:
+            return {host: str(exc) for host in remote}
+        return {h: p for h, p in network.probe_hosts(self.opts.launch_agent, remote, address).items() if p}
 
     def address(self, remote: list[str]) -> str:
         """The launcher's address on the job's network, seen from ``remote`` hosts (the
@@ -221,15 +250,16 @@ class Cluster:
                 error = error or exc
         raise error
 
-    def membership(self, trusted=()) -> tuple[Membership, dict[str, str], list]:
-        """``(membership, problems, usable)`` now (see :meth:`discover`, :meth:`usable`,
-        :meth:`size`).
+    def survey(self, trusted=()) -> Survey:
+        """Discovery, the probes and the membership, now (see :meth:`discover`,
+        :meth:`usable`, :meth:`size`).
 
         Raises:
             DiscoveryError: as :meth:`discover`.
         """
-        usable, problems = self.usable(self.discover(), trusted)
-        return self.size(usable), problems, usable
+        available = self.discover()
+        usable, problems = self.usable(available, trusted)
+        return Survey(self.size(usable), available, usable, problems)
 
     def size(self, usable: list[tuple[str, int | None]]) -> Membership:
         """:func:`size_attempt` for this job; on this machine alone the membership's host
@@ -276,9 +306,21 @@ class ResizeMonitor:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
+        """End the monitor: its discovery script or probes still running are killed
+        (:func:`children.kill_all <popdist_lite_launcher.children.kill_all>`, again until
+        its thread has ended, at most ``timeout`` seconds), so nothing it started
+        outlives the attempt."""
         self._stop.set()
-        self._thread.join(5.0)
+        until = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < until:
+            children.kill_all()
+            self._thread.join(0.1)
+
+    @property
+    def asked(self) -> bool:
+        """Whether a resize request reached a replica's agent in this attempt."""
+        return bool(self.sent)
 
     def check(self) -> None:
         """One round: discovery, probes, the decision (and the first requests)."""
@@ -287,6 +329,8 @@ class ResizeMonitor:
                 available = self.cluster.discover()
                 usable, _ = self.cluster.usable(available, trusted=self.membership.names())
             except LauncherError as exc:
+                if self._stop.is_set():  # killed by stop(): the attempt is over
+                    return
                 if str(exc) != self._last_error:
                     self._last_error = str(exc)
                     self.say(f"host discovery failed during the attempt (membership kept): {exc}")
@@ -311,21 +355,20 @@ class ResizeMonitor:
                 self.say(f"resize monitor error: {type(exc).__name__}: {exc}")
 
 
-# ------------------------------------------------------------------ the attempts
+# ------------------------------------------------------------------ waiting for hosts
 
 @dataclass
-class _Wait:
+class Wait:
     """How waiting for hosts ended without a membership: the exit code and the line."""
     code: int
     text: str
 
 
-def wait_for_membership(cluster: Cluster, deadline: float | None, first=None,
-                        say: Callable[[str], None] = _say):
-    """A membership of at least ``--min-replicas`` replicas: ``first`` (a
-    ``(membership, problems, available)`` already found) if it has enough, else polling
-    :meth:`Cluster.membership` every ``--discovery-interval`` seconds, saying what it
-    waits for whenever that changes; a :class:`_Wait` when ``--elastic-timeout`` or the
+def wait_for_membership(cluster: Cluster, deadline: float | None, first: Survey | None = None,
+                        say: Callable[[str], None] = _say) -> "Membership | Wait":
+    """A membership of at least ``--min-replicas`` replicas: ``first`` (a survey already
+    made) if it has enough, else polling :meth:`Cluster.survey` every ``--discovery-interval`` seconds, saying what it
+    waits for whenever that changes; a :class:`Wait` when ``--elastic-timeout`` or the
     job's ``deadline`` (monotonic) passes first."""
     opts = cluster.opts
     until = time.monotonic() + opts.elastic_timeout
@@ -334,13 +377,13 @@ def wait_for_membership(cluster: Cluster, deadline: float | None, first=None,
     last = None
     while True:
         error, membership, problems = None, None, {}
-        if first is not None:
-            (membership, problems, _), first = first, None
-        else:
+        if first is None:
             try:
-                membership, problems, _ = cluster.membership()
+                first = cluster.survey()
             except LauncherError as exc:
                 error = str(exc)
+        if first is not None:
+            membership, problems, first = first.membership, first.problems, None
         if membership is not None and membership.replicas >= opts.min_replicas:
             return membership
         note = waiting_note(membership, opts.min_replicas, problems, error)
@@ -350,103 +393,7 @@ def wait_for_membership(cluster: Cluster, deadline: float | None, first=None,
         now = time.monotonic()
         if now >= until:
             if deadline is not None and until >= deadline:
-                return _Wait(124, f"job timed out after {opts.timeout:g} s waiting for hosts")
-            return _Wait(1, f"fewer than --min-replicas {opts.min_replicas} replicas usable for "
+                return Wait(124, f"job timed out after {opts.timeout:g} s waiting for hosts")
+            return Wait(1, f"fewer than --min-replicas {opts.min_replicas} replicas usable for "
                             f"--elastic-timeout {opts.elastic_timeout:g} s")
         time.sleep(max(0.0, min(opts.discovery_interval, until - now)))
-
-
-def run(opts, run_attempt, exit_code, say: Callable[[str], None] = _say) -> int:
-    """Run an elastic job's attempts; returns the job's exit code.
-
-    ``run_attempt(index, membership, timeout, monitor_factory)`` runs one attempt and
-    returns its :class:`~popdist_lite_launcher.job.JobResult` (with ``resize_stops``, the
-    ``resize_stop`` records received); ``monitor_factory(send)`` makes the attempt's
-    :class:`ResizeMonitor` once its collector can send. ``exit_code(result)`` is the exit
-    code of a failed attempt.
-    """
-    cluster = Cluster(opts)
-    start = time.monotonic()
-    deadline = start + opts.timeout if opts.timeout else None
-    history: list[AttemptRecord] = []
-    failures = 0
-    try:
-        found = cluster.membership()
-    except LauncherError as exc:
-        print(f"poprun-lite: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    why = ""
-    while True:
-        membership = wait_for_membership(cluster, deadline, found, say)
-        if isinstance(membership, _Wait):
-            lines = [f"poprun-lite: {membership.text} (exit code {membership.code})"]
-            if history:
-                lines.append(format_attempts(history))
-            print("\n".join(lines), file=sys.stderr, flush=True)
-            return membership.code
-        record = AttemptRecord(len(history) + 1, membership, why)
-        history.append(record)
-        say(f"attempt {record.number}: {membership.describe()}" + (f" ({why})" if why else ""))
-        left = None if deadline is None else max(0.001, deadline - time.monotonic())
-        monitor: list[ResizeMonitor] = []
-
-        def monitor_factory(send, membership=membership):
-            monitor.append(ResizeMonitor(cluster, membership, send, opts.discovery_interval, say))
-            return monitor[0]
-
-        result = run_attempt(record.number - 1, membership, left, monitor_factory)
-        reason = monitor[0].reason if monitor else None
-        clean = result.returncode == 0 and not result.stop_reason and not result.failures \
-            and not result.internal_error
-        if clean and result.resize_stops:
-            record.outcome = f"stopped at a step boundary for a resize ({reason or 'asked'})"
-            why, found = reason or "a resize", None
-            say(f"attempt {record.number} stopped for a resize ({reason}); starting the next")
-            continue
-        if clean:
-            record.outcome = "succeeded"
-            if len(history) > 1:
-                print(f"poprun-lite: job succeeded on attempt {record.number}; "
-                      + format_attempts(history), file=sys.stderr, flush=True)
-            return 0
-        code = exit_code(result)
-        summary = report.summary(result.failures, reason=result.stop_reason, stalled=result.stall is not None)
-        final = result.stop_signal is not None or result.timed_out or result.internal_error is not None
-        found, lost = None, []
-        if not final:
-            try:
-                found = cluster.membership()
-            except LauncherError as exc:
-                say(f"host discovery failed after attempt {record.number}: {exc}")
-            else:
-                usable = dict(found[2])
-                lost = [h for h in membership.names() if h not in usable]
-        if lost:
-            record.outcome = f"{_hosts_text(lost)} lost: {summary} (exit code {code})"
-        else:
-            failures += 1
-            record.outcome = f"failed: {summary} (exit code {code})"
-            final = final or failures > opts.max_restarts
-        text = report.format_report(
-            result.failures, code, mpirun_tail=result.mpirun_tail, cause=result.stall,
-            reason=(result.stop_reason if final and result.stop_reason else
-                    "job stopped after an internal error in poprun-lite" if result.internal_error else
-                    "job failed" if final else f"attempt {record.number} failed"))
-        if result.internal_error:
-            text += f"\npoprun-lite: internal error: {result.internal_error}"
-        if final:
-            print(text + "\n" + format_attempts(history), file=sys.stderr, flush=True)
-            return code
-        print(text, file=sys.stderr, flush=True)
-        if lost:
-            why = f"{_hosts_text(lost)} lost"
-            for host in lost:
-                problem = found[1].get(host)
-                if problem:
-                    say(problem)
-            say(f"{why}: restarting on the hosts left (a change of membership, not counted "
-                f"against --max-restarts)")
-        else:
-            why = "a failure"
-            say(f"restarting the job after failure {failures} of at most {opts.max_restarts} "
-                f"(--max-restarts)")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from . import children
 from .mpirun import LauncherError
 
 _SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
@@ -100,10 +101,8 @@ def run_on_hosts(launch_agent: str, hosts: list[str], command, *, timeout: float
     def run(index_host):
         index, host = index_host
         cmd = check_command(launch_agent, host, command(host, index))
-        try:
-            return subprocess.run(cmd, input=input_text, stdin=None if input_text is not None
-                                  else subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=timeout)
+        try:  # in its own session, killed with its group by children.kill_all too
+            return children.run(cmd, input_text=input_text, timeout=timeout)
         except subprocess.TimeoutExpired:
             return f"no answer within {timeout:g} s from `{shlex.join(cmd)}`"
         except OSError as exc:

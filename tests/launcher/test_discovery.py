@@ -1,6 +1,7 @@
 """Host discovery (--host-discovery-script, Horovod's contract): the output's grammar, a
-script that fails, hangs, prints garbage or too much, in the process and through
-poprun-lite; never a hang. Every process runs under a timeout."""
+script that fails, hangs, prints garbage, too much or too many hosts, in the process and
+through poprun-lite; never a hang, and no script outlives the job. Every process runs
+under a timeout."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 from peers import alive
@@ -42,6 +44,14 @@ def test_parse_reads_horovods_lines_and_hostfile_lines():
 def test_parse_refuses_garbage_naming_the_script_and_line(text, message):
     with pytest.raises(DiscoveryError, match=message):
         discovery.parse(text, "s")
+
+
+def test_at_most_max_hosts_are_listed():
+    lines = b"".join(b"node%d:1\n" % i for i in range(discovery.MAX_HOSTS))
+    assert len(discovery.parse(lines, "s")) == discovery.MAX_HOSTS
+    with pytest.raises(DiscoveryError, match=rf"script s, line {discovery.MAX_HOSTS + 2}: more than "
+                                             rf"{discovery.MAX_HOSTS} hosts listed \(the most poprun-lite takes\)"):
+        discovery.parse(b"# many\n" + lines + b"one-more:1\n", "s")
 
 
 def test_discover_runs_the_script(tmp_path):
@@ -133,3 +143,61 @@ echo localhost:2
            f"  host discovery script {path} exited with code 1: inventory down" in err
     assert "restarting the job after failure 1 of at most 1 (--max-restarts)" in err
     assert "attempt 2: 2 replicas on this host (2), after a failure; succeeded" in err
+
+
+def processes_with(marker: str) -> list[int]:
+    """PIDs of the processes whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_a_script_hanging_during_an_attempt_is_gone_when_the_job_ends(tmp_path):
+    """The script answers its first call (the job's start) and hangs on the second (the
+    resize monitor's, during the attempt), with a child in the background: when the
+    program has ended, the job ends at once with exit code 0 and no process of the script
+    is left (they run in their own session; the end of the attempt kills it)."""
+    marker = f"hang-{uuid.uuid4().hex}"
+    calls, hanging = tmp_path / "calls", tmp_path / "hanging"
+    path = script(tmp_path, f"""calls=$(cat {calls} 2>/dev/null || echo 0)
+echo $((calls + 1)) > {calls}
+if [ "$calls" -ge 1 ]; then
+    (exec -a {marker}-child sleep 300) &
+    touch {hanging}
+    exec -a {marker}-script sleep 300
+fi
+echo localhost:2
+""", name=f"{marker}.sh")
+    prog = tmp_path / "prog.py"
+    prog.write_text("import os, sys, time\n"
+                    "deadline = time.monotonic() + 60\n"
+                    f"while not os.path.exists({str(hanging)!r}):\n"
+                    "    assert time.monotonic() < deadline, 'no second discovery call'\n"
+                    "    time.sleep(0.02)\n"
+                    "print('done', flush=True)\n")
+    try:
+        start = time.monotonic()
+        proc = subprocess.run([*LAUNCHER, "--num-replicas", "2", "--host-discovery-script", path,
+                               "--discovery-interval", "0.1", "--timeout", "90", sys.executable, str(prog)],
+                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["done", "done"]
+        assert time.monotonic() - start < discovery.DISCOVERY_TIMEOUT_SECONDS + 20
+        deadline = time.monotonic() + 10
+        while processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert processes_with(marker) == [], "the discovery script outlived poprun-lite"
+        assert "host discovery failed" not in proc.stderr  # its end was the attempt's, not an error
+    finally:
+        for pid in processes_with(marker):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass

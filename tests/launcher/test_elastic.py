@@ -6,6 +6,7 @@ in tests/multihost/test_hosts_elastic.py. Every process runs under a timeout."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -15,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from popdist_lite_launcher import cli
+from popdist_lite_launcher.attempts import AttemptRecord, format_attempts
 from popdist_lite_launcher.discovery import DiscoveryError
-from popdist_lite_launcher.elastic import (AttemptRecord, Cluster, Membership, ResizeMonitor, capacity, change,
-                                          format_attempts, resize_reason, size_attempt, wait_for_membership)
+from popdist_lite_launcher.elastic import (Cluster, Membership, ResizeMonitor, capacity, change, resize_reason,
+                                          size_attempt, wait_for_membership)
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 
@@ -124,8 +126,7 @@ class FakeCluster(Cluster):
     def __init__(self, answers, down=(), **options):
         opts = cli.parse_args(["--num-replicas", "4", "--min-replicas", "2", "--host-discovery-script", "d",
                                "--discovery-interval", "0.1", "--elastic-timeout", "1", "prog"])
-        vars(opts).update(options)
-        super().__init__(opts)
+        super().__init__(dataclasses.replace(opts, **options))
         self.answers, self.down, self.probed = list(answers), set(down), []
 
     def discover(self):

@@ -1,11 +1,13 @@
 """The reachability probe (a process started through the launch agent must reach the
 launcher with the check's key) and the cleanup of an attempt's leftovers (every process
 carrying the attempt's mark is killed, nothing else), on this host with a launch agent
-that runs the command here. The multi-host side is in tests/multihost/test_hosts_elastic.py.
+that runs the command here; an elastic job probes its listed hosts in order, only as many
+as it needs. The multi-host side is in tests/multihost/test_hosts_elastic.py.
 Every process runs under a timeout."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -15,7 +17,8 @@ import time
 import pytest
 from peers import alive
 
-from popdist_lite_launcher import cleanup, network, probe
+from popdist_lite_launcher import cleanup, cli, network, probe
+from popdist_lite_launcher.elastic import Cluster
 from popdist_lite_launcher.mpirun import LauncherError
 
 LOCAL_AGENT = """#!/usr/bin/env bash
@@ -171,3 +174,33 @@ def test_attempt_agent_marks_the_remote_command(tmp_path):
         proc = subprocess.run([cleanup.ATTEMPT_AGENT, "node1", "true"], env={**env, **broken},
                               capture_output=True, text=True, timeout=30)
         assert proc.returncode != 0 and "attempt-agent: POPRUN_LITE_ATTEMPT" in proc.stderr
+
+
+def test_hosts_are_probed_in_order_only_until_the_replicas_are_filled(tmp_path):
+    """100 listed hosts of one slot, --num-replicas 2: 2 probes (was one per listed host);
+    when the first host fails its probe, one more, and the usable hosts are the next two."""
+    listing = tmp_path / "discover.sh"
+    listing.write_text("#!/usr/bin/env bash\n" + "".join(f"echo 127.0.0.{i}:1\n" for i in range(2, 102)))
+    listing.chmod(0o755)
+    opts = cli.parse_args(["--num-replicas", "2", "--min-replicas", "1", "--host-discovery-script", str(listing),
+                           "--launch-agent", agent(tmp_path), "prog"])
+    cluster = Cluster(opts)
+    available = cluster.discover()
+    assert len(available) == 100
+    usable, problems = cluster.usable(available)
+    ran = (tmp_path / "ran").read_text().splitlines()
+    assert len(ran) == 2, f"{len(ran)} launch-agent runs"
+    assert usable == [("127.0.0.2", 1), ("127.0.0.3", 1)] and problems == {}
+
+    (tmp_path / "ran").unlink()
+    failing = tmp_path / "failing-agent"  # 127.0.0.2 unreachable, the others as before
+    failing.write_text(f"#!/usr/bin/env bash\nfor a in \"$@\"; do [ \"$a\" = 127.0.0.2 ] && "
+                       f"{{ echo \"$*\" >> {tmp_path / 'ran'}; echo 'no route' >&2; exit 255; }}; done\n"
+                       f"exec {agent(tmp_path)} \"$@\"\n")
+    failing.chmod(0o755)
+    cluster = Cluster(dataclasses.replace(opts, launch_agent=str(failing)))
+    usable, problems = cluster.usable(available)
+    ran = (tmp_path / "ran").read_text().splitlines()
+    assert len(ran) == 3, f"{len(ran)} launch-agent runs"
+    assert usable == [("127.0.0.3", 1), ("127.0.0.4", 1)] and list(problems) == ["127.0.0.2"]
+    assert "host 127.0.0.2 is not reachable with the launch agent" in problems["127.0.0.2"]

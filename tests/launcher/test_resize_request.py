@@ -1,15 +1,18 @@
 """The resize request's path (docs/elastic.md): launcher -> agent (``resize_request``,
 authenticated) -> program (one byte on the socket pair) -> ``should_checkpoint`` ->
-``resize_stop`` record -> agent (stamped with its identity) -> launcher. Every process
-runs under a timeout."""
+``resize_stop`` record -> agent (stamped with its identity) -> launcher; and a
+``resize_stop`` the launcher did not ask for, which fails the attempt naming its sender.
+Every process runs under a timeout."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 
+import pytest
 from peers import wait_for
 
 from popdist_lite import records
@@ -93,3 +96,31 @@ def test_should_checkpoint_is_false_outside_poprun_lite():
                           env={k: v for k, v in os.environ.items()
                                if not k.startswith(("POPDIST", "OMPI_", "PMIX_", "PMI_", "POPRUN"))})
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+
+
+UNASKED = """
+import os, sys
+from popdist_lite import records
+with open(sys.argv[1], "a") as f:
+    f.write(os.environ["POPDIST_LITE_RESTART_COUNT"] + "\\n")
+assert records.send(records.make("resize_stop", records.identity(rank=0, replica=0, pid=os.getpid())), timeout=5)
+"""
+
+
+@pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "fixed"])
+def test_a_resize_stop_nobody_asked_for_is_a_failure_of_its_sender(tmp_path, elastic):
+    """A program that sends resize_stop without a resize_request and exits 0: one attempt
+    (--max-restarts 0), exit code 1, the report names the replica that sent it."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(UNASKED)
+    log = tmp_path / "log"
+    proc = subprocess.run([*LAUNCHER, "--num-replicas", "1", *(["--min-replicas", "1"] if elastic else []),
+                           "--max-restarts", "0", "--timeout", "30", sys.executable, str(prog), str(log)],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert log.read_text() == "0\n", proc.stderr  # one attempt
+    assert proc.returncode == 1, proc.stderr
+    sender = r"replica 0 \(rank 0, host \S+, pid \d+\)"
+    assert re.search(rf"poprun-lite: job failed \(exit code 1\)\nroot cause: {sender} sent resize_stop, but "
+                     rf"poprun-lite asked for no resize in this attempt\nattempts:\n  attempt 1: 1 replica on "
+                     rf"this host \(1\); failed: {sender} sent resize_stop unasked \(exit code 1\)$",
+                     proc.stderr.rstrip()), proc.stderr

@@ -1,6 +1,7 @@
 """poprun-lite --max-restarts: a failed attempt is reported and the job launched again,
 POPDIST_LITE_RESTART_COUNT tells the program which attempt it is, the final report
-lists every attempt, and SIGTERM stops without restarting. Every run under a timeout."""
+lists every attempt (also when an attempt could not be started, in fixed and elastic
+jobs), and SIGTERM stops without restarting. Every run under a timeout."""
 
 import os
 import signal
@@ -9,6 +10,10 @@ import sys
 import textwrap
 import time
 
+import pytest
+
+from popdist_lite_launcher import attempts, cli, job
+from popdist_lite_launcher.mpirun import find_mpirun
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 
@@ -49,15 +54,17 @@ def test_restart_after_failures_then_success(tmp_path):
     err = proc.stderr
     for attempt in (1, 2):
         assert f"poprun-lite: attempt {attempt} of 4 failed (exit code 3)" in err
-        assert (f"poprun-lite: restarting the job: attempt {attempt + 1} of 4 "
+        assert (f"poprun-lite: restarting the job after failure {attempt} of at most 3 (--max-restarts)\n"
+                f"poprun-lite: attempt {attempt + 1} of 4: 2 replicas on this host (2), after a failure "
                 f"(POPDIST_LITE_RESTART_COUNT={attempt})") in err
     assert "root cause: replica 1 (rank 1" in err
     assert "replica 1 fails on attempt 0" in err and "replica 1 fails on attempt 1" in err
-    assert "poprun-lite: job succeeded on attempt 3 of 4; earlier attempts:" in err
+    assert "poprun-lite: job succeeded on attempt 3 of 4; attempts:" in err
     summary = err[err.index("job succeeded on attempt"):].splitlines()
-    assert summary[1].startswith("  attempt 1: replica 1 (rank 1") and summary[1].endswith(
-        ": exit code 3 (exit code 3)")
-    assert summary[2].startswith("  attempt 2: replica 1 (rank 1")
+    assert summary[1].startswith("  attempt 1: 2 replicas on this host (2); failed: replica 1 (rank 1") \
+        and summary[1].endswith(": exit code 3 (exit code 3)")
+    assert summary[2].startswith("  attempt 2: 2 replicas on this host (2), after a failure; failed: replica 1 (rank 1")
+    assert summary[3] == "  attempt 3: 2 replicas on this host (2), after a failure; succeeded"
     assert "attempt 2 replica 1 ok" in proc.stdout
 
 
@@ -78,7 +85,10 @@ def test_without_max_restarts_no_restart(tmp_path):
     proc = run(tmp_path, fail_attempts=1)
     assert proc.returncode == 3
     assert attempts_logged(tmp_path) == [(0, 0), (0, 1)]
-    assert "restarting" not in proc.stderr and "attempts:" not in proc.stderr
+    assert "restarting" not in proc.stderr
+    final = proc.stderr[proc.stderr.rindex("poprun-lite: job failed (exit code 3)"):].splitlines()
+    assert final[-2] == "attempts:" and final[-1].startswith("  attempt 1: 2 replicas on this host (2); failed: "
+                                                             "replica 1 (rank 1")
 
 
 def test_sigterm_stops_without_restarting(tmp_path):
@@ -112,3 +122,66 @@ def test_bad_max_restarts_value():
     env = {**os.environ, "POPDIST_LITE_STALL_TIMEOUT": "soon"}
     proc = subprocess.run([*LAUNCHER, "true"], capture_output=True, text=True, timeout=30, env=env)
     assert proc.returncode == 2 and "$POPDIST_LITE_STALL_TIMEOUT: invalid float value: 'soon'" in proc.stderr
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
+def test_an_attempt_that_cannot_start_still_prints_the_attempts(tmp_path, elastic):
+    """Attempt 1 fails; attempt 2 cannot start mpirun (the fake mpirun made itself not
+    executable after its first run): the job ends with exit code 2, the error and the
+    attempts, both of them, in a fixed and an elastic job."""
+    real = find_mpirun(None)
+    fake = tmp_path / "mpirun"
+    fake.write_text(f'#!/usr/bin/env bash\n[ "$1" = --version ] || chmod -x "$0"\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    elastic_args = ["--min-replicas", "2"] if elastic else []
+    proc = run(tmp_path, "--max-restarts", "1", "--mpirun", str(fake), *elastic_args, fail_attempts=1)
+    assert proc.returncode == 2, proc.stderr
+    assert attempts_logged(tmp_path) == [(0, 0), (0, 1)]
+    err = proc.stderr
+    of = "" if elastic else " of 2"
+    assert f"poprun-lite: attempt 1{of} failed (exit code 3)" in err
+    final = err[err.index(f"poprun-lite: error: cannot run {fake}: [Errno 13] Permission denied"):].splitlines()
+    assert final[1] == "attempts:", err
+    assert final[2].startswith("  attempt 1: 2 replicas on this host (2); failed: replica 1 (rank 1") \
+        and final[2].endswith(": exit code 3 (exit code 3)"), err
+    assert final[3] == (f"  attempt 2: 2 replicas on this host (2), after a failure; could not be started: "
+                        f"cannot run {fake}: [Errno 13] Permission denied: '{fake}' (exit code 2)"), err
+    assert len(final) == 4, err
+
+
+class ScriptedLauncher:
+    """A launcher (the attempts.Launcher interface) that plays back ``outcomes``: a
+    JobResult to return, or an exception to raise; it records the attempts it got."""
+
+    def __init__(self, *outcomes):
+        self.outcomes, self.attempts = list(outcomes), []
+
+    def run(self, attempt):
+        self.attempts.append(attempt)
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return attempts.Outcome(outcome)
+
+
+@pytest.mark.parametrize("error, code, line", [
+    (attempts.AttemptError("no mpirun today"), 2,
+     "  attempt 2: 1 replica on this host (1), after a failure; could not be started: no mpirun today "
+     "(exit code 2)"),
+    (RuntimeError("a bug"), 1, "  attempt 2: 1 replica on this host (1), after a failure; ended by an internal "
+                               "error in poprun-lite"),
+])
+def test_the_loop_with_another_launcher(capsys, error, code, line):
+    """The loop drives any Launcher: attempt 1 fails (mpirun's code 3), attempt 2 raises;
+    the attempts are printed either way (an AttemptError: exit code 2; a launcher bug: 1)."""
+    opts = cli.parse_args(["--max-restarts", "2", "prog"])
+    launcher = ScriptedLauncher(job.JobResult(returncode=3), error)
+    loop = attempts.AttemptsLoop(opts, launcher, attempts.FixedPolicy(opts), say=lambda text: None)
+    assert loop.run() == code
+    assert [(a.index, a.membership.hosts, a.hosts_checked, a.watch) for a in launcher.attempts] == \
+        [(0, ((None, 1),), False, None), (1, ((None, 1),), False, None)]
+    err = capsys.readouterr().err
+    assert "poprun-lite: attempt 1 of 3 failed (exit code 3)" in err
+    assert f"attempts:\n  attempt 1: 1 replica on this host (1); failed: failed (exit code 3)\n{line}\n" in err, err
+    if code == 1:
+        assert "poprun-lite: internal error: RuntimeError: a bug (at test_restarts.py:" in err

@@ -1,0 +1,409 @@
+"""The job's attempts: one loop (:class:`AttemptsLoop`) for every job, a membership
+policy (:class:`FixedPolicy` or :class:`ElasticPolicy`) deciding each attempt's hosts,
+and a :class:`Launcher` starting each attempt's processes (today
+:class:`~popdist_lite_launcher.ssh_launch.SshLauncher`: mpirun over the launch agent).
+
+One attempt: the policy gives its membership (a fixed job: ``--num-replicas`` over
+``-H``/``--hostfile`` or this machine, every time; an elastic job: the usable
+discovered hosts, waiting for ``--min-replicas``), the launcher runs it and returns its
+:class:`Outcome`, or raises :class:`AttemptError` when it could not start it (hosts
+failing their check, no collector, no mpirun). The loop then decides, the same way for
+every job:
+
+* **succeeded**: every rank exited 0, and no ``resize_stop`` came unasked. The job is done.
+* **stopped for a resize**: every rank exited 0 after the replicas sent ``resize_stop``
+  in an attempt whose resize monitor asked for a resize (elastic jobs only). The next
+  attempt runs on the new membership; not counted against ``--max-restarts``.
+* **lost a host** (elastic jobs): it failed, and a host it used is no longer discovered
+  or fails its probe. The next attempt runs on the hosts left; not counted.
+* **failed**: anything else, including a ``resize_stop`` no resize was asked for (the
+  report names the rank that sent it). Counted: the job ends when failures exceed
+  ``--max-restarts``, at once on a signal, ``--timeout``, an internal error or an
+  :class:`AttemptError` (exit code 2).
+
+Every failed attempt prints its report; the job's last report ends with the attempts
+(``attempts:``, one line each: membership, why it has it, how it ended), and a job that
+succeeded after more than one attempt prints them too. An exception anywhere in the loop
+(a bug in the launcher) ends the job with exit code 1, printing what is known: the last
+attempt's failures, the attempts, the error. Discovery and probe processes are killed at
+the end of every attempt (:func:`popdist_lite_launcher.children.kill_all`). Model:
+torchrun's elastic agent (one run loop over typed worker-group state).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from . import children, job, report
+from .elastic import Cluster, Membership, ResizeMonitor, Survey, Wait, wait_for_membership
+from .mpirun import LauncherError
+from .options import Options
+from .plan import RESTART_COUNT_ENV, placement
+
+#: What the report says of a ``resize_stop`` record no resize was asked for, after its sender.
+UNASKED = "sent resize_stop, but poprun-lite asked for no resize in this attempt"
+
+#: ``send(rank, record)``: a record to rank ``rank``'s agent; True if it was sent.
+Send = Callable[[int, dict], bool]
+
+
+def _say(text: str) -> None:
+    print(f"poprun-lite: {text}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ the launch interface
+
+class Watcher(Protocol):
+    """Watches the hosts while an attempt runs (:class:`~popdist_lite_launcher.elastic.ResizeMonitor`)."""
+
+    asked: bool          # whether it asked the replicas for a resize
+    reason: str | None   # why
+
+    def start(self) -> "Watcher": ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What a :class:`Launcher` runs: attempt ``index`` (from 0, the ranks'
+    ``POPDIST_LITE_RESTART_COUNT``) on ``membership``, within ``timeout`` seconds (None:
+    no limit). ``hosts_checked``: the policy probed its hosts already. ``watch(send)``
+    makes the attempt's watcher once records can be sent to the replicas' agents; the
+    launcher starts it then and stops it when the job has ended."""
+
+    index: int
+    membership: Membership
+    timeout: float | None
+    hosts_checked: bool = False
+    watch: Callable[[Send], Watcher] | None = None
+
+
+@dataclass
+class Outcome:
+    """What a :class:`Launcher` returns: the job's result and the ``resize_stop`` records
+    it got (identity fields: who sent each)."""
+
+    result: job.JobResult
+    resize_stops: list[dict] = field(default_factory=list)
+
+
+class AttemptError(Exception):
+    """The attempt could not be started (its hosts failed their check, its collector or
+    mpirun could not start); the message says why. Nothing of it is left running."""
+
+
+class Launcher(Protocol):
+    """Starts an attempt's processes on its hosts and supervises them to the end."""
+
+    def run(self, attempt: Attempt) -> Outcome:
+        """Run ``attempt`` to its end; whatever is left of it is killed on every host
+        before this returns.
+
+        Raises:
+            AttemptError: it could not be started.
+        """
+
+
+# ------------------------------------------------------------------ membership policies
+
+class FixedPolicy:
+    """A job of ``--num-replicas`` on ``-H``/``--hostfile`` (divided evenly) or this
+    machine, the same for every attempt; its hosts are checked by the launcher."""
+
+    elastic = False
+
+    def __init__(self, opts: Options):
+        self.opts = opts
+        self.membership = Membership(placement(opts))
+
+    def start(self) -> None:
+        """Nothing to find out before the first attempt."""
+
+    def next(self, deadline: float | None, say) -> Membership:
+        return self.membership
+
+    def watch(self, membership: Membership, say) -> None:
+        return None
+
+    def lost(self, membership: Membership, say) -> list[str]:
+        return []
+
+
+class ElasticPolicy:
+    """An elastic job's memberships (:mod:`popdist_lite_launcher.elastic`): the usable
+    discovered hosts (probed by the policy), waiting for ``--min-replicas``; a resize
+    monitor in every attempt; hosts lost after a failure."""
+
+    elastic = True
+
+    def __init__(self, opts: Options, cluster: Cluster | None = None):
+        self.opts = opts
+        self.cluster = cluster or Cluster(opts)
+        self._survey: Survey | None = None
+
+    def start(self) -> None:
+        """The first look at the hosts.
+
+        Raises:
+            LauncherError: discovery failed (the job stops with exit code 2).
+        """
+        self._survey = self.cluster.survey()
+
+    def next(self, deadline: float | None, say) -> Membership | Wait:
+        """The next attempt's membership (at least ``--min-replicas``), or how waiting
+        for one ended."""
+        first, self._survey = self._survey, None
+        return wait_for_membership(self.cluster, deadline, first, say)
+
+    def watch(self, membership: Membership, say) -> Callable[[Send], Watcher]:
+        return lambda send: ResizeMonitor(self.cluster, membership, send, self.opts.discovery_interval, say)
+
+    def lost(self, membership: Membership, say) -> list[str]:
+        """After a failed attempt on ``membership``: its hosts that are gone now (and the
+        survey kept for the next attempt); [] when discovery fails."""
+        try:
+            self._survey = self.cluster.survey()
+        except LauncherError as exc:
+            say(f"host discovery failed after the attempt: {exc}")
+            return []
+        lost = self._survey.lost(membership)
+        for host in lost:
+            if self._survey.problems.get(host):
+                say(self._survey.problems[host])
+        return lost
+
+
+# ------------------------------------------------------------------ the history
+
+@dataclass
+class AttemptRecord:
+    """One attempt in the report: its number (from 1), membership, why it has that
+    membership, and how it ended."""
+
+    number: int
+    membership: Membership
+    why: str = ""
+    outcome: str = "running"
+
+    def line(self) -> str:
+        why = f", after {self.why}" if self.why else ""
+        return f"  attempt {self.number}: {self.membership.describe()}{why}; {self.outcome}"
+
+
+def format_attempts(history: list[AttemptRecord]) -> str:
+    """``attempts:`` and one line per attempt (membership, why, outcome)."""
+    return "\n".join(["attempts:", *(record.line() for record in history)])
+
+
+def sender(record: dict) -> str:
+    """``replica 0 (rank 0, host h, pid 12)``: who sent ``record`` (its identity fields)."""
+    return report.Failure(rank=record.get("rank"), replica=record.get("replica"),
+                          role=record.get("role") or "replica", host=record.get("host"),
+                          pid=record.get("pid"), time=0.0, feeder=record.get("feeder")).title()
+
+
+def exit_code(result: job.JobResult) -> int:
+    """The exit code of a failed attempt."""
+    if result.internal_error:
+        cause = report.root_cause(result.failures)
+        return cause.launcher_exit_code() if cause is not None else 1
+    if result.timed_out:
+        return 124
+    if result.stop_signal is not None:
+        return 128 + result.stop_signal
+    if result.stall is not None:
+        return 1
+    return report.exit_code_for(result.failures, result.returncode)
+
+
+# ------------------------------------------------------------------ the loop
+
+class AttemptsLoop:
+    """Runs a job's attempts (module docstring) with ``launcher`` under ``policy``;
+    :meth:`run` returns the exit code. ``history``, ``last`` (the last attempt's
+    :class:`~popdist_lite_launcher.job.JobResult`), ``refused`` and ``dropped`` (the
+    collectors' counts, added up) stay readable afterwards."""
+
+    def __init__(self, opts: Options, launcher: Launcher, policy: FixedPolicy | ElasticPolicy,
+                 say: Callable[[str], None] = _say):
+        self.opts, self.launcher, self.policy, self.say = opts, launcher, policy, say
+        self.history: list[AttemptRecord] = []
+        self.last: job.JobResult | None = None
+        self.refused: dict[str, int] = {}
+        self.dropped: dict[str, int] = {}
+        self.failures = 0
+
+    def _of(self) -> str:
+        """`` of N`` after an attempt's number when the number of attempts is known
+        (a fixed job: ``--max-restarts`` + 1)."""
+        return "" if self.policy.elastic else f" of {self.opts.max_restarts + 1}"
+
+    def run(self) -> int:
+        """Run the attempts; the job's exit code. Never raises for a launcher bug (it is
+        printed with what is known, exit code 1)."""
+        try:
+            return self._run()
+        except Exception as exc:  # noqa: BLE001 - a bug in the launcher: report what is known
+            if self.history and self.history[-1].outcome == "running":
+                self.history[-1].outcome = "ended by an internal error in poprun-lite"
+            self._print_internal_error(exc)
+            return 1
+        finally:
+            children.kill_all()
+
+    def _run(self) -> int:
+        opts, say = self.opts, self.say
+        deadline = time.monotonic() + opts.timeout if opts.timeout else None
+        try:
+            self.policy.start()
+        except LauncherError as exc:
+            print(f"poprun-lite: error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        why = ""
+        while True:
+            membership = self.policy.next(deadline, say)
+            if isinstance(membership, Wait):
+                lines = [f"poprun-lite: {membership.text} (exit code {membership.code})"]
+                if self.history:
+                    lines.append(format_attempts(self.history))
+                print("\n".join(lines), file=sys.stderr, flush=True)
+                return membership.code
+            record = AttemptRecord(len(self.history) + 1, membership, why)
+            self.history.append(record)
+            if self.policy.elastic or record.number > 1:
+                say(f"attempt {record.number}{self._of()}: {membership.describe()}"
+                    + (f", after {why} ({RESTART_COUNT_ENV}={record.number - 1})" if why else ""))
+            code, why = self._attempt(record, deadline)
+            if code is not None:
+                return code
+
+    def _attempt(self, record: AttemptRecord, deadline: float | None) -> tuple[int | None, str]:
+        """Run the attempt of ``record``, print its report: ``(exit code, "")`` when the
+        job ends here, else ``(None, why the next attempt runs)``."""
+        opts, say = self.opts, self.say
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        watchers: list[Watcher] = []
+        watch = self.policy.watch(record.membership, say)
+
+        def make_watcher(send: Send) -> Watcher:
+            watchers.append(watch(send))
+            return watchers[-1]
+
+        attempt = Attempt(record.number - 1, record.membership, left, hosts_checked=self.policy.elastic,
+                          watch=make_watcher if watch is not None else None)
+        try:
+            outcome = self.launcher.run(attempt)
+        except AttemptError as exc:
+            record.outcome = f"could not be started: {exc} (exit code 2)"
+            print(f"poprun-lite: error: {exc}\n{format_attempts(self.history)}", file=sys.stderr, flush=True)
+            return 2, ""
+        finally:
+            children.kill_all()  # what discovery or a probe of this attempt left
+        result = self._noted(outcome.result)
+        asked = next((w for w in watchers if w.asked), None)
+        clean = result.returncode == 0 and not result.stop_reason and not result.failures \
+            and not result.internal_error
+        unasked = outcome.resize_stops if asked is None else []
+        if clean and outcome.resize_stops and asked is not None:
+            record.outcome = f"stopped at a step boundary for a resize ({asked.reason})"
+            say(f"attempt {record.number} stopped for a resize ({asked.reason}); starting the next")
+            return None, asked.reason or "a resize"
+        if clean and not unasked:
+            record.outcome = "succeeded"
+            self._print_timeline()
+            if len(self.history) > 1:
+                print(f"poprun-lite: job succeeded on attempt {record.number}{self._of()}; "
+                      + format_attempts(self.history), file=sys.stderr, flush=True)
+            return 0, ""
+        return self._failed(record, result, unasked if clean else [], [] if clean else unasked)
+
+    def _failed(self, record: AttemptRecord, result: job.JobResult, cause_stops: list[dict],
+                other_stops: list[dict]) -> tuple[int | None, str]:
+        """A failed attempt: its report, and whether the job goes on. ``cause_stops``:
+        the ``resize_stop`` records no resize was asked for, when they are what failed
+        (the ranks all exited 0); ``other_stops``: such records in an attempt that failed
+        anyway (named after its report)."""
+        opts, say = self.opts, self.say
+        cause, stop_reason = result.stall, result.stop_reason
+        if result.timed_out and opts.timeout:  # the attempt had what was left of --timeout
+            stop_reason = f"job timed out after {opts.timeout:g} s"
+        if cause_stops:
+            code = 1
+            cause = f"root cause: {sender(cause_stops[0])} {UNASKED}"
+            summary = f"{sender(cause_stops[0])} sent resize_stop unasked"
+        else:
+            code = exit_code(result)
+            summary = report.summary(result.failures, reason=stop_reason, stalled=result.stall is not None)
+        final = result.stop_signal is not None or result.timed_out or result.internal_error is not None
+        lost = [] if final else self.policy.lost(record.membership, say)
+        if lost:
+            record.outcome = f"{_hosts_text(lost)} lost: {summary} (exit code {code})"
+        else:
+            self.failures += 1
+            record.outcome = f"failed: {summary} (exit code {code})"
+            final = final or self.failures > opts.max_restarts
+        if result.internal_error:
+            reason = "job stopped after an internal error in poprun-lite"
+        elif final:
+            reason = stop_reason or "job failed"
+        else:
+            reason = f"attempt {record.number}{self._of()} failed"
+        text = report.format_report(result.failures, code, reason=reason, mpirun_tail=result.mpirun_tail,
+                                    cause=cause)
+        text += "".join(f"\n{sender(r)} {UNASKED}" for r in [*cause_stops[1:], *other_stops])
+        if result.internal_error:
+            text += f"\npoprun-lite: internal error: {result.internal_error}"
+        if final:
+            print(text + "\n" + format_attempts(self.history), file=sys.stderr, flush=True)
+            return code, ""
+        print(text, file=sys.stderr, flush=True)
+        if lost:
+            why = f"{_hosts_text(lost)} lost"
+            say(f"{why}: restarting on the hosts left (a change of membership, not counted "
+                f"against --max-restarts)")
+            return None, why
+        say(f"restarting the job after failure {self.failures} of at most {opts.max_restarts} "
+            f"(--max-restarts)")
+        return None, "a failure"
+
+    def _noted(self, result: job.JobResult) -> job.JobResult:
+        """``result``, kept as the last one, its collector's counts added up."""
+        self.last = result
+        for total, counts in ((self.refused, result.refused), (self.dropped, result.dropped)):
+            for reason, count in counts.items():
+                total[reason] = total.get(reason, 0) + count
+        return result
+
+    def _print_timeline(self) -> None:
+        if self.opts.timeline:
+            path = os.path.abspath(self.opts.timeline)
+            state = "written to" if os.path.exists(path) else \
+                "not written (did the program call popdist_lite.init()?):"
+            print(f"poprun-lite: timeline {state} {path}", file=sys.stderr, flush=True)
+
+    def _print_internal_error(self, exc: Exception) -> None:
+        """What is known when the launcher itself failed outside :func:`job.run_job`:
+        the last attempt's failures, the attempts so far, and the error."""
+        lines = ["poprun-lite: job ended by an internal error in poprun-lite (exit code 1)"]
+        if self.last is not None:
+            for failure in self.last.failures:
+                try:
+                    lines.append(f"  {failure.title()}: {failure.status()}")
+                except Exception:  # noqa: BLE001 - print what can be printed
+                    lines.append(f"  rank {getattr(failure, 'rank', '?')}: failed")
+        if self.history:
+            try:
+                lines.append(format_attempts(self.history))
+            except Exception:  # noqa: BLE001
+                pass
+        lines.append(f"poprun-lite: internal error: {job.describe(exc)}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _hosts_text(names: list[str]) -> str:
+    return ("host " if len(names) == 1 else "hosts ") + ", ".join(names)

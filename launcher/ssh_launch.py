@@ -1,0 +1,122 @@
+"""Starting an attempt with mpirun over the launch agent (``--launch-agent``, default
+ssh): :class:`SshLauncher`, the :class:`~popdist_lite_launcher.attempts.Launcher` of
+every job today.
+
+Each attempt gets its own collector (address, key), attempt mark and stall inspector;
+remote hosts are checked first (the probe, :func:`popdist_lite_launcher.network.check_hosts`)
+unless the membership policy checked them already; mpirun runs the MPMD command of the
+rank plan (:func:`popdist_lite_launcher.plan.plan_ranks`) with the attempt agent
+(:data:`popdist_lite_launcher.cleanup.ATTEMPT_AGENT`) for remote hosts; when the job has
+ended, whatever is left of the attempt is killed on every host
+(:mod:`popdist_lite_launcher.cleanup`).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from popdist_lite import records
+
+from . import channel, cleanup, job, network
+from .attempts import Attempt, AttemptError, Outcome
+from .collector import ENROLMENT_SECONDS, Collector
+from .inspector import StallInspector
+from .mpirun import EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command, is_local_host
+from .options import Options
+from .plan import format_topology, plan_ranks, processes_of
+
+
+class SshLauncher:
+    """Runs attempts with ``mpirun`` (the executable, of ``implementation`` "openmpi" or
+    "mpich") under the options ``opts``."""
+
+    def __init__(self, opts: Options, mpirun: str, implementation: str):
+        self.opts, self.mpirun, self.implementation = opts, mpirun, implementation
+
+    def run(self, attempt: Attempt) -> Outcome:
+        """Run ``attempt`` (see the module docstring): its job's result, with the
+        collector's counts of what it refused, and the ``resize_stop`` records it got.
+
+        Raises:
+            AttemptError: the hosts fail their check, or the collector or mpirun cannot
+                be started.
+        """
+        opts = self.opts
+        ranks = plan_ranks(opts, attempt.index, attempt.membership)
+        remote = list(dict.fromkeys(spec.host for spec in ranks if not is_local_host(spec.host)))
+        try:
+            address = network.launcher_address(opts.network_interface, remote) if remote else "127.0.0.1"
+            if remote and opts.host_check and not attempt.hosts_checked:
+                network.check_hosts(opts.launch_agent, remote, address=address)
+            collector = Collector(address, ranks=len(ranks), enrolment=ENROLMENT_SECONDS)
+        except (OSError, LauncherError) as exc:
+            raise AttemptError(str(exc)) from None
+        mark = cleanup.new_mark()
+        try:
+            with collector:
+                result = self._launch(attempt, ranks, remote, address, collector, mark)
+        finally:
+            self._clean_up(ranks, remote, mark)
+        result.refused, result.dropped = collector.ignored()
+        stops = collector.records("resize_stop")
+        result.resize_stops = len(stops)
+        return Outcome(result, stops)
+
+    def _launch(self, attempt: Attempt, ranks: list[RankSpec], remote: list[str], address: str,
+                collector: Collector, mark: str) -> job.JobResult:
+        """Build the attempt's mpirun command and run it (:func:`job.run_job`) with its
+        stall inspector and watcher."""
+        from .cli import job_environment  # beside the options it documents
+
+        opts = self.opts
+        inspector = None
+        if opts.stall_warning or opts.stall_timeout:
+            inspector = StallInspector(
+                len([spec for spec in ranks if spec.role == "replica"]), processes_of(ranks),
+                lambda rank, request: collector.send(rank, records.make("stack_request", request=request)),
+                warning=opts.stall_warning, timeout=opts.stall_timeout)
+            collector.subscribe("progress", inspector.on_progress)
+            collector.subscribe("stack", inspector.on_stack)
+        export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
+        cmd = build_command(
+            self.mpirun, self.implementation, ranks, [opts.program, *opts.args],
+            global_args=[a for text in opts.mpi_global_args for a in shlex.split(text)],
+            tag_output=opts.tag_output,
+            oversubscribe=not remote or len(ranks) > (os.cpu_count() or 1),
+            allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+            export=[*export, records.COLLECTOR_ENV, channel.KEY_ENV, cleanup.MARK_ENV],
+            launch_agent=cleanup.ATTEMPT_AGENT if remote else None,
+            network=opts.network_interface if remote else None,
+            launcher_address=address if remote else None)
+        if opts.print_topology and (attempt.index == 0 or opts.elastic):
+            print(format_topology(ranks), flush=True)
+        env = job_environment(collector, mark, opts.launch_agent if remote else None)
+        if opts.verbose:
+            shown = [f"{name}={env[name]}" for name in (cleanup.LAUNCH_AGENT_ENV, cleanup.MARK_ENV)
+                     if remote and name in env]
+            print(shlex.join([*shown, *cmd]), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        watcher = attempt.watch(collector.send).start() if attempt.watch is not None else None
+        try:
+            return job.run_job(cmd, collector, timeout=attempt.timeout, inspector=inspector, env=env)
+        except OSError as exc:
+            raise AttemptError(f"cannot run {self.mpirun}: {exc}") from None
+        finally:
+            if watcher is not None:
+                watcher.stop()
+
+    def _clean_up(self, ranks: list[RankSpec], remote: list[str], mark: str) -> None:
+        """Kill what is left of the attempt ``mark``: on this machine if it ran ranks here,
+        on every remote host through the launch agent; print every host where that failed."""
+        problems = {}
+        if any(is_local_host(spec.host) for spec in ranks):
+            _, left = cleanup.kill_marked(mark)
+            if left:
+                problems["this host"] = f"{len(left)} process(es) still running (pids {left[:10]})"
+        if remote:
+            problems.update(cleanup.clean_hosts(self.opts.launch_agent, remote, mark))
+        for host, problem in problems.items():
+            print(f"poprun-lite: cleanup after the attempt failed on {host}: {problem}",
+                  file=sys.stderr, flush=True)
