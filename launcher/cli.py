@@ -1,6 +1,5 @@
 """``poprun-lite``: its options (:func:`build_parser`, :func:`parse_args`, which returns
-them typed, :class:`~popdist_lite_launcher.options.Options`), mpirun's environment
-(:func:`job_environment`) and ``main``.
+them typed, :class:`~popdist_lite_launcher.options.Options`) and ``main``.
 
 The job is planned as a list of :class:`~popdist_lite_launcher.mpirun.RankSpec`
 by :func:`~popdist_lite_launcher.plan.plan_ranks` (also importable from here);
@@ -18,14 +17,11 @@ import shlex
 import signal
 import sys
 
-from popdist_lite import records
-
-from . import __version__, attempts, channel, children, cleanup, elastic, hosts, job, report
-from .collector import Collector
+from . import __version__, attempts, children, elastic, hosts, job, report
 from .mpirun import LauncherError, detect_implementation, find_mpirun
 from .options import Options
 from .plan import RESTART_COUNT_ENV, format_topology, placement, plan_ranks, processes_of  # noqa: F401
-from .ssh_launch import SshLauncher
+from .ssh_launch import SshLauncher, job_environment  # noqa: F401 (job_environment: importable from here)
 
 EPILOG = """\
 examples:
@@ -302,19 +298,6 @@ def main(argv: list[str] | None = None) -> None:
     if line:
         print(line, file=sys.stderr, flush=True)
     sys.exit(code)
-
-
-def job_environment(collector: Collector, mark: str, launch_agent: str | None = None) -> dict[str, str]:
-    """mpirun's environment: the launcher's, plus the collector's address and the job's
-    key, which mpirun forwards to every rank by name (never on a command line), the
-    attempt's mark (:mod:`popdist_lite_launcher.cleanup`) and, for remote hosts, the real
-    launch agent behind :data:`cleanup.ATTEMPT_AGENT
-    <popdist_lite_launcher.cleanup.ATTEMPT_AGENT>`."""
-    env = {**os.environ, records.COLLECTOR_ENV: collector.address,
-           channel.KEY_ENV: collector.key.hex(), cleanup.MARK_ENV: mark}
-    if launch_agent is not None:
-        env[cleanup.LAUNCH_AGENT_ENV] = launch_agent
-    return env
 
 
 if __name__ == "__main__":

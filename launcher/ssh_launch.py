@@ -68,7 +68,6 @@ class SshLauncher:
                 collector: Collector, mark: str) -> job.JobResult:
         """Build the attempt's mpirun command and run it (:func:`job.run_job`) with its
         stall inspector and watcher."""
-        from .cli import job_environment  # beside the options it documents
 
         opts = self.opts
         inspector = None
@@ -120,3 +119,16 @@ class SshLauncher:
         for host, problem in problems.items():
             print(f"poprun-lite: cleanup after the attempt failed on {host}: {problem}",
                   file=sys.stderr, flush=True)
+
+
+def job_environment(collector: Collector, mark: str, launch_agent: str | None = None) -> dict[str, str]:
+    """mpirun's environment: the launcher's, plus the collector's address and the job's
+    key, which mpirun forwards to every rank by name (never on a command line), the
+    attempt's mark (:mod:`popdist_lite_launcher.cleanup`) and, for remote hosts, the real
+    launch agent behind :data:`cleanup.ATTEMPT_AGENT
+    <popdist_lite_launcher.cleanup.ATTEMPT_AGENT>`."""
+    env = {**os.environ, records.COLLECTOR_ENV: collector.address,
+           channel.KEY_ENV: collector.key.hex(), cleanup.MARK_ENV: mark}
+    if launch_agent is not None:
+        env[cleanup.LAUNCH_AGENT_ENV] = launch_agent
+    return env
