@@ -66,7 +66,7 @@ class AgentConnection:
         self.sock.close()
 
 
-def wait_for(condition, timeout: float = 10.0, what: str = "condition") -> None:
+def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

@@ -134,7 +134,7 @@ def test_collector_refuses_and_counts_strangers():
                                                            terminated=False)))
         legit.send_exit(0)
         legit.close()
-        assert collector.wait_closed(5)
+        assert collector.wait_closed(60)
         wait_for(lambda: sum(collector.ignored()[0].values()) == 4, what="4 refusals")
         refused, dropped = collector.ignored()
         assert refused == {"hello: bad MAC": 2, "closed before authenticating": 1,
@@ -153,9 +153,7 @@ def test_hello_deadline_closes_idle_connections(monkeypatch):
         with socket.create_connection(address(collector)) as sock:
             sock.settimeout(10)
             assert sock.recv(1000).startswith(b'{"kind":"challenge"')
-            start = time.monotonic()
-            assert sock.recv(1000) == b""
-            assert time.monotonic() - start < 5
+            assert sock.recv(1000) == b""  # closed by the collector (a recv timeout raises)
         assert collector.ignored() == ({"no hello within 0.5 s": 1}, {})
         # a hello that takes too long counts as nothing, not as a lost agent
         assert collector.records() == [] and not collector.has_failure()
@@ -212,7 +210,7 @@ def test_enrolment_takes_each_rank_once_and_welcomes_them_together():
                                           "hello after enrolment closed": 3}
         first.send_exit(0), second.send_exit(0)
         first.close(), second.close()
-        assert collector.wait_closed(5) and not collector.has_failure()
+        assert collector.wait_closed(60) and not collector.has_failure()
 
 
 def test_enrolment_closes_after_its_seconds():
@@ -221,7 +219,7 @@ def test_enrolment_closes_after_its_seconds():
     with Collector(ranks=2, enrolment=1.0) as collector:
         start = time.monotonic()
         first = AgentConnection(collector, 0)  # its welcome comes after about 1 s
-        assert 0.5 < time.monotonic() - start < 5
+        assert 0.5 < time.monotonic() - start
         late = AgentConnection(collector, 1, welcome=False)
         late.sock.settimeout(5)
         assert late.sock.recv(100) == b""
@@ -245,7 +243,7 @@ def test_agent_link_ends_its_program_when_the_launcher_goes():
         link.start(records.identity(rank=0, replica=0, pid=1), lambda r: None, quiet.set)
         assert link.ready.wait(10) and link.session is not None
         link.close()
-        assert collector.wait_closed(5)
+        assert collector.wait_closed(60)
     assert not quiet.wait(0.5)
 
 
@@ -319,10 +317,13 @@ def test_out_of_descriptors_backs_off_and_recovers():
         idle = socket.create_connection(address(collector))
         wait_for(lambda: len(collector._pending) == 1, what="the idle connection")
         server = collector._server = _Exhausted(collector._server)
+        start = time.monotonic()
         waiting = socket.create_connection(address(collector))  # readable listener from now on
-        time.sleep(1.5)
+        wait_for(lambda: server.calls >= 3, 60, "three accept() calls")
+        calls, elapsed = server.calls, time.monotonic() - start
         # without the back-off the loop would call accept() thousands of times a second
-        assert 1 <= server.calls <= 3 * (1 + 1.5 / collector_module.ACCEPT_BACKOFF_SECONDS)
+        backoff = collector_module.ACCEPT_BACKOFF_SECONDS
+        assert elapsed >= 2 * backoff and calls <= 3 * (1 + elapsed / backoff), (calls, elapsed)
         idle.settimeout(5)
         idle.recv(1000)
         assert idle.recv(1000) == b""  # the oldest stranger closed to free a descriptor
@@ -360,7 +361,12 @@ class FakeLauncher:
                 continue
             session = channel.Session(self.key, nonce, bytes.fromhex(hello["nonce"]), channel.LAUNCHER)
             sock.sendall(channel.welcome(session) + session.seal(records.make("signal", signal="SIGKILL")))
-            time.sleep(0.2)
+            sock.settimeout(60)
+            try:  # until the agent, having refused the welcome, hangs up
+                while sock.recv(65536):
+                    pass
+            except OSError:
+                pass
             sock.close()
 
     @property
@@ -398,15 +404,15 @@ def test_agent_drops_invalid_requests_and_strips_the_key(tmp_path):
                                 stderr=subprocess.PIPE)
         try:
             wait_for(lambda: ready.exists() and ready.read_text() and collector.records("hello"),
-                     timeout=30, what="the program")
+                     timeout=60, what="the program")
             assert ready.read_text() == "False0"
             assert collector.send(0, {"kind": "signal", "signal": "SIGSTOP"})
             assert collector.send(0, {"kind": "signal", "signal": "SIGUSR1"})
-            proc.wait(timeout=20)  # a stopped program would never exit
+            proc.wait(timeout=60)  # a stopped program would never exit
         finally:
             if proc.poll() is None:
                 proc.kill()
             _, err = proc.communicate()
-        assert collector.wait_closed(5)
+        assert collector.wait_closed(60)
         assert proc.returncode == 7 and collector.records("exit")[0]["exitcode"] == 7
         assert "dropped a line from the launcher (invalid record)" in err

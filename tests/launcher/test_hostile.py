@@ -21,7 +21,10 @@ import pytest
 from popdist_lite import records
 from popdist_lite_launcher import channel, job
 from popdist_lite_launcher.collector import Collector
+from helpers import JOB_SECONDS, timeout_for
 from peers import alive, wait_for
+
+pytestmark = timeout_for(1)
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 FORGED = "FORGED-BY-A-STRANGER"
@@ -38,7 +41,7 @@ WAITER = textwrap.dedent("""
             "initial": b"POPRUN_LITE_JOB_KEY" in Path("/proc/self/environ").read_bytes()}
     (d / f"rank-{r}.tmp").write_text(json.dumps({"pid": os.getpid(), **seen}))
     os.replace(d / f"rank-{r}.tmp", d / f"rank-{r}")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600
     while not (d / "go").exists():
         if time.monotonic() > deadline:
             sys.exit(5)
@@ -50,7 +53,7 @@ WAITER = textwrap.dedent("""
 def start(tmp_path, *args):
     prog = tmp_path / "waiter.py"
     prog.write_text(WAITER)
-    return subprocess.Popen([*LAUNCHER, "--timeout", "90", "--num-replicas", "2", *args,
+    return subprocess.Popen([*LAUNCHER, "--timeout", str(JOB_SECONDS), "--num-replicas", "2", *args,
                              sys.executable, str(prog), str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
@@ -60,11 +63,11 @@ def ranks_started(tmp_path, launcher) -> list[dict]:
     def started():
         assert launcher.poll() is None, f"the launcher ended: {launcher.communicate()[1][-3000:]}"
         return all((tmp_path / f"rank-{r}").exists() for r in range(2))
-    wait_for(started, timeout=60, what="both ranks")
+    wait_for(started, timeout=240, what="both ranks")
     return [json.loads((tmp_path / f"rank-{r}").read_text()) for r in range(2)]
 
 
-def finish(tmp_path, launcher, timeout=60):
+def finish(tmp_path, launcher, timeout=JOB_SECONDS + 30):
     (tmp_path / "go").touch()
     try:
         return launcher.communicate(timeout=timeout)
@@ -127,8 +130,12 @@ def test_stranger_cannot_change_a_healthy_job(tmp_path):
         except OSError:
             pass  # closed by the collector after its first 4 KiB
         big.close()
-        idle = [socket.create_connection((host, port), timeout=10) for _ in range(200)]
-        time.sleep(0.5)
+        idle = [socket.create_connection((host, port), timeout=60) for _ in range(200)]
+        for sock in idle:  # each one handled by the collector: challenged, or closed for a newer
+            try:
+                sock.recv(1000)
+            except ConnectionResetError:
+                pass
         assert launcher.poll() is None
         out, err = finish(tmp_path, launcher)
         for sock in idle:
@@ -199,10 +206,10 @@ def _cmdline(pid: int) -> str:
 SLEEPERS = textwrap.dedent("""
     import os, subprocess, sys, time
     # a "rank" in its own process group, as mpirun starts them
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=os.setpgrp)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], preexec_fn=os.setpgrp)
     with open(sys.argv[1], "w") as f:
         f.write(f"{os.getpid()} {child.pid}")
-    time.sleep(60)
+    time.sleep(600)
 """)
 
 
@@ -219,13 +226,10 @@ def test_run_job_kills_the_session_when_supervising_fails(tmp_path, monkeypatch)
                 raise KeyError("terminated")  # the bug the old record handling had
             return False
         monkeypatch.setattr(collector, "has_failure", has_failure)
-        start_time = time.monotonic()
-        result = job.run_job([sys.executable, str(prog), str(pid_file)], collector, timeout=30)
-    assert time.monotonic() - start_time < 15
+        result = job.run_job([sys.executable, str(prog), str(pid_file)], collector, timeout=JOB_SECONDS)
     assert result.internal_error.startswith("KeyError: 'terminated' (at test_hostile.py:")
     pids = [int(p) for p in pid_file.read_text().split()]
-    time.sleep(0.2)
-    assert not [p for p in pids if alive(p)]
+    wait_for(lambda: not any(alive(p) for p in pids), 60, "the session's processes to be gone")
     assert not job._sessions
 
 
@@ -249,7 +253,7 @@ def test_launcher_crash_never_orphans_the_job(tmp_path, where):
     prog.write_text(WAITER)
     code = patch + ("import sys\nfrom popdist_lite_launcher.cli import main\n"
                     "main(sys.argv[1:])\n")
-    args = ["--timeout", "60", "--num-replicas", "2", sys.executable, str(prog), str(tmp_path)]
+    args = ["--timeout", str(JOB_SECONDS), "--num-replicas", "2", sys.executable, str(prog), str(tmp_path)]
     launcher = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
                                 env={**os.environ, "CRASH": str(tmp_path / "crash")})
@@ -259,7 +263,7 @@ def test_launcher_crash_never_orphans_the_job(tmp_path, where):
             os.kill(ranks[1]["pid"], signal.SIGKILL)
         else:  # the collector's bug shows from now on
             (tmp_path / "crash").touch()
-        _, err = launcher.communicate(timeout=40)
+        _, err = launcher.communicate(timeout=JOB_SECONDS + 30)
     finally:
         stop(tmp_path, launcher)
     assert launcher.returncode not in (0, None), err
@@ -270,8 +274,7 @@ def test_launcher_crash_never_orphans_the_job(tmp_path, where):
         assert "poprun-lite: job ended by an internal error in poprun-lite (exit code 1)" in err
         assert "poprun-lite: internal error: RuntimeError: injected" in err
         assert "replica 1 (rank 1" in err  # the failure known so far
-    time.sleep(0.3)
-    assert not [r["pid"] for r in ranks if alive(r["pid"])]
+    wait_for(lambda: not any(alive(r["pid"]) for r in ranks), 60, "the ranks to be gone")
 
 
 # ---------------------------------------------------------------- the program as an attacker
@@ -344,9 +347,9 @@ def test_program_cannot_enrol_with_what_it_can_read(tmp_path, mpi):
         env.update(PATH=f"{bin_dir}:{env['PATH']}", POPRUN_LITE_MPIRUN=os.path.join(bin_dir, "mpiexec"))
     prog = tmp_path / "attacker.py"
     prog.write_text(ATTACKER)
-    proc = subprocess.run([python, "-m", "popdist_lite_launcher", "--timeout", "90", "--num-replicas", "2",
-                           python, str(prog), str(tmp_path)], capture_output=True, text=True,
-                          timeout=150, env=env, stdin=subprocess.DEVNULL)
+    proc = subprocess.run([python, "-m", "popdist_lite_launcher", "--timeout", str(JOB_SECONDS), "--num-replicas",
+                           "2", python, str(prog), str(tmp_path)], capture_output=True, text=True,
+                          timeout=JOB_SECONDS + 60, env=env, stdin=subprocess.DEVNULL)
     attack = json.loads((tmp_path / "attack").read_text())
     assert attack["keys"] >= 1 and attack["ancestors"] >= 3, attack  # the key was there to find
     assert attack["welcomed"] == [], (attack, proc.stderr[-3000:])

@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import JOB_SECONDS, timeout_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("POPDIST_LITE_MPICH_PYTHON")
-pytestmark = pytest.mark.skipif(not PYTHON, reason="no MPICH environment (scripts/test prepares one)")
+pytestmark = [pytest.mark.skipif(not PYTHON, reason="no MPICH environment (scripts/test prepares one)"),
+              timeout_for(1)]
 
 PROGRAM = """
 import numpy as np, popdist_lite as pl
@@ -31,12 +33,12 @@ pl.all_reduce(np.ones(1))
 """
 
 
-def poprun(tmp_path, *args, timeout=120):
+def poprun(tmp_path, *args, timeout=JOB_SECONDS + 60):
     script = tmp_path / "prog.py"
     script.write_text(PROGRAM)
     bin_dir = Path(PYTHON).parent
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "POPRUN_LITE_MPIRUN": str(bin_dir / "mpiexec")}
-    return subprocess.run([PYTHON, "-m", "popdist_lite_launcher", "--num-replicas", "3", "--timeout", "90", "-v",
+    return subprocess.run([PYTHON, "-m", "popdist_lite_launcher", "--num-replicas", "3", "--timeout", str(JOB_SECONDS), "-v",
                            PYTHON, str(script), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -61,7 +63,7 @@ def test_failure_report_under_mpich(tmp_path):
 def test_collectives_module_under_mpich():
     bin_dir = Path(PYTHON).parent
     proc = subprocess.run([str(bin_dir / "mpiexec"), "-n", "3", PYTHON, "-m", "pytest", "--with-mpi", "-q",
-                           "--color=no", "-p", "no:cacheprovider", "--timeout", "90", "--timeout-method", "thread",
+                           "--color=no", "-p", "no:cacheprovider", "--timeout", "240", "--timeout-method", "thread",
                            "-x", "tests/mpi/test_collectives.py"],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT, start_new_session=True)
+                          capture_output=True, text=True, timeout=JOB_SECONDS, cwd=ROOT, start_new_session=True)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]

@@ -170,7 +170,8 @@ def test_records_contract():
 
 
 def test_collector_drops_bad_lines_and_reports_lost_agents():
-    with Collector(silence_timeout=1.0, ranks=2) as collector:
+    # agent 0 must be lost by closing, however slow this machine: no silence timeout in reach
+    with Collector(silence_timeout=3600.0, ranks=2) as collector:
         seen = []
         collector.subscribe("progress", seen.append)
         # agent 0: a bad line, a progress record, then it vanishes without an exit record
@@ -179,15 +180,16 @@ def test_collector_drops_bad_lines_and_reports_lost_agents():
         agent0.send("progress", call=3, op="all_reduce", since=1.0)
         wait_for(lambda: seen, what="the progress record")
         agent0.close()
-        assert collector.wait_closed(5)
+        assert collector.wait_closed(60)
         assert [r["kind"] for r in collector.records()] == ["hello", "progress", "lost"]
         assert seen[0]["call"] == 3 and collector.ignored() == ({}, {"not a frame": 1})
         lost = collector.records("lost")[0]
         assert lost["rank"] == 0 and lost["terminated"] is False and "closed" in lost["reason"]
         assert collector.has_failure() and collector.lost_cause()
         # agent 1: says hello, then goes silent: lost after silence_timeout, a consequence now
+        collector.silence_timeout = 1.0  # read at each deadline check
         agent1 = AgentConnection(collector, 1)
-        wait_for(lambda: len(collector.records("lost")) == 2, what="agent 1's loss")
+        wait_for(lambda: len(collector.records("lost")) == 2, 60, "agent 1's loss")
         lost = collector.records("lost")[1]
         assert lost["rank"] == 1 and lost["terminated"] is True and "nothing" in lost["reason"]
         agent1.close()
@@ -352,7 +354,7 @@ def test_agent_sends_exit_record(tmp_path):
                                            "POPDIST_LITE_ROLE": "replica"},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = proc.communicate(timeout=60)
-        assert collector.wait_closed(5)
+        assert collector.wait_closed(60)
         recs = collector.records()
     assert proc.returncode == 3
     assert out.splitlines() == ["out", "True", "True"]  # both acknowledged
@@ -377,7 +379,7 @@ def test_agent_success_and_hidden_output(tmp_path):
     with Collector() as collector:
         proc = run_agent(collector, code, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = proc.communicate(timeout=60)
-        assert collector.wait_closed(5)
+        assert collector.wait_closed(60)
         recs = collector.failure_records()
     assert proc.returncode == 0 and out == "" and err == ""
     assert [(r["kind"], r["exitcode"]) for r in recs] == [("exit", 0)]
@@ -392,17 +394,17 @@ def test_agent_signals_program_on_request(tmp_path):
     with Collector() as collector:
         proc = run_agent(collector, code, {"PMI_RANK": "1"}, stderr=subprocess.PIPE)
         try:
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             while not (ready.exists() and collector.records("hello")):
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.05)
             assert collector.send(1, {"kind": "signal", "signal": "SIGUSR1"})
-            proc.wait(timeout=20)
+            proc.wait(timeout=60)
         finally:
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
-        assert collector.wait_closed(5)
+        assert collector.wait_closed(60)
         assert proc.returncode == 7
         assert collector.records("exit")[0]["exitcode"] == 7
 
@@ -417,22 +419,22 @@ def test_agent_forwards_sigterm_escalates_and_marks_terminated(tmp_path):
         proc = run_agent(collector, code, {"PMI_RANK": "1", "POPDIST_REPLICA_INDEX_OFFSET": "1"},
                          stderr=subprocess.PIPE)
         try:
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             while not ready.exists():
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.05)
             start = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=20)
+            proc.wait(timeout=60)
             elapsed = time.monotonic() - start
         finally:
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
-        assert collector.wait_closed(5)
+        assert collector.wait_closed(60)
         record = collector.records("exit")[0]
     assert proc.returncode == 128 + signal.SIGKILL
-    assert agent.PROGRAM_KILL_DELAY_SECONDS <= elapsed < agent.PROGRAM_KILL_DELAY_SECONDS + 3
+    assert agent.PROGRAM_KILL_DELAY_SECONDS <= elapsed  # SIGKILL came after the delay
     assert record["terminated"] is True and record["signal"] == "SIGKILL"
     assert record["exitcode"] is None
 

@@ -128,7 +128,7 @@ ATTACKS = [parent_name, absolute_name, symlink, fifo, short_file, short_partitio
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(240)  # as test_multirank.TEST_SECONDS: ample for 4 ranks on one busy core
 @pytest.mark.parametrize("attack", ATTACKS, ids=[a.__name__ for a in ATTACKS])
 def test_hostile_checkpoint_changes_nothing(shared, comm, attack):
     path = pl.save_checkpoint(shared, _state(seed=1), step=1)
@@ -143,7 +143,7 @@ def test_hostile_checkpoint_changes_nothing(shared, comm, attack):
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(240)  # as test_multirank.TEST_SECONDS: ample for 4 ranks on one busy core
 def test_slot_bomb_is_refused(shared, comm):
     """A checkpoint whose optimizer slot for a 3-element parameter has 1 Mi elements:
     the live optimizer's slots come from its parameters, so the load is refused."""
@@ -159,7 +159,7 @@ def test_slot_bomb_is_refused(shared, comm):
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(240)  # as test_multirank.TEST_SECONDS: ample for 4 ranks on one busy core
 def test_slots_loaded_into_a_fresh_optimizer_are_checked_before_its_first_step(shared, comm):
     """An optimizer without state takes the checkpoint's slots (bounded by the files on
     disk); its first step compares them with the parameters and refuses, changing nothing."""

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from popdist_lite_launcher import testhosts
+from helpers import JOB_SECONDS, timeout_for
 from hostlaunch import MPICH_PYTHON, poprun, poprun_command, prog, ROOT
+
+pytestmark = timeout_for(1)
 
 needs_mpich = pytest.mark.skipif(not MPICH_PYTHON, reason="no MPICH environment (scripts/test prepares one)")
 
@@ -85,10 +88,8 @@ def test_hostfile_with_slots(hosts, tmp_path, style):
 def test_unreachable_host_fails_fast_naming_it(hosts):
     cmd = poprun_command(hosts, "--num-replicas", "2", *prog("topology"))
     cmd[cmd.index("-H") + 1] = "pdlh1,pdlh9"
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert time.monotonic() - start < 20
-    assert proc.returncode == 2
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_SECONDS, cwd=ROOT)
+    assert proc.returncode == 2  # refused before the job: nothing ran
     assert "poprun-lite: error: host pdlh9 is not reachable with the launch agent" in proc.stderr
     assert "no test host named pdlh9" in proc.stderr  # the agent's own error
 
@@ -102,10 +103,8 @@ def report_of(proc) -> str:
 @pytest.mark.parametrize("mpich", [False, pytest.param(True, marks=needs_mpich)],
                          ids=["openmpi", "mpich"])
 def test_exception_on_remote_host(hosts, mpich):
-    start = time.monotonic()
     proc = poprun(hosts, "--num-replicas", "4", *prog("raise", "3", mpich=mpich), mpich=mpich)
-    assert time.monotonic() - start < 30, proc.stderr
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # the others outlive --timeout: the failure ended them
     report = report_of(proc)
     assert re.search(r"root cause: replica 3 \(rank 3, host pdlh2, pid \d+\): exit code 1\n"
                      r"  KeyError: 'boom on pdlh2'\n  Traceback \(most recent call last\):", report), report
@@ -113,10 +112,8 @@ def test_exception_on_remote_host(hosts, mpich):
 
 
 def test_sigkill_on_remote_host(hosts):
-    start = time.monotonic()
     proc = poprun(hosts, "--num-replicas", "4", *prog("sigkill", "2"))
-    assert time.monotonic() - start < 30, proc.stderr
-    assert proc.returncode == 137, proc.stderr
+    assert proc.returncode == 137, proc.stderr  # the others outlive --timeout: the failure ended them
     assert re.search(r"root cause: replica 2 \(rank 2, host pdlh2, pid \d+\): signal SIGKILL\n"
                      r"  about to die on pdlh2", report_of(proc)), proc.stderr
 
@@ -124,13 +121,13 @@ def test_sigkill_on_remote_host(hosts):
 def launch_until_ready(hosts, *args: str) -> tuple[subprocess.Popen, list[list[str]]]:
     """poprun-lite running tests/progs/hosts_prog.py ``args`` on 4 replicas over the test
     hosts, once every replica has printed its READY line: (launcher, READY lines split)."""
-    launcher = subprocess.Popen(poprun_command(hosts, "--num-replicas", "4", *prog(*args), job_timeout=90),
+    launcher = subprocess.Popen(poprun_command(hosts, "--num-replicas", "4", *prog(*args), job_timeout=JOB_SECONDS),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 cwd=ROOT, stdin=subprocess.DEVNULL)
     ready = []
     threading.Thread(target=lambda: ready.extend(
         line.split() for line in launcher.stdout if line.startswith("READY")), daemon=True).start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240
     while len(ready) < 4:
         if time.monotonic() > deadline or launcher.poll() is not None:
             launcher.kill()
@@ -148,16 +145,13 @@ def test_loss_of_a_whole_host(hosts, kill):
     launcher, _ = launch_until_ready(hosts, "loop")
     try:
         hosts.kill_host("pdlh2", kill_processes=kill)
-        start = time.monotonic()
-        _, err = launcher.communicate(timeout=60)
-        elapsed = time.monotonic() - start
+        _, err = launcher.communicate(timeout=JOB_SECONDS + 30)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.communicate()
         hosts.setup()  # bring pdlh2 back for the other tests
-    assert elapsed < 30, err
-    assert launcher.returncode == 1, err
+    assert launcher.returncode == 1, err  # not 124: the loss ended the job, not --timeout
     report = err[err.index("poprun-lite: job failed"):]
     assert re.search(r"root cause: replica [23] \(rank [23], host pdlh2, pid \d+\): lost: ", report), report
 
@@ -200,7 +194,7 @@ def test_control_plane_across_hosts(hosts):
         sent = hosts.run("pdlh2", f"TARGET={collector} {sys.executable} -c '{STRANGER}'")
         assert sent.returncode == 0 and "sent from pdlh2" in sent.stdout, sent.stderr
         (go / "go").touch()
-        _, err = launcher.communicate(timeout=60)
+        _, err = launcher.communicate(timeout=JOB_SECONDS + 30)
     finally:
         (go / "go").touch()
         if launcher.poll() is None:
@@ -270,7 +264,7 @@ def test_launcher_killed_ends_its_job_on_every_host(hosts, mpich):
                                 stdin=subprocess.DEVNULL, env={**os.environ, **(mpich_env() if mpich else {})})
     mark = None
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 240
         while len(list(work.glob("*.up"))) < 4:
             assert launcher.poll() is None, launcher.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the ranks and feeders did not start"

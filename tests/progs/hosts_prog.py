@@ -38,12 +38,14 @@ elif what in ("raise", "sigkill"):
     victim = int(sys.argv[2])
     pl.all_reduce(np.ones(4))
     if me == victim:
-        time.sleep(0.5)
         if what == "raise":
             raise KeyError(f"boom on {host}")
         print(f"about to die on {host}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    pl.all_reduce(np.ones(4))  # the others wait here until the job is stopped
+    # The others wait outside MPI until the job is stopped (beyond any test's --timeout):
+    # inside a collective they would fail too, and such a consequence could reach the
+    # launcher first and be named the root cause.
+    time.sleep(600)
 elif what == "loop":
     pl.all_reduce(np.ones(4))
     print(f"READY {me} {host}", flush=True)
