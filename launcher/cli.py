@@ -17,7 +17,7 @@ import time
 
 from popdist_lite import records
 
-from . import __version__, channel, cleanup, elastic, hosts, job, network, report
+from . import __version__, channel, cleanup, elastic, hosts, job, network, report, slurm
 from .collector import Collector
 from .inspector import StallInspector
 from .mpirun import (EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command,
@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
 
     topo = parser.add_argument_group("topology")
-    topo.add_argument("--num-replicas", type=_positive_int, default=1, metavar="N",
-                      help="number of replicas (default 1)")
+    topo.add_argument("--num-replicas", type=_positive_int, default=None, metavar="N",
+                      help="number of replicas (default 1; inside a Slurm allocation without "
+                           "-H/--hostfile, the allocation's task count)")
     topo.add_argument("--num-instances", type=_positive_int, default=None, metavar="N",
                       help="number of instances; must equal --num-replicas (each instance "
                            "drives exactly one replica)")
@@ -132,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="program that runs a command on another host, called as "
                           "`AGENT [OPTIONS] [--] HOST COMMAND` like ssh (default ssh; Open "
                           "MPI's plm_ssh_agent, MPICH's -launcher-exec)")
+    # [slurm hook 1 (issue 29)] the launcher choice
+    net.add_argument("--launcher", choices=slurm.LAUNCHERS, default=slurm.AUTO,
+                     help="how processes on other hosts are started: `slurm` through Slurm "
+                          "(mpirun's Slurm launch and `srun --overlap` steps; scancel ends "
+                          "them all), `ssh` with --launch-agent; `auto` (default): slurm inside "
+                          "a Slurm allocation without -H/--hostfile, else ssh (docs/slurm.md)")
     net.add_argument("--network-interface", default=None, metavar="IFACE|CIDR",
                      help="network for the job's control and data traffic: an interface "
                           "name (eth1) or a CIDR (10.1.0.0/16) (Open MPI oob_tcp_if_include "
@@ -218,6 +225,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and cross-check the options (errors exit via ``parser.error``)."""
     parser = build_parser()
     opts = parser.parse_args(argv)
+    # [slurm hook 2 (issue 29)] the launcher, and hosts, slots and --num-replicas from the
+    # allocation (docs/slurm.md)
+    try:
+        slurm.configure(opts, os.environ)
+    except LauncherError as exc:
+        parser.error(str(exc))
+    if opts.num_replicas is None:
+        opts.num_replicas = 1
     if opts.stall_timeout is None:
         text = os.environ.get(STALL_TIMEOUT_ENV, "")
         try:
@@ -241,6 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         listed = opts.host or (hosts.read_hostfile(opts.hostfile) if opts.hostfile else None)
     except (OSError, LauncherError) as exc:
         parser.error(str(exc))
+    listed = listed or opts.allocation_hosts  # [slurm hook 2]
     opts.hosts = [name for name, _ in listed] if listed else None
     opts.slots = {name: slots for name, slots in listed or () if slots is not None}
     if opts.hosts and len(set(opts.hosts)) != len(opts.hosts):
@@ -256,6 +272,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--min-replicas {opts.min_replicas} is more than --num-replicas "
                          f"{opts.num_replicas} (the most replicas)")
         return opts  # hosts and slots are sized per attempt (elastic.size_attempt)
+    if opts.allocation_hosts:  # [slurm hook 2] the nodes filled up to their task slots
+        try:
+            opts.slurm_placement = slurm.place(opts.hosts, opts.slots, opts.num_instances)
+        except LauncherError as exc:
+            parser.error(str(exc))
+        return opts
     if opts.hosts and opts.num_instances % len(opts.hosts):
         parser.error(f"{opts.num_instances} instances cannot be divided evenly among "
                      f"{len(opts.hosts)} hosts")
@@ -273,6 +295,8 @@ def placement(opts: argparse.Namespace) -> tuple[tuple[str | None, int], ...]:
     """``(host, instances)`` of a job that is not elastic: ``--num-instances`` divided
     evenly among the hosts, in their order, or all on this machine (host None)."""
     n = opts.num_instances
+    if getattr(opts, "slurm_placement", None):  # [slurm hook 2]
+        return tuple(opts.slurm_placement)
     if not opts.hosts:
         return ((None, n),)
     return tuple((host, n // len(opts.hosts)) for host in opts.hosts)
@@ -565,6 +589,8 @@ def _launch(opts, mpirun, implementation, attempt, timeout, ranks, remote, addre
         network=opts.network_interface if remote else None,
         launcher_address=address if remote else None)
     if opts.print_topology and (attempt == 0 or opts.elastic):
+        if getattr(opts, "allocation", None) is not None:  # [slurm hook 4]
+            print(f"{opts.allocation.describe()}; launcher {opts.launcher}", flush=True)
         print(format_topology(ranks), flush=True)
     env = job_environment(collector, mark, opts.launch_agent if remote else None)
     if opts.verbose:
