@@ -578,14 +578,16 @@ def _launch(opts, mpirun, implementation, attempt, timeout, ranks, remote, addre
         collector.subscribe("progress", inspector.on_progress)
         collector.subscribe("stack", inspector.on_stack)
     export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
+    through_slurm = getattr(opts, "launcher", slurm.SSH) == slurm.SLURM and remote  # [slurm hook 3]
     cmd = build_command(
         mpirun, implementation, ranks, [opts.program, *opts.args],
-        global_args=[a for text in opts.mpi_global_args for a in shlex.split(text)],
+        global_args=[*(slurm.mpirun_args(implementation) if through_slurm else ()),
+                     *(a for text in opts.mpi_global_args for a in shlex.split(text))],
         tag_output=opts.tag_output,
         oversubscribe=not remote or len(ranks) > (os.cpu_count() or 1),
         allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
         export=[*export, records.COLLECTOR_ENV, channel.KEY_ENV, cleanup.MARK_ENV],
-        launch_agent=cleanup.ATTEMPT_AGENT if remote else None,
+        launch_agent=cleanup.ATTEMPT_AGENT if remote and not through_slurm else None,
         network=opts.network_interface if remote else None,
         launcher_address=address if remote else None)
     if opts.print_topology and (attempt == 0 or opts.elastic):

@@ -148,7 +148,7 @@ class TestCluster:
 
     # -- life cycle ------------------------------------------------------------------
     def __enter__(self) -> "TestCluster":
-        self._lock = open(LOCK_FILE + ".cluster", "w")
+        self._lock = open(LOCK_FILE, "w")
         fcntl.flock(self._lock, fcntl.LOCK_EX)
         try:
             self.setup()
