@@ -327,3 +327,36 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m popdist_lite_launcher.testcluster [NODES]``: start a cluster of NODES
+    nodes (default 2), print how to use it, keep it until SIGINT or SIGTERM, then remove
+    it. Exit code 0, or 1 when it cannot be made here (the reason printed)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) > 1 or (args and not (args[0].isdigit() and 1 <= int(args[0]) <= 8)):
+        print("usage: python -m popdist_lite_launcher.testcluster [NODES (1-8, default 2)]",
+              file=sys.stderr)
+        return 2
+    reason = unavailable()
+    if reason:
+        print(f"testcluster: {reason}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the teardown runs
+    with TestCluster(int(args[0]) if args else 2) as cluster:
+        print(f"Slurm test cluster up: nodes {', '.join(cluster.nodes)}, partition {PARTITION}\n"
+              f"  export SLURM_CONF={cluster.conf}\n"
+              f"  job files: {cluster.work} (every node sees it; /tmp is private to each)\n"
+              f"  a shell on a node: nsenter --net=/run/netns/{cluster.nodes[0]} bash\n"
+              f"Ctrl-C (or SIGTERM) stops it and removes everything.", flush=True)
+        try:
+            while True:
+                signal.pause()
+        except KeyboardInterrupt:
+            pass
+    print("Slurm test cluster removed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
