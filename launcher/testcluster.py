@@ -6,7 +6,9 @@ trying poprun-lite's Slurm paths by hand (docs/slurm.md): it needs root and Debi
 :class:`popdist_lite_launcher.testhosts.TestHosts` on their own bridge :data:`BRIDGE` and
 subnet ``10.251.0.0/24`` (so that they can exist beside the multi-host tests' hosts),
 each running a ``slurmd`` in its network namespace with its own hostname (UTS
-namespace) and a private tmpfs on ``/tmp`` (mount namespace). ``slurmctld`` and a
+namespace) and a private tmpfs on ``/tmp`` (mount namespace), and one more test host,
+the login node ``pdls(N+1)`` (:attr:`TestCluster.login`), where no slurmd runs: what is
+started there (:meth:`TestCluster.on_node`, e.g. ``salloc``) is removed with the hosts. ``slurmctld`` and a
 ``munged`` run on this machine, on the bridge's address. Everything lives in
 :data:`DIRECTORY`: the munge key and socket, ``slurm.conf`` (clients find it through
 ``SLURM_CONF``, :meth:`TestCluster.env`), state, spool, pid and log files, and
@@ -138,9 +140,10 @@ class TestCluster:
     manager: ``with TestCluster(2) as cluster: cluster.run(["sbatch", ...])``)."""
 
     def __init__(self, n: int = 2, cpus: int = 2):
-        self.hosts = testhosts.TestHosts(n, prefix=PREFIX, bridge=BRIDGE, subnet=SUBNET,
+        self.hosts = testhosts.TestHosts(n + 1, prefix=PREFIX, bridge=BRIDGE, subnet=SUBNET,
                                          mark=MARK, lock_file=LOCK_FILE)
-        self.nodes = list(self.hosts.names)
+        self.nodes = list(self.hosts.names[:n])
+        self.login = self.hosts.names[n]
         self.cpus = cpus
         self.work = DIRECTORY / "work"
         self.conf = DIRECTORY / "slurm.conf"
@@ -193,7 +196,8 @@ class TestCluster:
                       f"--seed-file={DIRECTORY / 'munged.seed'}"], "munged")
         self._wait(lambda: (DIRECTORY / "munge.socket").exists(), "munged's socket",
                    DIRECTORY / "munged.log")
-        self.conf.write_text(_config(socket.gethostname(), self.hosts.addresses, self.cpus))
+        nodes = {node: self.hosts.addresses[node] for node in self.nodes}
+        self.conf.write_text(_config(socket.gethostname(), nodes, self.cpus))
         self._daemon([_which("slurmctld")], "slurmctld")
         keep = " ".join(self._kept_under_tmp())
         for node in self.nodes:
@@ -233,8 +237,8 @@ class TestCluster:
 
     def on_node(self, node: str, command: list[str], timeout: float = 60,
                 **kwargs) -> subprocess.CompletedProcess:
-        """Run ``command`` in ``node``'s network, UTS and a private mount namespace (so
-        that ``salloc`` and ``srun`` run there as on a login node of that name)."""
+        """Run ``command`` in the network namespace of ``node`` (a node or :attr:`login`),
+        with its hostname and a private /tmp, as on that host."""
         kwargs.setdefault("env", self.env())
         kwargs["env"] = {**kwargs["env"], "KEEP_UNDER_TMP": " ".join(self._kept_under_tmp())}
         return subprocess.run(["nsenter", f"--net=/run/netns/{node}", "unshare", "--uts", "--mount",
@@ -348,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
               f"  export SLURM_CONF={cluster.conf}\n"
               f"  job files: {cluster.work} (every node sees it; /tmp is private to each)\n"
               f"  a shell on a node: nsenter --net=/run/netns/{cluster.nodes[0]} bash\n"
+              f"  the login node (no slurmd): {cluster.login}\n"
               f"Ctrl-C (or SIGTERM) stops it and removes everything.", flush=True)
         try:
             while True:

@@ -84,10 +84,10 @@ def test_sbatch(cluster, mpi):
 
 @pytest.mark.parametrize("mpi", MPIS)
 def test_salloc(cluster, mpi):
-    """``salloc -N 2`` from this machine (the login node): every rank on another node."""
-    done = cluster.run(["salloc", "-N", "2", "--ntasks-per-node", "2", *poprun_command(
-        cluster, mpi, 3, "--network-interface", "10.251.0.0/24")], timeout=240,
-        env=cluster.env({**os.environ, **mpi_env(mpi)}), cwd=ROOT)
+    """``salloc -N 2`` on the login node: every rank on another node."""
+    done = cluster.on_node(cluster.login, ["salloc", "-N", "2", "--ntasks-per-node", "2",
+                                           *poprun_command(cluster, mpi, 3)], timeout=240,
+                           env=cluster.env({**os.environ, **mpi_env(mpi)}), cwd=ROOT)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     check_run(output, mpi)
