@@ -45,6 +45,9 @@ examples:
       python3 train.py --checkpoint-dir ckpt --resume
       an elastic job: 2 to 4 replicas on the hosts ./hosts.sh prints (host:slots lines);
       it shrinks when a host is lost and grows when one comes back (docs/elastic.md)
+  poprun-lite --print-topology python3 train.py        (in an sbatch script, no -H)
+      hosts, slots and replicas from the Slurm allocation; processes on other nodes start
+      through Slurm, so scancel ends them all (--launcher; docs/slurm.md)
 
 Each rank gets POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_IPUS_PER_REPLICA,
 POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
