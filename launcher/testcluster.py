@@ -293,7 +293,8 @@ class TestCluster:
 
     def _stop_daemons(self) -> None:
         """SIGTERM the daemons named by pid files in :data:`DIRECTORY`, SIGKILL them after
-        5 s."""
+        2 s (a slurmd that has run jobs may take longer to stop; its processes are killed
+        with its node)."""
         pids = [pid for f in sorted(DIRECTORY.glob("*.pid")) if (pid := _read_pid(f))]
         pids = [pid for pid in pids if _is_daemon(pid)]
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -302,7 +303,7 @@ class TestCluster:
                     os.kill(pid, sig)
                 except OSError:
                     pass
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 2
             while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
                 time.sleep(0.05)
 
