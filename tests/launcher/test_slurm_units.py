@@ -1,6 +1,7 @@
 """popdist_lite_launcher.slurm without a cluster: the allocation read from Slurm's
 environment (hostile values refused, naming the variable), the launcher choice, the
-placement on the nodes' slots and the mpirun arguments of a launch through Slurm."""
+placement on the nodes' slots, the mpirun arguments of a launch through Slurm and
+where SlurmLauncher puts them in mpirun's command."""
 
 from __future__ import annotations
 
@@ -182,3 +183,49 @@ def test_options_outside_an_allocation(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--launcher", "slurm", "prog"])
     assert "--launcher slurm needs a Slurm allocation" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the launch command
+
+class _Collector:
+    """What SshLauncher._launch reads of a collector (no sockets)."""
+    address, key = "10.0.0.1:5000", b"k" * 32
+
+    def send(self, rank, record):
+        raise AssertionError("nothing is sent before the job runs")
+
+    def subscribe(self, kind, callback):
+        pass
+
+
+def _command(monkeypatch, launcher_class, opts, implementation="openmpi"):
+    """The mpirun command ``launcher_class`` runs for attempt 0 of ``opts`` (job.run_job
+    replaced by a recorder), with the ranks' hosts taken as remote."""
+    from popdist_lite_launcher import attempts, job, plan
+    seen = []
+    monkeypatch.setattr(job, "run_job", lambda cmd, collector, **kw: seen.append(cmd))
+    ranks = plan.plan_ranks(opts)
+    remote = list(dict.fromkeys(spec.host for spec in ranks))
+    launcher = launcher_class(opts, "mpirun", implementation)
+    attempt = attempts.Attempt(0, None, None)
+    launcher._launch(attempt, ranks, remote, "10.0.0.1", _Collector(), "mark")
+    return seen[0]
+
+
+@pytest.mark.parametrize("implementation, first", [("openmpi", ["--prtemca", "plm", "slurm"]),
+                                                   ("mpich", ["-launcher", "slurm"])])
+def test_launch_through_slurm(in_allocation, monkeypatch, capsys, implementation, first):
+    from popdist_lite_launcher import cleanup, cli, ssh_launch
+    opts = cli.parse_args(["--print-topology", "--mpi-global-args=--mine", "prog"])
+    cmd = _command(monkeypatch, slurm.SlurmLauncher, opts, implementation)
+    at = cmd.index(first[0])
+    assert cmd[at:at + len(first)] == first and at < cmd.index("--mine"), cmd  # first global args
+    assert cleanup.ATTEMPT_AGENT not in " ".join(cmd), cmd    # mpirun's own Slurm launch
+    out = capsys.readouterr().out
+    assert out.startswith("slurm job 17: 2 node(s) n[1-2], 4 task(s): n1 2, n2 2; "
+                          "launcher slurm\nreplica"), out
+    # the same options under --launcher ssh: mpirun over the attempt agent, the same line
+    opts = cli.parse_args(["--launcher", "ssh", "--print-topology", "prog"])
+    cmd = _command(monkeypatch, ssh_launch.SshLauncher, opts, implementation)
+    assert "slurm" not in cmd and cleanup.ATTEMPT_AGENT in " ".join(cmd), cmd
+    assert "; launcher ssh\nreplica" in capsys.readouterr().out
