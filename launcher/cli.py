@@ -17,7 +17,7 @@ import shlex
 import signal
 import sys
 
-from . import __version__, attempts, children, elastic, hosts, job, report
+from . import __version__, attempts, children, elastic, hosts, job, report, slurm
 from .mpirun import LauncherError, detect_implementation, find_mpirun
 from .options import Options
 from .plan import RESTART_COUNT_ENV, format_topology, placement, plan_ranks, processes_of  # noqa: F401
@@ -45,6 +45,9 @@ examples:
       python3 train.py --checkpoint-dir ckpt --resume
       an elastic job: 2 to 4 replicas on the hosts ./hosts.sh prints (host:slots lines);
       it shrinks when a host is lost and grows when one comes back (docs/elastic.md)
+  poprun-lite --print-topology python3 train.py        (in an sbatch script, no -H)
+      hosts, slots and replicas from the Slurm allocation; processes on other nodes start
+      through Slurm, so scancel ends them all (--launcher; docs/slurm.md)
 
 Each rank gets POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_IPUS_PER_REPLICA,
 POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
@@ -105,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
 
     topo = parser.add_argument_group("topology")
-    topo.add_argument("--num-replicas", type=_positive_int, default=1, metavar="N",
-                      help="number of replicas (default 1)")
+    topo.add_argument("--num-replicas", type=_positive_int, default=None, metavar="N",
+                      help="number of replicas (default 1; inside a Slurm allocation without "
+                           "-H/--hostfile, the allocation's task count)")
     topo.add_argument("--num-instances", type=_positive_int, default=None, metavar="N",
                       help="number of instances; must equal --num-replicas (each instance "
                            "drives exactly one replica)")
@@ -130,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="program that runs a command on another host, called as "
                           "`AGENT [OPTIONS] [--] HOST COMMAND` like ssh (default ssh; Open "
                           "MPI's plm_ssh_agent, MPICH's -launcher-exec)")
+    net.add_argument("--launcher", choices=slurm.LAUNCHERS, default=slurm.AUTO,
+                     help="how processes on other hosts are started: `slurm` through Slurm "
+                          "(mpirun's Slurm launch and `srun --overlap` steps; scancel ends "
+                          "them all), `ssh` with --launch-agent; `auto` (default): slurm inside "
+                          "a Slurm allocation without -H/--hostfile, else ssh (docs/slurm.md)")
     net.add_argument("--network-interface", default=None, metavar="IFACE|CIDR",
                      help="network for the job's control and data traffic: an interface "
                           "name (eth1) or a CIDR (10.1.0.0/16) (Open MPI oob_tcp_if_include "
@@ -216,6 +225,12 @@ def parse_args(argv: list[str] | None = None) -> Options:
     """Parse and cross-check the options (errors exit via ``parser.error``), typed."""
     parser = build_parser()
     opts = parser.parse_args(argv)
+    try:  # the launcher; hosts, slots and --num-replicas from a Slurm allocation
+        slurm.configure(opts, os.environ)
+    except LauncherError as exc:
+        parser.error(str(exc))
+    if opts.num_replicas is None:
+        opts.num_replicas = 1
     if opts.stall_timeout is None:
         text = os.environ.get(STALL_TIMEOUT_ENV, "")
         try:
@@ -239,6 +254,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         listed = opts.host or (hosts.read_hostfile(opts.hostfile) if opts.hostfile else None)
     except (OSError, LauncherError) as exc:
         parser.error(str(exc))
+    listed = listed or opts.allocation_hosts
     opts.hosts = [name for name, _ in listed] if listed else None
     opts.slots = {name: slots for name, slots in listed or () if slots is not None}
     if opts.hosts and hosts.find_duplicate(opts.hosts):
@@ -254,6 +270,12 @@ def parse_args(argv: list[str] | None = None) -> Options:
             parser.error(f"--min-replicas {opts.min_replicas} is more than --num-replicas "
                          f"{opts.num_replicas} (the most replicas)")
         return Options.from_namespace(opts)  # hosts and slots are sized per attempt (elastic.size_attempt)
+    if opts.allocation_hosts:  # the allocation's nodes filled up to their task slots
+        try:
+            opts.slurm_placement = tuple(slurm.place(opts.hosts, opts.slots, opts.num_instances))
+        except LauncherError as exc:
+            parser.error(str(exc))
+        return Options.from_namespace(opts)
     if opts.hosts and opts.num_instances % len(opts.hosts):
         parser.error(f"{opts.num_instances} instances cannot be divided evenly among "
                      f"{len(opts.hosts)} hosts")
@@ -272,8 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     cause's code or 128+signal on failure, 1 for a stall or an internal error, 124 on
     --timeout, 2 on usage errors and attempts that could not be started). The attempts
     run in :class:`~popdist_lite_launcher.attempts.AttemptsLoop` (a fixed or an elastic
-    membership, mpirun over the launch agent); the last attempt's outcome decides the
-    exit code. Whatever happens, no mpirun session is left running (a ``finally``
+    membership; mpirun over the launch agent, or through Slurm under ``--launcher slurm``);
+    the last attempt's outcome decides the exit code. Whatever happens, no mpirun session is left running (a ``finally``
     SIGKILLs what is left of one, and of the discovery and probe processes) and
     connections or records the collectors did not believe are counted in one line at
     the end."""
@@ -285,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"poprun-lite: error: {exc}", file=sys.stderr)
         sys.exit(2)
     policy = attempts.ElasticPolicy(opts) if opts.elastic else attempts.FixedPolicy(opts)
-    loop = attempts.AttemptsLoop(opts, SshLauncher(opts, mpirun, implementation), policy)
+    launcher_class = slurm.SlurmLauncher if opts.launcher == slurm.SLURM else SshLauncher
+    loop = attempts.AttemptsLoop(opts, launcher_class(opts, mpirun, implementation), policy)
     try:
         code = loop.run()
     except KeyboardInterrupt:  # outside run_job, which handles SIGINT itself

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # slurm imports the launch, which reads Options
+    from .slurm import Allocation
 
 
 @dataclass(frozen=True)
@@ -24,8 +28,11 @@ class Options:
     hostfile: str | None
     hosts: list[str] | None                 # -H or --hostfile names, in order; None: this machine
     slots: dict[str, int]                   # the hosts listed with slots
+    slurm_placement: tuple[tuple[str, int], ...] | None  # (node, instances) on the allocation's nodes
     # hosts and network
-    launch_agent: str
+    launch_agent: str                       # under --launcher slurm: slurm.SRUN_AGENT
+    launcher: str                           # "ssh" or "slurm" (slurm.configure settles "auto")
+    allocation: Allocation | None           # the Slurm allocation whose nodes or steps are used
     network_interface: str | None
     host_check: bool
     # mpirun

@@ -20,8 +20,12 @@ RESTART_COUNT_ENV = "POPDIST_LITE_RESTART_COUNT"
 
 
 def placement(opts: Options) -> tuple[tuple[str | None, int], ...]:
-    """``(host, instances)`` of a job that is not elastic: ``--num-instances`` divided
-    evenly among the hosts, in their order, or all on this machine (host None)."""
+    """``(host, instances)`` of a job that is not elastic: on a Slurm allocation's nodes,
+    filled in order up to their task slots (``opts.slurm_placement``); else
+    ``--num-instances`` divided evenly among the hosts, in their order, or all on this
+    machine (host None)."""
+    if opts.slurm_placement:
+        return opts.slurm_placement
     n = opts.num_instances
     if not opts.hosts:
         return ((None, n),)

@@ -1,6 +1,7 @@
 """Starting an attempt with mpirun over the launch agent (``--launch-agent``, default
 ssh): :class:`SshLauncher`, the :class:`~popdist_lite_launcher.attempts.Launcher` of
-every job today.
+every job not launched through Slurm (:class:`popdist_lite_launcher.slurm.SlurmLauncher`
+changes only how mpirun reaches the other hosts, :meth:`SshLauncher.remote_launch`).
 
 Each attempt gets its own collector (address, key), attempt mark and stall inspector;
 remote hosts are checked first (the probe, :func:`popdist_lite_launcher.network.check_hosts`)
@@ -67,7 +68,8 @@ class SshLauncher:
     def _launch(self, attempt: Attempt, ranks: list[RankSpec], remote: list[str], address: str,
                 collector: Collector, mark: str) -> job.JobResult:
         """Build the attempt's mpirun command and run it (:func:`job.run_job`) with its
-        stall inspector and watcher."""
+        stall inspector and watcher; with ``--print-topology`` print the rank table first
+        (after the Slurm allocation's line when the job runs on one)."""
 
         opts = self.opts
         inspector = None
@@ -79,17 +81,20 @@ class SshLauncher:
             collector.subscribe("progress", inspector.on_progress)
             collector.subscribe("stack", inspector.on_stack)
         export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
+        first_args, mpirun_agent = self.remote_launch() if remote else ([], None)
         cmd = build_command(
             self.mpirun, self.implementation, ranks, [opts.program, *opts.args],
-            global_args=[a for text in opts.mpi_global_args for a in shlex.split(text)],
+            global_args=[*first_args, *(a for text in opts.mpi_global_args for a in shlex.split(text))],
             tag_output=opts.tag_output,
             oversubscribe=not remote or len(ranks) > (os.cpu_count() or 1),
             allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
             export=[*export, records.COLLECTOR_ENV, channel.KEY_ENV, cleanup.MARK_ENV],
-            launch_agent=cleanup.ATTEMPT_AGENT if remote else None,
+            launch_agent=mpirun_agent,
             network=opts.network_interface if remote else None,
             launcher_address=address if remote else None)
         if opts.print_topology and (attempt.index == 0 or opts.elastic):
+            if opts.allocation is not None:
+                print(f"{opts.allocation.describe()}; launcher {opts.launcher}", flush=True)
             print(format_topology(ranks), flush=True)
         env = job_environment(collector, mark, opts.launch_agent if remote else None)
         if opts.verbose:
@@ -105,6 +110,12 @@ class SshLauncher:
         finally:
             if watcher is not None:
                 watcher.stop()
+
+    def remote_launch(self) -> tuple[list[str], str | None]:
+        """How mpirun starts the ranks on other hosts: its first global arguments and its
+        launch agent (:data:`cleanup.ATTEMPT_AGENT <popdist_lite_launcher.cleanup.ATTEMPT_AGENT>`,
+        which runs ``--launch-agent`` and marks the attempt's processes; None: mpirun's own)."""
+        return [], cleanup.ATTEMPT_AGENT
 
     def _clean_up(self, ranks: list[RankSpec], remote: list[str], mark: str) -> None:
         """Kill what is left of the attempt ``mark``: on this machine if it ran ranks here,

@@ -61,9 +61,9 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-def _namespaces() -> list[str]:
+def _namespaces(prefix: str = PREFIX) -> list[str]:
     out = _ip("netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
 
 
 def _kill_namespace_processes(name: str) -> None:
@@ -75,41 +75,50 @@ def _kill_namespace_processes(name: str) -> None:
             pass
 
 
-def remove_all() -> None:
-    """Remove every test host, the bridge and the /etc/hosts lines (idempotent)."""
-    for name in _namespaces():
+def remove_all(prefix: str = PREFIX, bridge: str = BRIDGE, mark: str = MARK) -> None:
+    """Remove every test host, the bridge and the /etc/hosts lines (idempotent); the
+    arguments name another set of hosts (:class:`TestHosts`'s)."""
+    for name in _namespaces(prefix):
         _kill_namespace_processes(name)
         _ip("netns", "del", name, check=False)
-    _ip("link", "del", BRIDGE, check=False)
-    for name in _leftover_veths():
+    _ip("link", "del", bridge, check=False)
+    for name in _leftover_veths(prefix):
         _ip("link", "del", name, check=False)
     try:
         lines = Path(HOSTS_FILE).read_text().splitlines(keepends=True)
     except OSError:
         return
-    kept = [line for line in lines if MARK not in line]
+    kept = [line for line in lines if mark not in line]
     if kept != lines:
         # rewrite in place: /etc/hosts may be a bind mount that cannot be replaced
         with open(HOSTS_FILE, "w") as f:
             f.writelines(kept)
 
 
-def _leftover_veths() -> list[str]:
+def _leftover_veths(prefix: str = PREFIX) -> list[str]:
     out = _ip("-o", "link", "show", check=False).stdout
     names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
-    return [n for n in names if n.startswith(f"{PREFIX}v")]
+    return [n for n in names if n.startswith(f"{prefix}v")]
 
 
 class TestHosts:
-    """``n`` test hosts named ``pdlh1..pdlhN`` (use as a context manager)."""
+    """``n`` test hosts named ``pdlh1..pdlhN`` (use as a context manager). Another set
+    of hosts that can exist beside these (the Slurm test cluster's) names its own
+    ``prefix`` (host names, and veths ``PREFIXv1..``), ``bridge``, ``subnet`` (the first
+    three octets; the bridge is ``.1``, host ``i`` ``.(10+i)``), /etc/hosts ``mark`` and
+    ``lock_file``."""
 
-    def __init__(self, n: int):
-        self.names = [f"{PREFIX}{i + 1}" for i in range(n)]
-        self.addresses = {name: f"{SUBNET}.{11 + i}" for i, name in enumerate(self.names)}
+    def __init__(self, n: int, *, prefix: str = PREFIX, bridge: str = BRIDGE,
+                 subnet: str = SUBNET, mark: str = MARK, lock_file: str = LOCK_FILE):
+        self.prefix, self.bridge, self.subnet, self.mark = prefix, bridge, subnet, mark
+        self.lock_file = lock_file
+        self.bridge_address = f"{subnet}.1"
+        self.names = [f"{prefix}{i + 1}" for i in range(n)]
+        self.addresses = {name: f"{subnet}.{11 + i}" for i, name in enumerate(self.names)}
         self._lock = None
 
     def __enter__(self) -> "TestHosts":
-        self._lock = open(LOCK_FILE, "w")
+        self._lock = open(self.lock_file, "w")
         fcntl.flock(self._lock, fcntl.LOCK_EX)
         try:
             self.setup()
@@ -122,15 +131,15 @@ class TestHosts:
         self.teardown()
 
     def setup(self) -> None:
-        remove_all()
-        _ip("link", "add", BRIDGE, "type", "bridge")
-        _ip("addr", "add", f"{LAUNCHER_ADDRESS}/24", "dev", BRIDGE)
-        _ip("link", "set", BRIDGE, "up")
+        self._remove_all()
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
         for name in self.names:
-            veth = f"{PREFIX}v{name[len(PREFIX):]}"
+            veth = self._veth(name)
             _ip("netns", "add", name)
             _ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
-            _ip("link", "set", veth, "master", BRIDGE)
+            _ip("link", "set", veth, "master", self.bridge)
             _ip("link", "set", veth, "up")
             _ip("link", "set", f"{veth}p", "netns", name)
             _ip("-n", name, "link", "set", f"{veth}p", "name", "eth0")
@@ -139,11 +148,17 @@ class TestHosts:
             _ip("-n", name, "link", "set", "lo", "up")
         with open(HOSTS_FILE, "a") as f:
             for name in self.names:
-                f.write(f"{self.addresses[name]} {name} {MARK}\n")
+                f.write(f"{self.addresses[name]} {name} {self.mark}\n")
+
+    def _veth(self, host: str) -> str:
+        return f"{self.prefix}v{host[len(self.prefix):]}"
+
+    def _remove_all(self) -> None:
+        remove_all(self.prefix, self.bridge, self.mark)
 
     def teardown(self) -> None:
         try:
-            remove_all()
+            self._remove_all()
         finally:
             if self._lock is not None:
                 self._lock.close()
@@ -157,14 +172,14 @@ class TestHosts:
     def kill_host(self, host: str, kill_processes: bool = True) -> None:
         """Take ``host`` down: its link first (nothing more gets out), then (by default)
         every process on it."""
-        _ip("link", "set", f"{PREFIX}v{host[len(PREFIX):]}", "down")
+        _ip("link", "set", self._veth(host), "down")
         if kill_processes:
             _kill_namespace_processes(host)
 
     def restore_host(self, host: str) -> None:
         """Bring ``host`` back after :meth:`kill_host`: its link up again (its address,
         name and routes were kept)."""
-        _ip("link", "set", f"{PREFIX}v{host[len(PREFIX):]}", "up")
+        _ip("link", "set", self._veth(host), "up")
 
     def processes(self, host: str) -> list[int]:
         """PIDs of the processes running on ``host`` (``ip netns pids``)."""

@@ -8,7 +8,14 @@
   fails one module at one rank count within seconds, never the whole run.
 """
 
+import os
 from pathlib import Path
+
+# The suite runs outside any Slurm allocation, also when started inside one (salloc, a CI
+# runner under Slurm): poprun-lite and mpirun would otherwise take their hosts from it.
+# The Slurm tests (tests/slurm/) run their jobs on a cluster of their own.
+for _name in [name for name in os.environ if name.startswith("SLURM_")]:
+    del os.environ[_name]
 
 
 def pytest_ignore_collect(collection_path: Path, config):

@@ -1,0 +1,313 @@
+"""Slurm: the allocation poprun-lite runs in (its job, nodes and task slots), which
+launcher starts the job's processes, and the mpirun arguments of a launch through Slurm.
+
+Inside an allocation (``SLURM_JOB_ID`` set, e.g. in an ``sbatch`` script or under
+``salloc``) and without ``-H``/``--hostfile``, the job's hosts are the allocation's
+nodes (``SLURM_JOB_NODELIST``, expanded by ``scontrol show hostnames``) with as many
+slots as Slurm gave each node tasks (``SLURM_TASKS_PER_NODE``, ``2(x3),1`` form, else
+``SLURM_NTASKS_PER_NODE``), and ``--num-replicas`` defaults to the allocation's task
+count (:func:`allocation`, :func:`place`).
+
+``--launcher`` (:func:`choose_launcher`): ``slurm`` starts every process on another
+node through Slurm: mpirun's own Slurm launch (:func:`mpirun_args`: Open MPI's PRRTE
+with its ``slurm`` plm, which starts its daemons with ``srun``; MPICH's hydra with
+``-launcher slurm``; :class:`SlurmLauncher`), and poprun-lite's own commands there (the host check, the cleanup
+after an attempt) through :data:`SRUN_AGENT`, a launch agent called like ssh that runs
+the command as a one-task ``srun --overlap`` step on that node. So ``scancel`` ends every
+process of the job on every node and Slurm's accounting lists the steps. ``ssh`` is
+mpirun over ssh (``--launch-agent``), outside Slurm's control; ``auto`` (the default)
+is ``slurm`` inside an allocation without ``-H``/``--hostfile``, else ``ssh``.
+
+Every value read from Slurm's environment and from ``scontrol`` is checked before it is
+used (node names with the grammar of :mod:`popdist_lite_launcher.hosts`); a bad one
+raises :class:`~popdist_lite_launcher.mpirun.LauncherError` naming the variable.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .hosts import check_host
+from .mpirun import OPENMPI, LauncherError
+from .ssh_launch import SshLauncher
+
+AUTO, SSH, SLURM = "auto", "ssh", "slurm"
+LAUNCHERS = (AUTO, SSH, SLURM)
+
+#: The launch agent for nodes of the allocation: ``srun-agent [options] [--] HOST COMMAND``.
+SRUN_AGENT = str(Path(__file__).with_name("srun-agent"))
+
+#: Longest node list, tasks-per-node text and node count accepted.
+MAX_TEXT_CHARS = 65536
+MAX_NODES = 65536
+#: Seconds ``scontrol show hostnames`` may take.
+SCONTROL_TIMEOUT_SECONDS = 30.0
+_JOB_ID = re.compile(r"[0-9]{1,20}")
+_NODELIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.,\[\]-]*")
+_TASKS = re.compile(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?")
+_SHOWN_CHARS = 80
+
+
+def _shown(text: str) -> str:
+    return repr(text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "...")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A Slurm job's allocation: its id, its nodes in Slurm's order and the tasks
+    (slots) on each, ``tasks[i]`` on ``nodes[i]``."""
+
+    job_id: str
+    nodelist: str
+    nodes: tuple[str, ...]
+    tasks: tuple[int, ...]
+
+    @property
+    def total_tasks(self) -> int:
+        return sum(self.tasks)
+
+    @property
+    def slots(self) -> dict[str, int]:
+        return dict(zip(self.nodes, self.tasks))
+
+    def describe(self) -> str:
+        """``slurm job 12: 2 node(s) pdls[1-2], 4 task(s): pdls1 2, pdls2 2``."""
+        per_node = ", ".join(f"{node} {count}" for node, count in zip(self.nodes, self.tasks))
+        return (f"slurm job {self.job_id}: {len(self.nodes)} node(s) {self.nodelist}, "
+                f"{self.total_tasks} task(s): {per_node}")
+
+
+def job_id(environ) -> str | None:
+    """The allocation's job id (``SLURM_JOB_ID``, else ``SLURM_JOBID``), None outside one.
+
+    Raises:
+        LauncherError: it is set but not a job id (digits).
+    """
+    for name in ("SLURM_JOB_ID", "SLURM_JOBID"):
+        value = environ.get(name)
+        if value is not None:
+            if not _JOB_ID.fullmatch(value):
+                raise LauncherError(f"${name} is not a Slurm job id (digits): {_shown(value)}")
+            return value
+    return None
+
+
+def parse_tasks_per_node(text: str, nodes: int, name: str = "SLURM_TASKS_PER_NODE") -> list[int]:
+    """Slurm's tasks per node, ``2(x3),1`` (2 on each of 3 nodes, then 1), or for
+    ``name`` ``SLURM_NTASKS_PER_NODE`` one count for every node (``2``), as one count per
+    node.
+
+    Raises:
+        LauncherError: naming ``name``: not that form, a count below 1, or counts for a
+            number of nodes other than ``nodes``.
+    """
+    if len(text) > MAX_TEXT_CHARS:
+        raise LauncherError(f"${name} is longer than {MAX_TEXT_CHARS} characters")
+    if name == "SLURM_NTASKS_PER_NODE":  # one count, the same on every node
+        match = _TASKS.fullmatch(text.strip())
+        if not match or match[2] is not None or int(match[1]) < 1:
+            raise LauncherError(f"${name}: expected a count of at least 1, got {_shown(text)}")
+        return [int(match[1])] * nodes
+    counts: list[int] = []
+    for entry in text.split(","):
+        match = _TASKS.fullmatch(entry.strip())
+        if not match:
+            raise LauncherError(f"${name}: expected COUNT or COUNT(xREPEAT), comma-separated "
+                                f"(2(x3),1), got {_shown(text)}")
+        count, repeat = int(match[1]), int(match[2] or 1)
+        if count < 1 or repeat < 1:
+            raise LauncherError(f"${name}: counts and repeats must be at least 1, got {_shown(text)}")
+        if len(counts) + repeat > nodes:
+            raise LauncherError(f"${name} {_shown(text)} names more nodes than the "
+                                f"allocation's {nodes}")
+        counts += [count] * repeat
+    if len(counts) != nodes:
+        raise LauncherError(f"${name} {_shown(text)} gives tasks for {len(counts)} node(s), "
+                            f"the allocation has {nodes}")
+    return counts
+
+
+def check_nodelist(text: str, name: str = "SLURM_JOB_NODELIST") -> str:
+    """``text`` itself if it looks like a Slurm host list (``node[1-3,5],gpu07``):
+    letters, digits, ``.``, ``-``, ``,`` and brackets, starting with a letter or digit
+    (so never an option of ``scontrol``).
+
+    Raises:
+        LauncherError: naming ``name`` and the value.
+    """
+    if not text or len(text) > MAX_TEXT_CHARS or not _NODELIST.fullmatch(text):
+        raise LauncherError(f"${name} is not a Slurm host list (node[1-3],other): {_shown(text)}")
+    return text
+
+
+def parse_hostnames(output: str, name: str = "scontrol show hostnames") -> list[str]:
+    """The node names ``scontrol show hostnames`` printed, one a line, each checked
+    with :func:`popdist_lite_launcher.hosts.check_host`.
+
+    Raises:
+        LauncherError: a bad name (naming it), a name twice, no names, or more than
+            :data:`MAX_NODES`.
+    """
+    nodes = [line.strip() for line in output.splitlines() if line.strip()]
+    if not nodes:
+        raise LauncherError(f"`{name}` printed no node names")
+    if len(nodes) > MAX_NODES:
+        raise LauncherError(f"`{name}` printed more than {MAX_NODES} node names")
+    for node in nodes:
+        try:
+            check_host(node)
+        except ValueError as exc:
+            raise LauncherError(f"`{name}`: {exc}") from None
+    if len(set(nodes)) != len(nodes):
+        raise LauncherError(f"`{name}` printed a node name more than once")
+    return nodes
+
+
+def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
+    """The nodes of a Slurm host list, in order, as ``scontrol show hostnames`` expands
+    it (its output checked by :func:`parse_hostnames`).
+
+    Raises:
+        LauncherError: a bad list, no ``scontrol``, or it failed or printed bad names.
+    """
+    check_nodelist(nodelist)
+    scontrol = scontrol or shutil.which("scontrol")
+    if not scontrol:
+        raise LauncherError("inside a Slurm allocation, but `scontrol` is not on PATH (needed to "
+                            "expand $SLURM_JOB_NODELIST); pass -H/--hostfile and --launcher ssh")
+    try:
+        proc = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, timeout=SCONTROL_TIMEOUT_SECONDS)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LauncherError(f"cannot run `scontrol show hostnames`: {exc}") from None
+    if proc.returncode != 0:
+        said = (proc.stderr.strip() or proc.stdout.strip())[-300:]
+        raise LauncherError(f"`scontrol show hostnames {nodelist}` exited with "
+                            f"{proc.returncode}: {said}")
+    return parse_hostnames(proc.stdout)
+
+
+def allocation(environ, expand=None) -> Allocation | None:
+    """The allocation this process runs in, from ``environ`` (None outside one): its
+    nodes (``SLURM_JOB_NODELIST``, else ``SLURM_NODELIST``, through ``expand``, default
+    :func:`expand_nodelist`) and the
+    tasks on each (``SLURM_TASKS_PER_NODE``, else ``SLURM_NTASKS_PER_NODE``); the node
+    count is checked against ``SLURM_JOB_NUM_NODES`` when that is set.
+
+    Raises:
+        LauncherError: naming the variable that is missing or bad.
+    """
+    job = job_id(environ)
+    if job is None:
+        return None
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise LauncherError(f"inside Slurm job {job} but $SLURM_JOB_NODELIST is not set")
+    nodes = (expand or expand_nodelist)(nodelist)
+    count = environ.get("SLURM_JOB_NUM_NODES")
+    if count is not None and count != str(len(nodes)):
+        raise LauncherError(f"$SLURM_JOB_NUM_NODES {_shown(count)} does not match the "
+                            f"{len(nodes)} node(s) of $SLURM_JOB_NODELIST {_shown(nodelist)}")
+    for name in ("SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        text = environ.get(name)
+        if text:
+            tasks = parse_tasks_per_node(text, len(nodes), name)
+            break
+    else:
+        raise LauncherError(f"inside Slurm job {job} but neither $SLURM_TASKS_PER_NODE nor "
+                            f"$SLURM_NTASKS_PER_NODE is set")
+    return Allocation(job, nodelist, tuple(nodes), tuple(tasks))
+
+
+def choose_launcher(choice: str, inside: bool, hosts_given: bool) -> str:
+    """``ssh`` or ``slurm`` for ``--launcher choice``: ``auto`` is ``slurm`` when
+    ``inside`` an allocation and no hosts were given (``-H``, ``--hostfile``).
+
+    Raises:
+        LauncherError: ``slurm`` outside an allocation, or an unknown choice.
+    """
+    if choice not in LAUNCHERS:
+        raise LauncherError(f"--launcher {choice!r}: expected one of {', '.join(LAUNCHERS)}")
+    if choice == AUTO:
+        return SLURM if inside and not hosts_given else SSH
+    if choice == SLURM and not inside:
+        raise LauncherError("--launcher slurm needs a Slurm allocation (run poprun-lite in an "
+                            "sbatch script or under salloc: $SLURM_JOB_ID is not set)")
+    return choice
+
+
+def place(nodes: list[str], slots: dict[str, int], replicas: int) -> list[tuple[str, int]]:
+    """``(node, replicas)`` filling the nodes in order up to their slots (Slurm's block
+    distribution), nodes left empty omitted.
+
+    Raises:
+        LauncherError: more replicas than slots.
+    """
+    total = sum(slots[node] for node in nodes)
+    if replicas > total:
+        raise LauncherError(f"--num-replicas {replicas} is more than the {total} task(s) of the "
+                            f"Slurm allocation")
+    placed, left = [], replicas
+    for node in nodes:
+        if left == 0:
+            break
+        count = min(slots[node], left)
+        placed.append((node, count))
+        left -= count
+    return placed
+
+
+def mpirun_args(implementation: str) -> list[str]:
+    """mpirun's arguments for a launch through Slurm: Open MPI's ``--prtemca plm slurm``
+    (its daemons started with ``srun``), MPICH's ``-launcher slurm``."""
+    if implementation == OPENMPI:
+        return ["--prtemca", "plm", "slurm"]
+    return ["-launcher", "slurm"]
+
+
+class SlurmLauncher(SshLauncher):
+    """The :class:`~popdist_lite_launcher.attempts.Launcher` of ``--launcher slurm``:
+    an :class:`~popdist_lite_launcher.ssh_launch.SshLauncher` (same probe, collector,
+    cleanup, with :data:`SRUN_AGENT` as their launch agent) whose mpirun starts the ranks
+    on other nodes through Slurm (:func:`mpirun_args`, no launch agent)."""
+
+    def remote_launch(self) -> tuple[list[str], str | None]:
+        return mpirun_args(self.implementation), None
+
+
+def configure(opts, environ) -> None:
+    """Settle the launcher and the allocation's part in the job, on poprun-lite's
+    argparse namespace ``opts`` (before it becomes
+    :class:`~popdist_lite_launcher.options.Options`) (``launcher``, ``host``, ``hostfile``,
+    ``host_discovery_script``, ``num_replicas``, ``num_instances``, ``launch_agent``):
+
+    - ``opts.launcher`` becomes ``ssh`` or ``slurm`` (:func:`choose_launcher`);
+    - ``opts.allocation``: the :class:`Allocation` when inside one and its nodes are used
+      (no ``-H``, ``--hostfile`` or discovery script) or the launcher is ``slurm``, else
+      None;
+    - ``opts.allocation_hosts``: ``[(node, tasks), ...]`` when the job runs on the
+      allocation's nodes, else None; ``opts.num_replicas`` then defaults to the
+      allocation's task count (``--num-instances`` when only that was given);
+    - under ``slurm``, ``opts.launch_agent`` becomes :data:`SRUN_AGENT`.
+
+    Raises:
+        LauncherError: ``--launcher slurm`` outside an allocation, or a bad value in
+            Slurm's environment (:func:`allocation`).
+    """
+    hosts_given = bool(opts.host or opts.hostfile or opts.host_discovery_script)
+    inside = job_id(environ) is not None
+    opts.launcher = choose_launcher(opts.launcher, inside, hosts_given)
+    opts.allocation = allocation(environ) if inside and (not hosts_given or opts.launcher == SLURM) \
+        else None
+    opts.allocation_hosts = None
+    opts.slurm_placement = None
+    if opts.allocation is not None and not hosts_given:
+        opts.allocation_hosts = list(zip(opts.allocation.nodes, opts.allocation.tasks))
+        if opts.num_replicas is None:
+            opts.num_replicas = opts.num_instances or opts.allocation.total_tasks
+    if opts.launcher == SLURM:
+        opts.launch_agent = SRUN_AGENT

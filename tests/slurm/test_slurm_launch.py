@@ -1,0 +1,134 @@
+"""poprun-lite inside a Slurm allocation on the test cluster (two nodes, pdls1 and pdls2),
+with no -H: hosts, slots and --num-replicas come from the allocation and every process
+on the other node starts through Slurm (Open MPI's slurm plm, MPICH's -launcher slurm),
+so that ``scancel`` ends them all. Under both MPIs (MPICH: POPDIST_LITE_MPICH_PYTHON).
+Every job runs under a timeout; the tests wait for files and process lists, never for
+a time."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "shakespeare.py"
+MPICH_PYTHON = os.environ.get("POPDIST_LITE_MPICH_PYTHON")
+TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks?\n"
+        "It is the east, and Juliet is the sun.\n\n") * 20
+REPORT = re.compile(r"^replica (\d+) on (\S+)$", re.M)
+
+MPIS = ["openmpi", pytest.param("mpich", marks=pytest.mark.skipif(
+    not MPICH_PYTHON, reason="no MPICH environment (scripts/test prepares one)"))]
+
+
+def python_of(mpi: str) -> str:
+    return MPICH_PYTHON if mpi == "mpich" else sys.executable
+
+
+def mpi_env(mpi: str) -> dict[str, str]:
+    """The variables that make poprun-lite use ``mpi``'s mpirun."""
+    bin_dir = Path(python_of(mpi)).parent
+    mpirun = bin_dir / ("mpiexec" if mpi == "mpich" else "mpirun")
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "POPRUN_LITE_MPIRUN": str(mpirun)}
+
+
+def poprun_command(cluster, mpi: str, steps: int, *options: str) -> list[str]:
+    """poprun-lite running the Shakespeare example (a tiny text), with no -H; every
+    replica first prints ``replica N on HOST``."""
+    data = cluster.work / "tiny.txt"
+    data.write_text(TEXT)
+    python = python_of(mpi)
+    report = 'echo "replica $POPDIST_REPLICA_INDEX_OFFSET on $(hostname)"; exec "$@"'
+    return [python, "-m", "popdist_lite_launcher", "--timeout", "150", "--print-topology", "-v",
+            *options, "/bin/sh", "-c", report, "sh", python, str(EXAMPLE), "--data", str(data),
+            "--steps", str(steps), "--seq-len", "20", "--batch-size", "4", "--log-every", "1",
+            "--sample-chars", "5"]
+
+
+def batch_script(cluster, name: str, command: list[str]) -> Path:
+    script = cluster.work / f"{name}.sh"
+    script.write_text(f"#!/bin/bash\ncd {shlex.quote(str(ROOT))}\nexec {shlex.join(command)}\n")
+    return script
+
+
+def check_run(output: str, mpi: str, replicas: int = 4) -> None:
+    """Every replica reported a node, two on each; the job ran through Slurm."""
+    reports = dict(REPORT.findall(output))
+    assert sorted(map(int, reports)) == list(range(replicas)), output
+    assert sorted(reports.values()) == ["pdls1", "pdls1", "pdls2", "pdls2"], output
+    assert re.search(r"^slurm job \d+: 2 node\(s\) pdls\[1-2\], 4 task\(s\): pdls1 2, pdls2 2; "
+                     r"launcher slurm$", output, re.M), output
+    assert ("--prtemca plm slurm" if mpi == "openmpi" else "-launcher slurm") in output, output
+    assert "plm_ssh_agent" not in output and "-launcher ssh" not in output, output
+    assert re.search(r"^Step 2, loss = ", output, re.M), output
+
+
+@pytest.mark.parametrize("mpi", MPIS)
+def test_sbatch(cluster, mpi):
+    """``sbatch -N 2``: poprun-lite in the batch script on pdls1."""
+    out = cluster.work / f"sbatch-{mpi}.out"
+    script = batch_script(cluster, f"sbatch-{mpi}", poprun_command(cluster, mpi, 3))
+    done = cluster.run(["sbatch", "--wait", "-N", "2", "--ntasks-per-node", "2", "-o", str(out),
+                        str(script)], timeout=240, env=cluster.env({**os.environ, **mpi_env(mpi)}))
+    output = out.read_text() if out.exists() else ""
+    assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{output}"
+    check_run(output, mpi)
+
+
+@pytest.mark.parametrize("mpi", MPIS)
+def test_salloc(cluster, mpi):
+    """``salloc -N 2`` on the login node: every rank on another node."""
+    done = cluster.on_node(cluster.login, ["salloc", "-N", "2", "--ntasks-per-node", "2",
+                                           *poprun_command(cluster, mpi, 3)], timeout=240,
+                           env=cluster.env({**os.environ, **mpi_env(mpi)}), cwd=ROOT)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    check_run(output, mpi)
+
+
+def wait_for(predicate, what: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout:g} s")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("mpi", MPIS)
+def test_scancel_leaves_nothing(cluster, mpi):
+    """``scancel`` of a running job: within 10 s no process of it is left on any node
+    (the ranks on pdls2 were started through Slurm steps, which it ends)."""
+    out = cluster.work / f"scancel-{mpi}.out"
+    script = batch_script(cluster, f"scancel-{mpi}", poprun_command(cluster, mpi, 100000))
+    submitted = cluster.run(["sbatch", "--parsable", "-N", "2", "--ntasks-per-node", "2", "-o",
+                             str(out), str(script)], env=cluster.env({**os.environ, **mpi_env(mpi)}))
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        wait_for(lambda: out.exists() and len(REPORT.findall(out.read_text())) == 4
+                 and "Step 1, loss" in out.read_text(), "report of every replica", 150)
+        steps = cluster.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"]).stdout
+        # mpirun's daemons on pdls2 run as a step of the job (the host check and the
+        # cleanup are steps named poprun-lite-agent)
+        daemons = [line for line in steps.splitlines()
+                   if re.fullmatch(rf"{job}\.\d+ \S+", line) and not line.endswith("poprun-lite-agent")]
+        assert daemons, steps
+        for node in cluster.nodes:
+            assert cluster.job_processes(node), f"nothing of the job runs on {node}"
+    finally:
+        cancelled = cluster.run(["scancel", job])
+    assert cancelled.returncode == 0, cancelled.stderr
+    start = time.monotonic()
+    wait_for(lambda: not any(cluster.job_processes(node) for node in cluster.nodes),
+             "empty nodes after scancel", 10)
+    print(f"nodes empty {time.monotonic() - start:.2f} s after scancel")
