@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from popdist_lite_launcher import cli
 from popdist_lite_launcher.attempts import AttemptRecord, format_attempts
 from popdist_lite_launcher.discovery import DiscoveryError
+from helpers import JOB_SECONDS, timeout_for
+from popdist_lite_launcher import elastic
 from popdist_lite_launcher.elastic import (Cluster, Membership, ResizeMonitor, capacity, change, resize_reason,
                                           size_attempt, wait_for_membership)
 
@@ -176,12 +178,33 @@ def test_monitor_keeps_the_membership_on_discovery_errors():
     assert said == ["host discovery failed during the attempt (membership kept): script d exited with code 1"]
 
 
-def test_wait_for_membership_says_what_it_waits_for_and_gives_up():
+class FakeClock:
+    """elastic's ``time``: a monotonic clock that only ``sleep`` moves, so a wait's polls
+    are counted, not timed."""
+
+    def __init__(self):
+        self.now, self.sleeps = 1000.0, []
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_wait_for_membership_says_what_it_waits_for_and_gives_up(monkeypatch):
     said = []
+    clock = FakeClock()
+    monkeypatch.setattr(elastic, "time", clock)
     cluster = FakeCluster([[("a", 1)], DiscoveryError("script d: still running after 10 s (killed)"),
                            [("a", 1), ("b", 1)]], down={"b"})
     got = wait_for_membership(cluster, None, say=said.append)
     assert got.code == 1 and got.text == "fewer than --min-replicas 2 replicas usable for --elastic-timeout 1 s"
+    # polled every --discovery-interval 0.1 s until --elastic-timeout 1 s had passed; one
+    # check met the discovery error, each other one probed b
+    assert clock.now == pytest.approx(1001.0) and len(clock.sleeps) >= 10
+    assert all(0 <= s <= 0.1 + 1e-9 for s in clock.sleeps) and len(cluster.probed) == len(clock.sleeps)
     assert said == ["waiting for hosts: 1 replica on a (1) usable, --min-replicas 2",
                     "waiting for hosts: no replicas usable, --min-replicas 2\n"
                     "  script d: still running after 10 s (killed)",
@@ -199,14 +222,22 @@ import popdist_lite as pl
 pl.init()
 attempt, r, n = int(os.environ["POPDIST_LITE_RESTART_COUNT"]), pl.replica_id(), pl.num_replicas()
 hosts, mode = sys.argv[1], sys.argv[2]
-for step in range(60):
+POLLS = 6000  # a count, not a clock: every replica gives up at the same call
+for step in range(8):
     pl.all_reduce(np.ones(2))
-    time.sleep(0.05)
-    if attempt == 0 and step == 3 and r == 0:
-        with open(hosts, "w") as f:
-            f.write("localhost:4\\n" if mode == "grow" else "localhost:2\\n")
-        if mode == "shrink":
-            raise RuntimeError("replica 0 fails")
+    if attempt == 0 and step == 3:
+        if r == 0:
+            with open(hosts, "w") as f:
+                f.write("localhost:4\\n" if mode == "grow" else "localhost:2\\n")
+            if mode == "shrink":
+                raise RuntimeError("replica 0 fails")
+        if mode == "grow":  # hold at this step boundary until the launcher asks for the resize
+            for _ in range(POLLS):
+                if pl.should_checkpoint():
+                    break
+                time.sleep(0.05)
+            else:
+                raise SystemExit(f"replica {r}: no resize asked after {POLLS} polls")
     if pl.should_checkpoint():
         print(f"attempt {attempt}: replica {r} of {n} stops at step {step}", flush=True)
         sys.exit(0)
@@ -222,21 +253,22 @@ def elastic_job(tmp_path, mode, first_hosts, *args):
     prog = tmp_path / "prog.py"
     prog.write_text(PROGRAM)
     return subprocess.run([*LAUNCHER, "--num-replicas", "4", "--min-replicas", "2", "--host-discovery-script",
-                           str(discover), "--discovery-interval", "0.5", "--timeout", "100", *args,
+                           str(discover), "--discovery-interval", "0.5", "--timeout", str(JOB_SECONDS), *args,
                            sys.executable, str(prog), str(tmp_path / "hosts"), mode],
-                          capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=JOB_SECONDS + 60, stdin=subprocess.DEVNULL)
 
 
+@timeout_for(1)
 def test_grow_is_asked_for_and_not_counted(tmp_path):
-    """2 replicas; discovery then offers 4 slots: every replica's should_checkpoint()
-    answers True at the same step, the attempt ends cleanly and the next runs 4 replicas
-    (with --max-restarts 0: a grow is not a failure)."""
+    """2 replicas; discovery then offers 4 slots while the replicas wait at step 3 for
+    the request: every replica's should_checkpoint() answers True at the same call, the
+    attempt ends cleanly and the next runs 4 replicas (with --max-restarts 0: a grow is
+    not a failure)."""
     proc = elastic_job(tmp_path, "grow", "localhost:2\n")
     assert proc.returncode == 0, proc.stderr
     lines = sorted(proc.stdout.splitlines())
     stops = [line for line in lines if line.startswith("attempt 0")]
-    step = stops[0].rsplit(" ", 1)[1]  # every replica stops at the same step
-    assert stops == [f"attempt 0: replica {r} of 2 stops at step {step}" for r in range(2)], stops
+    assert stops == [f"attempt 0: replica {r} of 2 stops at step 3" for r in range(2)], stops
     assert [line for line in lines if line.startswith("attempt 1")] == [
         f"attempt 1: replica {r} of 4 done" for r in range(4)]
     err = proc.stderr
@@ -248,6 +280,7 @@ def test_grow_is_asked_for_and_not_counted(tmp_path):
            "  attempt 2: 4 replicas on this host (4), after more replicas on this host; succeeded" in err
 
 
+@timeout_for(2)
 def test_shrink_after_a_failure_counts_it(tmp_path):
     """4 replicas; replica 0 fails and discovery now offers 2 slots: the next attempt runs
     2 replicas; the failure counts against --max-restarts (with 0 the job ends there)."""

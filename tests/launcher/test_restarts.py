@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import JOB_SECONDS, timeout_for
 
 from popdist_lite_launcher import attempts, cli, job
 from popdist_lite_launcher.mpirun import find_mpirun
@@ -18,7 +19,7 @@ from popdist_lite_launcher.mpirun import find_mpirun
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 
 # Every rank appends "<attempt> <replica>" to a log; replica 1 fails on attempts before
-# argv[2] (exit code 3), and everyone sleeps when argv[3] == "sleep".
+# argv[2] (exit code 3), and everyone sleeps until killed when argv[3] == "sleep".
 PROG = textwrap.dedent("""
     import os, sys, time
     attempt = int(os.environ["POPDIST_LITE_RESTART_COUNT"])
@@ -26,7 +27,7 @@ PROG = textwrap.dedent("""
     with open(os.path.join(sys.argv[1], "log"), "a") as f:
         f.write(f"{attempt} {replica}\\n")
     if sys.argv[3] == "sleep":
-        time.sleep(60)
+        time.sleep(10 * 300)
     if replica == 1 and attempt < int(sys.argv[2]):
         print(f"replica 1 fails on attempt {attempt}", file=sys.stderr, flush=True)
         sys.exit(3)
@@ -34,12 +35,12 @@ PROG = textwrap.dedent("""
 """)
 
 
-def run(tmp_path, *args, fail_attempts, mode="run", timeout=90):
+def run(tmp_path, *args, fail_attempts, mode="run"):
     prog = tmp_path / "prog.py"
     prog.write_text(PROG)
-    return subprocess.run([*LAUNCHER, "--timeout", "60", "--num-replicas", "2", *args,
+    return subprocess.run([*LAUNCHER, "--timeout", str(JOB_SECONDS), "--num-replicas", "2", *args,
                            sys.executable, str(prog), str(tmp_path), str(fail_attempts), mode],
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=JOB_SECONDS + 60, stdin=subprocess.DEVNULL)
 
 
 def attempts_logged(tmp_path):
@@ -47,6 +48,7 @@ def attempts_logged(tmp_path):
     return sorted(tuple(map(int, line.split())) for line in lines if line)
 
 
+@timeout_for(1)
 def test_restart_after_failures_then_success(tmp_path):
     proc = run(tmp_path, "--max-restarts", "3", fail_attempts=2)
     assert proc.returncode == 0, proc.stderr
@@ -68,6 +70,7 @@ def test_restart_after_failures_then_success(tmp_path):
     assert "attempt 2 replica 1 ok" in proc.stdout
 
 
+@timeout_for(1)
 def test_no_restarts_left_final_report_lists_every_attempt(tmp_path):
     proc = run(tmp_path, "--max-restarts", "1", fail_attempts=5)
     assert proc.returncode == 3, proc.stderr
@@ -81,6 +84,7 @@ def test_no_restarts_left_final_report_lists_every_attempt(tmp_path):
     assert [line.split(":")[0] for line in listed] == ["  attempt 1", "  attempt 2"]
 
 
+@timeout_for(1)
 def test_without_max_restarts_no_restart(tmp_path):
     proc = run(tmp_path, fail_attempts=1)
     assert proc.returncode == 3
@@ -91,20 +95,21 @@ def test_without_max_restarts_no_restart(tmp_path):
                                                              "replica 1 (rank 1")
 
 
+@timeout_for(1)
 def test_sigterm_stops_without_restarting(tmp_path):
     prog = tmp_path / "prog.py"
     prog.write_text(PROG)
-    launcher = subprocess.Popen([*LAUNCHER, "--timeout", "60", "--num-replicas", "2",
+    launcher = subprocess.Popen([*LAUNCHER, "--timeout", str(JOB_SECONDS), "--num-replicas", "2",
                                  "--max-restarts", "3", sys.executable, str(prog), str(tmp_path),
                                  "0", "sleep"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while not (tmp_path / "log").exists() or len(attempts_logged(tmp_path)) < 2:
             assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
             time.sleep(0.1)
         launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=30)
+        _, err = launcher.communicate(timeout=JOB_SECONDS)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -117,10 +122,10 @@ def test_sigterm_stops_without_restarting(tmp_path):
 
 def test_bad_max_restarts_value():
     proc = subprocess.run([*LAUNCHER, "--max-restarts", "-1", "true"], capture_output=True,
-                          text=True, timeout=30)
+                          text=True, timeout=JOB_SECONDS)
     assert proc.returncode == 2 and "--max-restarts: must be 0 or more" in proc.stderr
     env = {**os.environ, "POPDIST_LITE_STALL_TIMEOUT": "soon"}
-    proc = subprocess.run([*LAUNCHER, "true"], capture_output=True, text=True, timeout=30, env=env)
+    proc = subprocess.run([*LAUNCHER, "true"], capture_output=True, text=True, timeout=JOB_SECONDS, env=env)
     assert proc.returncode == 2 and "$POPDIST_LITE_STALL_TIMEOUT: invalid float value: 'soon'" in proc.stderr
 
 
