@@ -8,7 +8,9 @@ library can number its calls without importing the collectives package:
 - :func:`next_call_number`: this replica's number for its next call on a communicator;
 - :func:`comm_cache`: a dict that lives on the MPI communicator itself;
 - :func:`numbered_all_reduce`: a small unchecked all-reduce, numbered and counted (the
-  feed's per-step end-of-data agreement, ``should_checkpoint``).
+  feed's per-step end-of-data agreement, ``should_checkpoint``);
+- :func:`numbered`: any other MPI call on a communicator (a checkpoint's ``bcast`` and
+  ``gather``, the timeline's ``Gather``, a ``Dup``), numbered and counted.
 
 The checked collectives (:mod:`popdist_lite.collectives`) take their numbers here too.
 """
@@ -60,6 +62,24 @@ def numbered_all_reduce(values, op, comm, name: str):
     n = values.nbytes * (comm.Get_size() - 1)
     counters.record(name, start, n, n)
     return values
+
+
+def numbered(comm, name: str, call, *args, sent: int = 0, received: int = 0, **kwargs):
+    """Collective, unchecked: ``call(*args, **kwargs)``, an MPI call on ``comm`` (a bound
+    method such as ``comm.bcast`` or ``comm.Dup``), as call ``name``: numbered
+    (:func:`next_call_number`, so the stall inspector names a replica that does not join
+    it) and counted under ``name`` with ``sent`` / ``received`` payload bytes
+    (:mod:`popdist_lite.counters`). Every replica makes the same call at the same point
+    (nothing checks it).
+
+    Returns:
+        what ``call`` returns.
+    """
+    next_call_number(comm, name)
+    start = perf_counter()
+    result = call(*args, **kwargs)
+    counters.record(name, start, sent, received)
+    return result
 
 
 _keyval: list = []  # the MPI attribute key of comm_cache, made at its first call
