@@ -17,12 +17,14 @@ The checked collectives (:mod:`popdist_lite.collectives`) take their numbers her
 
 from __future__ import annotations
 
+import threading
 import weakref
 from time import perf_counter
 
 from . import counters, progress
 
 _CALLS = "call numbers"  # comm_cache(comm)[_CALLS]: the next call number on comm
+_MAIN_THREAD = threading.main_thread()
 
 
 def next_call_number(comm, op: str) -> int:
@@ -72,10 +74,19 @@ def numbered(comm, name: str, call, *args, sent: int = 0, received: int = 0, **k
     (:mod:`popdist_lite.counters`). Every replica makes the same call at the same point
     (nothing checks it).
 
+    From a thread other than the main thread (a background checkpoint save) the call
+    takes its number but is not recorded for the stall inspector: the progress slot
+    holds one call, the main thread's, and a record from another thread could replace
+    the main thread's before the inspector read it.
+
     Returns:
         what ``call`` returns.
     """
-    next_call_number(comm, name)
+    if threading.current_thread() is _MAIN_THREAD:
+        next_call_number(comm, name)
+    else:
+        cache = comm_cache(comm)
+        cache[_CALLS] = cache.get(_CALLS, 0) + 1
     start = perf_counter()
     result = call(*args, **kwargs)
     counters.record(name, start, sent, received)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import popdist_lite as pl
-from popdist_lite import calls, counters, timeline
+from popdist_lite import calls, counters, progress, timeline
 
 
 def count(name: str) -> int:
@@ -49,13 +49,18 @@ def test_timeline_exit_gather_is_numbered_and_counted(comm, shared):
 def test_background_save_dup_is_numbered_and_counted(comm, shared):
     """agree_objects #0, replica 0's directory (checkpoint_bcast #1), agree_objects #2,
     the writer's communicator (comm_dup #3); on that one, the background thread's
-    checkpoint_gather #0 and checkpoint_bcast #1."""
+    checkpoint_gather #0 and checkpoint_bcast #1, numbered but not recorded for the
+    stall inspector (whose one slot shows the main thread's last call)."""
     from popdist_lite.checkpoint import save, wait
 
     work = comm.Dup()
     before = count("comm_dup")
+    progress.enable(None)  # in this process's memory, as the watchdog does
     pl.save_checkpoint(shared, {"x": np.arange(4.0)}, step=0, comm=work, blocking=False)
+    last = progress.last_call()[:2]
     wait()
+    assert last == (3, "comm_dup")
+    assert progress.last_call()[:2] == last  # the background thread's calls are not recorded
     assert count("comm_dup") == before + 1
     assert numbers(work) == 4
     assert numbers(calls.comm_cache(work)[save._DUPLICATE]) == 2
