@@ -8,19 +8,23 @@ library can number its calls without importing the collectives package:
 - :func:`next_call_number`: this replica's number for its next call on a communicator;
 - :func:`comm_cache`: a dict that lives on the MPI communicator itself;
 - :func:`numbered_all_reduce`: a small unchecked all-reduce, numbered and counted (the
-  feed's per-step end-of-data agreement, ``should_checkpoint``).
+  feed's per-step end-of-data agreement, ``should_checkpoint``);
+- :func:`numbered`: any other MPI call on a communicator (a checkpoint's ``bcast`` and
+  ``gather``, the timeline's ``Gather``, a ``Dup``), numbered and counted.
 
 The checked collectives (:mod:`popdist_lite.collectives`) take their numbers here too.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from time import perf_counter
 
 from . import counters, progress
 
 _CALLS = "call numbers"  # comm_cache(comm)[_CALLS]: the next call number on comm
+_MAIN_THREAD = threading.main_thread()
 
 
 def next_call_number(comm, op: str) -> int:
@@ -60,6 +64,33 @@ def numbered_all_reduce(values, op, comm, name: str):
     n = values.nbytes * (comm.Get_size() - 1)
     counters.record(name, start, n, n)
     return values
+
+
+def numbered(comm, name: str, call, *args, sent: int = 0, received: int = 0, **kwargs):
+    """Collective, unchecked: ``call(*args, **kwargs)``, an MPI call on ``comm`` (a bound
+    method such as ``comm.bcast`` or ``comm.Dup``), as call ``name``: numbered
+    (:func:`next_call_number`, so the stall inspector names a replica that does not join
+    it) and counted under ``name`` with ``sent`` / ``received`` payload bytes
+    (:mod:`popdist_lite.counters`). Every replica makes the same call at the same point
+    (nothing checks it).
+
+    From a thread other than the main thread (a background checkpoint save) the call
+    takes its number but is not recorded for the stall inspector: the progress slot
+    holds one call, the main thread's, and a record from another thread could replace
+    the main thread's before the inspector read it.
+
+    Returns:
+        what ``call`` returns.
+    """
+    if threading.current_thread() is _MAIN_THREAD:
+        next_call_number(comm, name)
+    else:
+        cache = comm_cache(comm)
+        cache[_CALLS] = cache.get(_CALLS, 0) + 1
+    start = perf_counter()
+    result = call(*args, **kwargs)
+    counters.record(name, start, sent, received)
+    return result
 
 
 _keyval: list = []  # the MPI attribute key of comm_cache, made at its first call

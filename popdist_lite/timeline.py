@@ -9,7 +9,9 @@ it yourself, e.g. ``mpirun -x POPDIST_LITE_TIMELINE=trace.json``). Like Horovod'
 
 While on, :func:`popdist_lite.counters.record` keeps one event per call. At exit
 (``atexit``, before MPI is finalised) every replica sends its events to replica 0
-(one ``Gather`` of sizes and one ``Gatherv`` of JSON bytes: no shared file system
+(one ``Gather`` of sizes and one ``Gatherv`` of JSON bytes, numbered and counted as
+``timeline_gather`` and ``timeline_gatherv`` by :func:`popdist_lite.calls.numbered`,
+so the stall inspector names a replica that does not join them: no shared file system
 needed), and replica 0 writes the file: a JSON object whose ``traceEvents`` hold, per
 replica ``k``, a ``process_name`` metadata event ("replica k") and ``"ph": "X"``
 events with ``pid = tid = k``, ``ts``/``dur`` in microseconds, ``cat`` =
@@ -30,6 +32,7 @@ import time
 import numpy as np
 
 from . import counters
+from .calls import numbered
 
 ENV = "POPDIST_LITE_TIMELINE"
 _state: dict = {"path": None, "anchor": None, "replica": 0}
@@ -112,15 +115,18 @@ def _write_at_exit(comm) -> None:
     mine = json.dumps(chrome_events(events, _state["replica"], _state["anchor"])).encode()
     size = np.array([len(mine)], dtype=np.int64)
     sizes = np.empty(comm.size, dtype=np.int64)
-    comm.Gather(size, sizes, root=0)
+    root = comm.rank == 0
+    numbered(comm, "timeline_gather", comm.Gather, size, sizes, root=0, sent=size.nbytes,
+             received=size.nbytes * (comm.size - 1) if root else 0)
     data = np.frombuffer(mine, dtype=np.uint8)
-    if comm.rank == 0:
+    if root:
         gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
-        comm.Gatherv(data, [gathered, (sizes, np.cumsum(sizes) - sizes)], root=0)
+        numbered(comm, "timeline_gatherv", comm.Gatherv, data, [gathered, (sizes, np.cumsum(sizes) - sizes)],
+                 root=0, sent=data.nbytes, received=gathered.nbytes - data.nbytes)
         parts, offset = [], 0
         for n in sizes.tolist():  # once per replica at exit, not a hot path
             parts.append(json.loads(gathered[offset:offset + n].tobytes()))
             offset += n
         write(_state["path"], merge(parts))
     else:
-        comm.Gatherv(data, None, root=0)
+        numbered(comm, "timeline_gatherv", comm.Gatherv, data, None, root=0, sent=data.nbytes)

@@ -38,6 +38,7 @@ import os
 from pathlib import Path
 
 
+from ..calls import numbered
 from ..collectives import Problem, agree_objects
 from .format import CHUNK_BYTES, CheckpointError, committed, problem_of
 from .manifest import read_manifest
@@ -64,7 +65,7 @@ def latest_checkpoint(directory, *, comm=None) -> Path | None:
     if comm.Get_rank() == 0:
         found = committed(Path(os.path.abspath(directory)))
         found = str(found[-1][1]) if found else None
-    found = comm.bcast(found, root=0)
+    found = numbered(comm, "checkpoint_bcast", comm.bcast, found, root=0)
     return Path(found) if found is not None else None
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..calls import numbered
 from ..collectives import agree_objects, comm_cache
 from .format import (FORMAT, MANIFEST, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, committed, file_name,
                      fsync_path, problem_of, step_dir_name, write_npy)
@@ -142,7 +143,7 @@ def save_checkpoint(directory, state: dict, step: int, keep: int | None = None, 
     global _pending
     cache = comm_cache(comm)
     if _DUPLICATE not in cache:  # the background writer's own communicator, made once per communicator
-        cache[_DUPLICATE] = comm.Dup()  # collective: every replica is in this call
+        cache[_DUPLICATE] = numbered(comm, "comm_dup", comm.Dup)  # collective: every replica is in this call
     entries = [e for e in description.entries if k in e.partition.writers(r)]
     for name in set(_buffers) - {e.name for e in entries}:
         del _buffers[name]
@@ -183,7 +184,7 @@ def _prepare(comm, directory: Path, step: int, what: str) -> Path:
             (directory / name).mkdir()
         except OSError as exc:
             problem = problem_of(exc)
-    problem, name = comm.bcast((problem, name), root=0)
+    problem, name = numbered(comm, "checkpoint_bcast", comm.bcast, (problem, name), root=0)
     if problem is not None:
         raise CheckpointError(f"{what}: replica 0 cannot create the checkpoint directory {directory}: "
                               f"{problem.message}")
@@ -232,14 +233,14 @@ def _write_and_commit(comm, description: Description, tmp: Path, final: Path, st
                 sync.result()
             except Exception as exc:  # noqa: BLE001
                 problem = problem or f"fsync of {path.name} (array {name!r}): {_describe_error(exc)}"
-    reports = comm.gather((problem, files, description.replica_values), root=0)
+    reports = numbered(comm, "checkpoint_gather", comm.gather, (problem, files, description.replica_values), root=0)
     outcome = None
     if k == 0:
         try:
             outcome = _commit(reports, description, tmp, final, step, keep, r)
         except Exception as exc:  # noqa: BLE001 - the others wait in the broadcast
             outcome = f"replica 0: committing {final}: {_describe_error(exc)}"
-    outcome = comm.bcast(outcome, root=0)
+    outcome = numbered(comm, "checkpoint_bcast", comm.bcast, outcome, root=0)
     if outcome is not None:
         raise CheckpointError(f"{what} failed: {outcome}; the previous checkpoints are intact")
 

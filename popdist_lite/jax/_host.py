@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 import popdist_lite as pl
+from popdist_lite.calls import numbered
 
 if TYPE_CHECKING:  # popdist_lite.collectives imports MPI: imported where a check runs
     from popdist_lite.collectives import Problem
@@ -36,7 +37,7 @@ def dedicated_comm(comm=None):
         return parent
     entry = _DEDICATED.get(id(parent))
     if entry is None:
-        entry = _DEDICATED[id(parent)] = (parent, parent.Dup())  # keeps the parent alive: its id stays unique
+        entry = _DEDICATED[id(parent)] = (parent, numbered(parent, "comm_dup", parent.Dup))  # keeps the parent alive: its id stays unique
     return entry[1]
 
 

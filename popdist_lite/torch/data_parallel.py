@@ -26,6 +26,7 @@ import torch
 
 import popdist_lite as pl
 
+from popdist_lite.calls import numbered
 from popdist_lite.collectives import Problem, all_reduce_start
 
 from ._agree import agree_signatures
@@ -189,7 +190,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.op, self.gradient_as_bucket_view = op, bool(gradient_as_bucket_view)
         if broadcast:
             broadcast_parameters(module)
-        self._comm = comm.Dup()  # the buckets' requests never mix with the library's collectives
+        self._comm = numbered(comm, "comm_dup", comm.Dup)  # the buckets' requests never mix with the library's collectives
         self._numbered_on = comm  # ... but their calls are numbered in the replica communicator's sequence
         self._buckets = _make_buckets([p for _, p in named], int(bucket_cap_mb * 2 ** 20))
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}

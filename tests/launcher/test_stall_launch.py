@@ -120,8 +120,9 @@ FEEDER = """
 
 
 # After the prelude: DistributedDataParallel's construction agrees the parameters
-# (agree_objects #2), broadcasts them (agree_objects #3, broadcast #4 and #5); then each
-# backward waits for its one bucket: all_reduce #6, #7.
+# (agree_objects #2), broadcasts them (agree_objects #3, broadcast #4 and #5) and makes
+# its buckets' communicator (comm_dup #6); then each backward waits for its one bucket:
+# all_reduce #7, #8.
 DDP = PRELUDE + """
     import torch
     import popdist_lite.torch as pt
@@ -138,6 +139,27 @@ DDP = PRELUDE + """
                 sleep_before_backward()
             stall_starts()
         loss.backward()
+"""
+
+
+# After the prelude, a blocking save: agree_objects #2 (the arguments), replica 0's
+# directory broadcast (checkpoint_bcast #3), agree_objects #4 (every replica sees it),
+# then the writers of each array write its file and every replica reports to replica 0
+# (checkpoint_gather #5; the others' small sends return at once), then waits for
+# replica 0's outcome (checkpoint_bcast #6). Replica 0 alone writes the replicated array,
+# and its disk never finishes.
+SAVE = PRELUDE + """
+    from popdist_lite.checkpoint import save as checkpoint_save
+
+    def slow_disk(*args, **kwargs):
+        time.sleep(120)
+
+    if me == 0:
+        checkpoint_save.write_npy = slow_disk
+    else:
+        with open(os.path.join(sys.argv[1], "stall_start"), "w") as f:
+            f.write(repr(time.time()))  # about to save: it reaches the gather at once
+    pl.save_checkpoint(os.path.join(sys.argv[1], "ckpt"), {"x": x}, step=0)
 """
 
 
@@ -204,12 +226,27 @@ def test_replica_sleeping_before_a_ddp_backward(tmp_path):
     assert delay is not None and delay >= WARNING, err
     block = block_of(err)
     assert "replica 0 has waited" in block
-    assert "in all_reduce (collective call #7) for replica 1, which did not enter it" in block
-    assert "last entered all_reduce (collective call #6)" in block
+    assert "in all_reduce (collective call #8) for replica 1, which did not enter it" in block
+    assert "last entered all_reduce (collective call #7)" in block
     assert "in sleep_before_backward" in block
     assert code == 1, err
     cause = block_of(err, "root cause: stall:")
-    assert "in all_reduce (collective call #7) for replica 1" in cause
+    assert "in all_reduce (collective call #8) for replica 1" in cause
+
+
+def test_replica_not_joining_a_checkpoint_save(tmp_path):
+    """A checkpoint save's gather and broadcast are numbered collective calls: replica 1,
+    waiting for the save's outcome, names replica 0, whose write never ended."""
+    err, delay, code = run_stalled(tmp_path, SAVE)
+    assert delay is not None and delay >= WARNING, err
+    block = block_of(err)
+    assert "replica 1 has waited" in block
+    assert "in checkpoint_bcast (collective call #6) for replica 0, which did not enter it" in block
+    assert "last entered agree_objects (collective call #4)" in block
+    assert "in slow_disk" in block
+    assert code == 1, err
+    cause = block_of(err, "root cause: stall:")
+    assert "in checkpoint_bcast (collective call #6) for replica 0" in cause
 
 
 def test_replica_stuck_in_a_python_loop(tmp_path):
