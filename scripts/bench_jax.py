@@ -113,10 +113,17 @@ def shakespeare_worker(opts) -> dict:
     class Full:
         def __init__(self, name, path, clip_norm):
             self.job = job(name, path, clip_norm)
+            self.in_jit = path == "in-jit"
 
         def step(self, s):
             features, labels = steps[s % BATCHES]
             self.job.step(features, labels, next_features=steps[(s + 1) % BATCHES][0])
+            if self.in_jit:
+                # Its lookups and updates are host callbacks of a step still running after
+                # dispatch returns, on the tables' communicator, which the next variant's
+                # jobs share: they must be over before another variant's collectives start,
+                # or the replicas issue the two in different orders (collective mismatch).
+                jax.block_until_ready(self.job.params)
 
     variants = {"split": Full("bench_split", "split", 1.0), "dense": Dense(),
                 "split_noclip": Full("bench_noclip", "split", 0.0), "in_jit": Full("bench_in_jit", "in-jit", 0.0)}
