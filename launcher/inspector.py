@@ -8,7 +8,8 @@ replicas (and of their feed processes) for their Python stacks, and prints the b
 (:func:`popdist_lite_launcher.stall.format_stall`) once the stacks are in, or
 :data:`STACK_WAIT_SECONDS` later without the ones that did not come. When the wait
 reaches ``timeout`` seconds it asks again and returns the block: the job loop then
-stops the job and reports that block as the root cause. A stall that changes (another
+stops the job and reports that block as the root cause (a warning block not yet printed
+for that stall is printed first, so it always precedes the end). A stall that changes (another
 call, other replicas missing) is a new stall; one that ends re-arms the warning.
 
 Waits are measured on the launcher's ``time.monotonic()``: from the collector's
@@ -104,12 +105,14 @@ class StallInspector:
         if not self._answered(asked) and now - asked["at"] < STACK_WAIT_SECONDS:
             return None
         stacks = self._collect(asked)
-        if phase == "timeout":
-            return format_stall(stall, now, stacks, title="root cause: stall")
-        if self._warned != stall.key:
+        if self._warned != stall.key and self.warning is not None:
+            # printed once per stall, also when the timeout came first (its stacks were
+            # still on their way, or the poll was late): the warning always precedes the end
             self._warned = stall.key
             print(f"poprun-lite: {format_stall(stall, now, stacks)}", file=self.out or sys.stderr,
                   flush=True)
+        if phase == "timeout":
+            return format_stall(stall, now, stacks, title="root cause: stall")
         return None
 
     def _ask(self, stall, phase: str, now: float) -> dict:

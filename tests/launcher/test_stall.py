@@ -118,6 +118,25 @@ def test_inspector_warns_once_with_the_stacks_then_times_out():
     assert "  Python stack of replica 1: not available" in block
 
 
+def test_a_timeout_before_the_warning_prints_the_warning_first():
+    """The first poll after the stall is already past the timeout (a late poll, a
+    timeout close to the warning): the warning block is printed, then the root cause."""
+    asked = []
+    inspector, out = make_inspector(asked, warning=2.0, timeout=3.0)
+    for r, call in ((0, 4), (1, 3), (2, 4)):
+        inspector.on_progress(progress_record(r, call, "all_reduce", NOW))
+    assert inspector.poll(NOW + 4.0) is None and out.getvalue() == ""  # waiting for the stacks
+    for rank, request in asked:
+        inspector.on_stack({"kind": "stack", "rank": rank, "request": request, "text": f"stack of rank {rank}"})
+    block = inspector.poll(NOW + 4.1)
+    assert block.startswith("root cause: stall: replicas 0, 2 have waited 4.1 s in all_reduce")
+    printed = out.getvalue()
+    assert printed.startswith("poprun-lite: stall: replicas 0, 2 have waited 4.1 s in all_reduce "
+                              "(collective call #4) for replica 1")
+    assert "  Python stack of replica 1:\n    stack of rank 1" in printed
+    assert inspector.poll(NOW + 4.2) is not None and out.getvalue() == printed  # printed once
+
+
 def test_inspector_rearms_after_progress_and_ignores_feeders():
     asked = []
     inspector, out = make_inspector(asked, warning=1.0, answer=False)

@@ -4,7 +4,14 @@ DistributedDataParallel backward). Each test checks the printed block
 (the right replica, operation and call number, and a Python stack naming the test
 program's own function), that it came no sooner than the warning time after the stall,
 and that --stall-timeout ends the job (every run has one, so each job ends by itself,
-its output read to the end). Every run is under a timeout."""
+its output read to the end). Every run is under a timeout.
+
+No healthy replica is ever slow enough to look stalled, however busy the machine: the
+replicas meet at a file barrier after their imports and before their first collective,
+and the replicas that will wait enter the stalled call only once the missing one has
+written that it is in its stalling function (an event, not a delay). So the only stall
+there is to see is the real one, and --stall-timeout can be a few seconds after the
+warning (the inspector prints the warning block before ending the job in any case)."""
 
 import os
 import re
@@ -22,22 +29,42 @@ pytestmark = timeout_for(1)
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 WARNING = 2.0
-#: --stall-timeout: well after the warning block (printed at most the inspector's 3 s stack
-#: wait after WARNING), so that block is always printed before the job is stopped.
-STALL_TIMEOUT = 15.0
+#: --stall-timeout: after the warning block (which the inspector prints before it ends
+#: the job, whenever the timeout comes); the gap lets the block come first in the usual
+#: way, from the warning's own round of stacks.
+STALL_TIMEOUT = WARNING + 3.0
 
-# Calls: all_reduce #0, broadcast #1, then the scenario. Replica 0 writes the time at
-# which it enters the collective the others will wait in to argv[1]/stall_start.
+# Calls: all_reduce #0, broadcast #1 (after every replica has imported everything: a
+# barrier on files), then the scenario. The replica that will be missing calls
+# missing_now() once it is in its stalling function; the others call wait_for_missing()
+# before they enter the call they will wait in, and replica 0 writes the time at which
+# it enters it to argv[1]/stall_start.
 PRELUDE = """
     import os, sys, time
     import numpy as np
     import popdist_lite as pl
 
+    def wait_for_file(name):
+        deadline = time.monotonic() + 240
+        while not os.path.exists(os.path.join(sys.argv[1], name)):
+            if time.monotonic() > deadline:
+                sys.exit(f"no {name} after 240 s")
+            time.sleep(0.01)
+
     pl.init()
     me = pl.replica_id()
+    open(os.path.join(sys.argv[1], f"ready-{me}"), "w").close()
+    for r in range(pl.num_replicas()):
+        wait_for_file(f"ready-{r}")
     x = np.ones(4)
     pl.all_reduce(x)
     pl.broadcast(x)
+
+    def missing_now():
+        open(os.path.join(sys.argv[1], "missing"), "w").close()
+
+    def wait_for_missing():
+        wait_for_file("missing")
 
     def stall_starts():
         if me == 0:
@@ -47,22 +74,26 @@ PRELUDE = """
 
 SLEEP = PRELUDE + """
     def sleep_before_all_reduce():
+        missing_now()
         time.sleep(120)
 
     if me == 1:
         sleep_before_all_reduce()
+    wait_for_missing()
     stall_starts()
     pl.all_reduce(x)
 """
 
 LOOP = PRELUDE + """
     def spin_in_a_python_loop():
+        missing_now()
         n = 0
         while True:
             n += 1
 
     if me == 1:
         spin_in_a_python_loop()
+    wait_for_missing()
     stall_starts()
     pl.all_gather(x)
 """
@@ -71,11 +102,13 @@ SKIP = PRELUDE + """
     pl.set_collective_checks(False)  # checked, the skip would be a clean error at once
 
     def skip_the_broadcast():
+        missing_now()
         pl.all_reduce(x)  # replica 1 skips broadcast #2 (it is the root) and goes on
 
     if me == 1:
         skip_the_broadcast()
     else:
+        wait_for_missing()
         stall_starts()
         pl.broadcast(x, root=1)
         pl.all_reduce(x)
@@ -87,7 +120,9 @@ STOP = PRELUDE + """
     if me == 1:  # stops itself while replica 0 waits for it in all_reduce #2
         with open(os.path.join(sys.argv[1], "stopped_pid"), "w") as f:
             f.write(str(os.getpid()))
+        missing_now()
         os.kill(os.getpid(), signal.SIGSTOP)
+    wait_for_missing()
     stall_starts()
     pl.all_reduce(x)
 """
@@ -97,9 +132,21 @@ FEEDER = """
     import numpy as np
     import popdist_lite as pl
 
+    def wait_for_file(name):
+        deadline = time.monotonic() + 240
+        while not os.path.exists(os.path.join(sys.argv[1], name)):
+            if time.monotonic() > deadline:
+                sys.exit(f"no {name} after 240 s")
+            time.sleep(0.01)
+
     pl.init()
+    if pl.role() == "replica":
+        open(os.path.join(sys.argv[1], f"ready-{pl.replica_id()}"), "w").close()
+        for r in range(pl.num_replicas()):
+            wait_for_file(f"ready-{r}")
 
     def stuck_in_the_dataset():
+        open(os.path.join(sys.argv[1], "missing"), "w").close()
         while True:
             time.sleep(0.1)
 
@@ -113,6 +160,7 @@ FEEDER = """
     if pl.role() == "replica":
         for step, batch in enumerate(feed):  # per step: infeed #2s, all_reduce #2s+1
             if step == 2 and pl.replica_id() == 0:
+                wait_for_file("missing")  # until replica 1's feeder is stuck
                 with open(os.path.join(sys.argv[1], "stall_start"), "w") as f:
                     f.write(repr(time.time()))  # about to ask for batch 3
             pl.all_reduce(batch["x"])
@@ -130,6 +178,7 @@ DDP = PRELUDE + """
     model = pt.DistributedDataParallel(torch.nn.Linear(4, 2))
 
     def sleep_before_backward():
+        missing_now()
         time.sleep(120)
 
     for step in range(2):
@@ -137,6 +186,7 @@ DDP = PRELUDE + """
         if step == 1:
             if me == 1:
                 sleep_before_backward()
+            wait_for_missing()
             stall_starts()
         loss.backward()
 """
@@ -151,7 +201,7 @@ DDP = PRELUDE + """
 SAVE = PRELUDE + """
     from popdist_lite.checkpoint import save as checkpoint_save
 
-    def slow_disk(*args, **kwargs):
+    def slow_disk(*args, **kwargs):  # replica 1 cannot be held: it is inside the save already
         time.sleep(120)
 
     if me == 0:
