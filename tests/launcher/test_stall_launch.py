@@ -1,6 +1,7 @@
 """The stall inspector end to end: poprun-lite with a short --stall-warning over real
-ranks, one replica stalling in each of five ways (the fifth in a torch
-DistributedDataParallel backward). Each test checks the printed block
+ranks, one replica stalling in each of eight ways (among them in a torch
+DistributedDataParallel backward, a checkpoint save, and before a JAX in-jit lookup,
+whose calls are on the jax lane: tests/progs/jax_stall_prog.py). Each test checks the printed block
 (the right replica, operation and call number, and a Python stack naming the test
 program's own function), that it came no sooner than the warning time after the stall,
 and that --stall-timeout ends the job (every run has one, so each job ends by itself,
@@ -20,14 +21,16 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from helpers import JOB_SECONDS, timeout_for
+from helpers import JOB_SECONDS, ROOT, timeout_for
 from peers import alive, wait_for
 
 pytestmark = timeout_for(1)
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
+PROG_DIR = ROOT / "tests" / "progs"
 WARNING = 2.0
 #: --stall-timeout: after the warning block (which the inspector prints before it ends
 #: the job, whenever the timeout comes); the gap lets the block come first in the usual
@@ -214,10 +217,14 @@ SAVE = PRELUDE + """
 
 
 def run_stalled(tmp_path, code, *args, replicas=2):
-    """Run ``code`` under poprun-lite until its stall timeout ends it; return (all its
-    stderr text, seconds from the stall's start to the first stall block, exit code)."""
-    prog = tmp_path / "prog.py"
-    prog.write_text(textwrap.dedent(code))
+    """Run ``code`` (a program's text, or the path of one) under poprun-lite until its
+    stall timeout ends it; return (all its stderr text, seconds from the stall's start to
+    the first stall block, exit code)."""
+    if isinstance(code, Path):
+        prog = code
+    else:
+        prog = tmp_path / "prog.py"
+        prog.write_text(textwrap.dedent(code))
     proc = subprocess.Popen([*LAUNCHER, "--timeout", str(JOB_SECONDS), "--num-replicas", str(replicas),
                              "--stall-warning", str(WARNING), "--stall-timeout", str(STALL_TIMEOUT), *args,
                              sys.executable, str(prog), str(tmp_path)],
@@ -297,6 +304,27 @@ def test_replica_not_joining_a_checkpoint_save(tmp_path):
     assert code == 1, err
     cause = block_of(err, "root cause: stall:")
     assert "in checkpoint_bcast (collective call #6) for replica 0" in cause
+
+
+def test_replica_stopping_before_a_jax_in_jit_lookup(tmp_path):
+    """The JAX binding's calls are on a communicator of their own, recorded on the jax
+    lane: replica 1 stops before an in-jit lookup while the main lane is in step (and
+    ahead), and the replicas waiting in the lookup's host callback name it."""
+    pytest.importorskip("jax", reason="popdist_lite.jax needs the [jax] extra (pip install '.[jax]')")
+    err, delay, code = run_stalled(tmp_path, PROG_DIR / "jax_stall_prog.py")
+    assert delay is not None and delay >= WARNING, err
+    block = block_of(err)
+    assert "replica 0 has waited" in block
+    # the jax lane: the table's creation, then step 0's lookup ending in the table's
+    # embedding_lookup #4; step 1's lookup starts with its input agreement #5
+    assert ("in EmbeddingCollection.lookup_in_jit (collective call #5 on the jax lane) for replica 1, "
+            "which did not enter it") in block, block
+    assert "  missing: replica 1 (rank 1, host" in block
+    assert "last entered embedding_lookup (collective call #4 on the jax lane)" in block, block
+    assert "in stop_before_the_lookup" in block
+    assert code == 1, err
+    cause = block_of(err, "root cause: stall:")
+    assert "in EmbeddingCollection.lookup_in_jit (collective call #5 on the jax lane) for replica 1" in cause
 
 
 def test_replica_stuck_in_a_python_loop(tmp_path):
