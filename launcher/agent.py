@@ -500,8 +500,8 @@ def run(program: list[str]) -> int:
         relay = threading.Thread(target=_relay, args=(stop["program"], link, ident), daemon=True)
         relay.start()
         if stop["progress"] is not None:
-            stop["progress"].watch(lambda call, op, since: link.send(records.make(
-                "progress", {**ident, "time": time.time()}, call=call, op=op, since=since)))
+            stop["progress"].watch(lambda lane, call, op, since: link.send(records.make(
+                "progress", {**ident, "time": time.time()}, lane=lane, call=call, op=op, since=since)))
         if stop["signal"] is not None:  # told to stop while starting the child
             forward(stop["signal"], None)
 

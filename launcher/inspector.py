@@ -1,14 +1,17 @@
 """The stall inspector in the launcher: progress records in, one block out.
 
-:class:`StallInspector` keeps every replica's last ``progress`` record (the collective
-call it entered, from its agent), and :meth:`StallInspector.poll`, called every tenth
-of a second by the job loop, looks for a stall (:func:`popdist_lite_launcher.stall.find_stall`).
+:class:`StallInspector` keeps every replica's last ``progress`` record on each lane (the
+collective call it entered, from its agent; at most :data:`MAX_LANES` lanes in a job),
+and :meth:`StallInspector.poll`, called every tenth of a second by the job loop, looks
+for a stall lane by lane (:func:`popdist_lite_launcher.stall.find_stall`) and follows
+the one that has waited longest.
 When the longest wait reaches ``warning`` seconds it asks the agents of the missing
 replicas (and of their feed processes) for their Python stacks, and prints the block
 (:func:`popdist_lite_launcher.stall.format_stall`) once the stacks are in, or
 :data:`STACK_WAIT_SECONDS` later without the ones that did not come. When the wait
 reaches ``timeout`` seconds it asks again and returns the block: the job loop then
-stops the job and reports that block as the root cause. A stall that changes (another
+stops the job and reports that block as the root cause (a warning block not yet printed
+for that stall is printed first, so it always precedes the end). A stall that changes (another
 call, other replicas missing) is a new stall; one that ends re-arms the warning.
 
 Waits are measured on the launcher's ``time.monotonic()``: from the collector's
@@ -24,6 +27,8 @@ import itertools
 import sys
 import threading
 import time
+
+from popdist_lite.progress import MAIN, MAX_LANES
 
 from .stall import Progress, find_stall, format_stall
 
@@ -55,7 +60,7 @@ class StallInspector:
         self.timeout = timeout or None
         self.out = out
         self._lock = threading.Lock()
-        self._progress: dict[int, Progress] = {}
+        self._progress: dict[str, dict[int, Progress]] = {MAIN: {}}  # lane -> replica -> last
         self._stacks: dict[int, tuple[int, str]] = {}  # rank -> (request id, text)
         self._ids = itertools.count(1)
         self._asked: dict | None = None  # the current round of stack requests
@@ -65,17 +70,26 @@ class StallInspector:
 
     def on_progress(self, record: dict) -> None:
         """A ``progress`` record from a replica's agent as the collector passes it on
-        (``replica``, ``call``, ``op``, identity fields, and ``received``: the launcher's
-        ``time.monotonic()`` on its arrival). Thread-safe."""
+        (``replica``, ``lane``, ``call``, ``op``, identity fields, and ``received``: the
+        launcher's ``time.monotonic()`` on its arrival). A record of a replica outside
+        the job, or of a lane beyond the first :data:`MAX_LANES` the job used, is
+        dropped. Thread-safe."""
         if record.get("role", "replica") != "replica":
             return
         p = Progress(replica=int(record["replica"]), call=int(record["call"]), op=str(record["op"]),
                      since=float(record["received"]), rank=record.get("rank"),
-                     host=record.get("host"), pid=record.get("pid"))
+                     host=record.get("host"), pid=record.get("pid"), lane=str(record.get("lane", MAIN)))
+        if not 0 <= p.replica < self.num_replicas:
+            return
         with self._lock:
-            old = self._progress.get(p.replica)
+            lane = self._progress.get(p.lane)
+            if lane is None:
+                if len(self._progress) >= MAX_LANES:
+                    return
+                lane = self._progress[p.lane] = {}
+            old = lane.get(p.replica)
             if old is None or p.call >= old.call:
-                self._progress[p.replica] = p
+                lane[p.replica] = p
 
     def on_stack(self, record: dict) -> None:
         """A ``stack`` record (``rank``, ``request``, ``text``) answering a request. Thread-safe."""
@@ -90,7 +104,8 @@ class StallInspector:
         reached, else None."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            stall = find_stall(self._progress, self.num_replicas, now)
+            stalls = [find_stall(progress, self.num_replicas, now, lane) for lane, progress in self._progress.items()]
+        stall = max((s for s in stalls if s is not None), key=lambda s: s.waited, default=None)
         thresholds = [t for t in (self.warning, self.timeout) if t is not None]
         if stall is None or not thresholds or stall.waited < min(thresholds):
             self._asked = None
@@ -104,12 +119,14 @@ class StallInspector:
         if not self._answered(asked) and now - asked["at"] < STACK_WAIT_SECONDS:
             return None
         stacks = self._collect(asked)
-        if phase == "timeout":
-            return format_stall(stall, now, stacks, title="root cause: stall")
-        if self._warned != stall.key:
+        if self._warned != stall.key and self.warning is not None:
+            # printed once per stall, also when the timeout came first (its stacks were
+            # still on their way, or the poll was late): the warning always precedes the end
             self._warned = stall.key
             print(f"poprun-lite: {format_stall(stall, now, stacks)}", file=self.out or sys.stderr,
                   flush=True)
+        if phase == "timeout":
+            return format_stall(stall, now, stacks, title="root cause: stall")
         return None
 
     def _ask(self, stall, phase: str, now: float) -> dict:

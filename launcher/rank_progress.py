@@ -4,9 +4,9 @@ The agent makes two unlinked temporary files on its own host, the rank's progres
 and stack file (:mod:`popdist_lite.progress`), and passes them to the program as open
 descriptors named by ``POPDIST_LITE_PROGRESS_FD`` and ``POPDIST_LITE_STACK_FD`` (so
 nothing is left on disk however the agent ends). :meth:`RankProgress.watch`
-reads the slot every :data:`POLL_SECONDS` in a thread and calls ``send(call, op,
-since)`` when the rank has entered another collective call (the agent forwards that to
-the launcher as a ``progress`` record); :meth:`RankProgress.dump_stack` sends the rank
+reads the slot every :data:`POLL_SECONDS` in a thread and calls ``send(lane, call, op,
+since)`` for each lane on which the rank has entered another collective call (the
+agent forwards that to the launcher as a ``progress`` record); :meth:`RankProgress.dump_stack` sends the rank
 :data:`popdist_lite.progress.STACK_SIGNAL` and returns the stack text faulthandler
 appended to the file, or ``stopped (state T)`` for a rank that is stopped (SIGSTOP,
 SIGTSTP) or traced, which cannot dump its stack until it is continued (its state read
@@ -66,19 +66,34 @@ class RankProgress:
             pass
         return None
 
+    def read_lanes(self) -> list[tuple[str, int, str, float]]:
+        """The rank's last ``(lane, call, op, since)`` on each lane it has used
+        (:func:`popdist_lite.progress.read_lanes`), read as :meth:`read` does."""
+        try:
+            last = None
+            for _ in range(5):
+                data = os.pread(self.slot.fileno(), progress.SLOT_SIZE, 0)
+                if data == last:
+                    return progress.read_lanes(data)
+                last = data
+        except (OSError, ValueError):
+            pass
+        return []
+
     def watch(self, send) -> None:
-        """Start a daemon thread calling ``send(call, op, since)`` for every new call
-        the rank enters (as seen every :data:`POLL_SECONDS`), until :meth:`close`."""
+        """Start a daemon thread calling ``send(lane, call, op, since)`` for every new
+        call the rank enters on each lane (as seen every :data:`POLL_SECONDS`), until
+        :meth:`close`."""
         def loop():
-            seen = None
+            seen = {}
             while not self._stop.wait(POLL_SECONDS):
-                now = self.read()
-                if now is not None and now[:3] != seen:
-                    seen = now[:3]
-                    try:
-                        send(*seen)
-                    except Exception:  # noqa: BLE001 - the link may be gone; keep supervising
-                        pass
+                for lane, *now in self.read_lanes():
+                    if seen.get(lane) != now:
+                        seen[lane] = now
+                        try:
+                            send(lane, *now)
+                        except Exception:  # noqa: BLE001 - the link may be gone; keep supervising
+                            pass
         threading.Thread(target=loop, name="poprun-lite progress", daemon=True).start()
 
     def dump_stack(self, pid: int, timeout: float = STACK_TIMEOUT_SECONDS) -> str:

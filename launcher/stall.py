@@ -1,13 +1,16 @@
 """The stall inspector's analysis: from every replica's last collective call to the one
 block poprun-lite prints (pure functions on plain values: no processes, no sockets).
 
-Every replica records the collective call it last entered (operation, call number and
-entry time; :mod:`popdist_lite.progress`) and its agent forwards that to the launcher,
-which notes when it arrived on its own clock. Times here are on one clock, the
+Every replica records the collective call it last entered on each of its lanes
+(operation, call number and entry time; :mod:`popdist_lite.progress`: the ``main`` lane,
+and a lane of its own for a communicator whose calls are issued apart from the main
+thread's, such as the JAX binding's ``jax``) and its agent forwards that to the
+launcher, which notes when it arrived on its own clock. Times here are on one clock, the
 launcher's (``time.monotonic()``).
-A job stalls when some replicas have entered call ``#N`` and wait there while others
-have not entered it: :func:`find_stall` names the call, the waiting replicas and the
-missing ones (each with what it last entered), in ascending replica order;
+A job stalls when, on one lane, some replicas have entered call ``#N`` and wait there
+while others have not entered it: :func:`find_stall` names the call, the waiting
+replicas and the missing ones (each with what it last entered on that lane), in
+ascending replica order;
 :func:`format_stall` adds the missing replicas' Python stacks. Like
 Horovod's stall inspector (which names the ranks that did not submit a tensor after
 ``HOROVOD_STALL_CHECK_TIME_SECONDS``), with the missing replica's own stack.
@@ -42,6 +45,7 @@ class Progress:
     rank: int | None = None
     host: str | None = None
     pid: int | None = None
+    lane: str = "main"
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Stall:
     waiting: list[tuple[int, float]]
     missing: list[tuple[int, Progress | None]]
     where: dict[int, Progress] = field(default_factory=dict)
+    lane: str = "main"
 
     @property
     def waited(self) -> float:
@@ -62,18 +67,24 @@ class Stall:
 
     @property
     def key(self) -> tuple:
-        """What identifies this stall: the call and who is missing (a new key is a new stall)."""
-        return self.call, tuple(r for r, _ in self.missing)
+        """What identifies this stall: the lane, the call and who is missing (a new key
+        is a new stall)."""
+        return self.lane, self.call, tuple(r for r, _ in self.missing)
 
 
-def find_stall(progress: dict[int, Progress], num_replicas: int, now: float) -> Stall | None:
-    """The stall the replicas' last calls show at time ``now``, or None.
+def find_stall(progress: dict[int, Progress], num_replicas: int, now: float,
+               lane: str = "main") -> Stall | None:
+    """The stall the replicas' last calls on ``lane`` show at time ``now``, or None.
 
     Args:
-        progress: the last :class:`Progress` of each replica that has entered a
-            collective (replicas absent from it have entered none).
+        progress: the last :class:`Progress` on ``lane`` of each replica that has
+            entered a collective there. On the ``main`` lane a replica absent from it
+            has entered none and is missing; on another lane (a communicator of its
+            own, which some replicas may never use: a sub-communicator's) only the
+            replicas that have used the lane are compared.
         num_replicas: replicas in the job (0 .. num_replicas - 1).
         now: the time on the clock of the :attr:`Progress.since` values.
+        lane: the lane's name, kept in the :class:`Stall`.
 
     Returns:
         a :class:`Stall` when some replicas have entered a call number that others have
@@ -94,10 +105,15 @@ def find_stall(progress: dict[int, Progress], num_replicas: int, now: float) -> 
     op = max(at_top, key=lambda name: (len(at_top[name]), -at_top[name][0]))
     waiting = sorted((r, max(0.0, now - progress[r].since)) for r in at_top[op])
     inside = set(at_top[op])
-    missing = [(r, progress.get(r)) for r in range(num_replicas) if r not in inside]
+    compared = range(num_replicas) if lane == "main" else sorted(progress)
+    missing = [(r, progress.get(r)) for r in compared if r not in inside]
     if not missing:
         return None
-    return Stall(op=op, call=top, waiting=waiting, missing=missing, where=dict(progress))
+    return Stall(op=op, call=top, waiting=waiting, missing=missing, where=dict(progress), lane=lane)
+
+
+def _call(number: int, lane: str) -> str:
+    return f"collective call #{number}" + ("" if lane == "main" else f" on the {lane} lane")
 
 
 def _plural(items: list[int], word: str = "replica") -> str:
@@ -134,7 +150,7 @@ def format_stall(stall: Stall, now: float, stacks: dict[int, list[tuple[str, str
     waiters = [r for r, _ in stall.waiting]
     absent = [r for r, _ in stall.missing]
     lines = [f"{title}: {_plural(waiters)} {'have' if len(waiters) > 1 else 'has'} waited "
-             f"{stall.waited:.1f} s in {stall.op} (collective call #{stall.call}) for "
+             f"{stall.waited:.1f} s in {stall.op} ({_call(stall.call, stall.lane)}) for "
              f"{_plural(absent)}, which did not enter it"]
     for r, seconds in stall.waiting:
         lines.append(f"  waiting: replica {r}{_where(stall.where.get(r))} for {seconds:.1f} s")
@@ -142,11 +158,11 @@ def format_stall(stall: Stall, now: float, stacks: dict[int, list[tuple[str, str
         if last is None:
             doing = "has not entered any collective"
         elif last.call == stall.call:
-            doing = (f"entered {last.op} as collective call #{last.call} instead "
+            doing = (f"entered {last.op} as {_call(last.call, stall.lane)} instead "
                      f"{max(0.0, now - last.since):.1f} s ago (a replica skipped or added a "
                      f"collective)")
         else:
-            doing = (f"last entered {last.op} (collective call #{last.call}) "
+            doing = (f"last entered {last.op} ({_call(last.call, stall.lane)}) "
                      f"{max(0.0, now - last.since):.1f} s ago")
         lines.append(f"  missing: replica {r}{_where(last)}: {doing}")
     for r, _ in stall.missing:

@@ -10,7 +10,9 @@ library can number its calls without importing the collectives package:
 - :func:`numbered_all_reduce`: a small unchecked all-reduce, numbered and counted (the
   feed's per-step end-of-data agreement, ``should_checkpoint``);
 - :func:`numbered`: any other MPI call on a communicator (a checkpoint's ``bcast`` and
-  ``gather``, the timeline's ``Gather``, a ``Dup``), numbered and counted.
+  ``gather``, the timeline's ``Gather``, a ``Dup``), numbered and counted;
+- :func:`set_lane`: the stall inspector's lane of a communicator whose calls are
+  issued independently of the main thread's (:mod:`popdist_lite.progress`).
 
 The checked collectives (:mod:`popdist_lite.collectives`) take their numbers here too.
 """
@@ -24,6 +26,7 @@ from time import perf_counter
 from . import counters, progress
 
 _CALLS = "call numbers"  # comm_cache(comm)[_CALLS]: the next call number on comm
+_LANE = "progress lane"  # comm_cache(comm)[_LANE]: its progress lane's index (absent: 0, main)
 _MAIN_THREAD = threading.main_thread()
 
 
@@ -37,13 +40,32 @@ def next_call_number(comm, op: str) -> int:
     :func:`numbered_all_reduce`, the non-blocking all-reduce) take one too, so the
     numbers stay in step on every replica and the stall inspector sees every collective:
     each call is recorded with :func:`popdist_lite.progress.record` (a no-op unless
-    poprun-lite's stall inspector or ``POPDIST_LITE_STALL_TIMEOUT`` turned it on).
+    poprun-lite's stall inspector or ``POPDIST_LITE_STALL_TIMEOUT`` turned it on) on
+    the communicator's lane (:func:`set_lane`; the main lane unless set).
     """
     cache = comm_cache(comm)
     seq = cache.get(_CALLS, 0)
     cache[_CALLS] = seq + 1
-    progress.record(op, seq)
+    lane = cache.get(_LANE, 0)
+    if lane is not None:
+        progress.record(op, seq, lane)
     return seq
+
+
+def set_lane(comm, name: str) -> None:
+    """Record ``comm``'s calls on the stall inspector's lane ``name``
+    (:data:`popdist_lite.progress.LANE_NAME`) instead of the main lane: for a
+    communicator of its own whose calls are issued independently of the main thread's
+    (the JAX binding's, whose host callbacks run on XLA's threads; a background save's),
+    so they neither replace the main lane's last call nor hide behind it. When all
+    :data:`popdist_lite.progress.MAX_LANES` lanes are taken, ``comm``'s calls are
+    numbered but not recorded. Local (no MPI call); every replica sets the same lane on
+    the same communicator.
+
+    Raises:
+        ValueError: ``name`` is not a lane name.
+    """
+    comm_cache(comm)[_LANE] = progress.lane_index(name)
 
 
 def numbered_all_reduce(values, op, comm, name: str):
@@ -74,15 +96,16 @@ def numbered(comm, name: str, call, *args, sent: int = 0, received: int = 0, **k
     (:mod:`popdist_lite.counters`). Every replica makes the same call at the same point
     (nothing checks it).
 
-    From a thread other than the main thread (a background checkpoint save) the call
-    takes its number but is not recorded for the stall inspector: the progress slot
-    holds one call, the main thread's, and a record from another thread could replace
-    the main thread's before the inspector read it.
+    From a thread other than the main thread, on a communicator of the main lane, the
+    call takes its number but is not recorded for the stall inspector: the main lane
+    holds the main thread's last call, which a record from another thread could replace
+    before the inspector read it. On a communicator with a lane of its own
+    (:func:`set_lane`: a background save's) it is recorded there.
 
     Returns:
         what ``call`` returns.
     """
-    if threading.current_thread() is _MAIN_THREAD:
+    if threading.current_thread() is _MAIN_THREAD or comm_cache(comm).get(_LANE, 0) != 0:
         next_call_number(comm, name)
     else:
         cache = comm_cache(comm)

@@ -1,15 +1,24 @@
 """Progress of this replica for the stall inspector: which collective call it last
-entered and when, readable by its agent without MPI; its Python stack on request.
+entered on each of its lanes and when, readable by its agent without MPI; its Python
+stack on request.
+
+A lane is one sequence of numbered calls: ``main`` for the replica communicator and
+the communicators that share its numbering, and one lane of its own for a communicator
+whose calls are issued independently of the main thread's (the JAX binding's dedicated
+communicator, whose host callbacks run on XLA's threads; a background checkpoint save's
+communicator, used by its writer thread): :func:`lane_index` names one,
+:func:`popdist_lite.calls.set_lane` gives it to a communicator. The inspector compares
+the replicas lane by lane.
 
 Turned on by ``POPDIST_LITE_PROGRESS_FD=<fd>``: the poprun-lite agent creates an
 unlinked file on the rank's own host (nothing is shared between hosts, nothing is left
 behind) and passes its descriptor to the rank. The file is a small shared-memory slot
-(:mod:`mmap`): :func:`record` writes the
-collective call number, the operation and the entry time (``time.time()``) into it,
-three stores and a clock read (about 0.3 us; ``scripts/bench_collectives.py`` measures
-the checked call with the inspector on and off), and the agent reads the slot with
-:func:`read_slot` whenever it looks. Off (the variable unset), :func:`record` is a
-function that returns at once, and the collectives call nothing else.
+(:mod:`mmap`): :func:`record` writes the collective call number, the operation and the
+entry time (``time.time()``) into the lane's fields, three stores and a clock read
+(about 0.3 us; ``scripts/bench_collectives.py`` measures the checked call with the
+inspector on and off), and the agent reads the slot with :func:`read_lanes` whenever it
+looks. Off (the variable unset), :func:`record` is a function that returns at once, and
+the collectives call nothing else.
 
 ``POPDIST_LITE_STACK_FD=<fd>`` makes :data:`STACK_SIGNAL` (SIGUSR2) dump the Python
 stack of every thread into that file (:func:`faulthandler.register`; the agent opened
@@ -17,11 +26,13 @@ it for appending),
 also while the main thread is blocked inside MPI or spinning in a Python loop: the
 agent sends the signal and reads what was appended.
 
-Slot layout (native byte order, :data:`SLOT_SIZE` bytes): ``int64`` call number (-1
-before the first call), ``int64`` operation code, ``float64`` entry time (seconds since
-the epoch), ``int64`` process id; from byte :data:`NAMES_OFFSET`, one NUL-padded name
-of :data:`NAME_SIZE` bytes per operation code, written the first time the operation is
-recorded.
+Slot layout (native byte order, :data:`SLOT_SIZE` bytes): :data:`MAX_LANES` lanes of
+:data:`LANE_SIZE` bytes, lane ``i`` from byte ``i * LANE_SIZE``: ``int64`` call number
+(-1 before the lane's first call), ``int64`` operation code, ``float64`` entry time
+(seconds since the epoch), ``int64`` process id (lane 0 only), then the lane's name,
+NUL-padded in :data:`LANE_NAME_SIZE` bytes (lane 0 is :data:`MAIN`; an unnamed lane is
+unused); from byte :data:`NAMES_OFFSET`, one NUL-padded name of :data:`NAME_SIZE` bytes
+per operation code, written the first time the operation is recorded.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from __future__ import annotations
 import faulthandler
 import mmap
 import os
+import re
 import signal
 import sys
 import time
@@ -38,33 +50,72 @@ STACK_ENV = "POPDIST_LITE_STACK_FD"
 #: The signal on which a rank dumps every thread's stack into the file of ``$POPDIST_LITE_STACK_FD``.
 STACK_SIGNAL = signal.SIGUSR2
 SLOT_SIZE = 4096
-NAMES_OFFSET = 64
-NAME_SIZE = 32
+#: Lanes in a slot, their size and the bytes of a lane's name (at most
+#: ``LANE_NAME_SIZE - 1`` characters of :data:`LANE_NAME`).
+MAX_LANES, LANE_SIZE, LANE_NAME_SIZE = 4, 64, 32
+#: The lane of the replica communicator: lane 0.
+MAIN = "main"
+#: What a lane's name may be: a lowercase letter, then up to 15 lowercase letters,
+#: digits or underscores (the launcher refuses any other name in a record).
+LANE_NAME = re.compile(r"[a-z][a-z0-9_]{0,15}")
+NAMES_OFFSET = MAX_LANES * LANE_SIZE
+NAME_SIZE = 48  # an operation name: up to 47 bytes (EmbeddingCollection.lookup_in_jit: 33)
 MAX_OPS = (SLOT_SIZE - NAMES_OFFSET) // NAME_SIZE
-_CALL, _OP, _SINCE, _PID = range(4)  # 8-byte fields
+_CALL, _OP, _SINCE, _PID = range(4)  # 8-byte fields of a lane
+_LANE_WORDS = LANE_SIZE // 8
+_NAME_AT = 32  # the lane's name, from this byte of the lane
 
 _state: dict = {"map": None, "words": None, "floats": None, "codes": {}, "stack_file": None}
 
 
-def _off(op: str, call: int) -> None:
+def _off(op: str, call: int, lane: int = 0) -> None:
     return None
 
 
-def _on(op: str, call: int) -> None:
+def _on(op: str, call: int, lane: int = 0) -> None:
     code = _codes.get(op)
     if code is None:
         code = _new_code(op)
-    _words[_OP] = code
-    _words[_CALL] = call
-    _floats[_SINCE] = _now()
+    base = lane * _LANE_WORDS
+    _words[base + _OP] = code
+    _words[base + _CALL] = call
+    _floats[base + _SINCE] = _now()
 
 
-#: ``record(op, call)``: this replica entered collective call number ``call`` (an
-#: operation name such as ``"all_reduce"``). Rebound by :func:`enable`; a no-op when off.
+#: ``record(op, call, lane=0)``: this replica entered collective call number ``call``
+#: (an operation name such as ``"all_reduce"``) on lane number ``lane``
+#: (:func:`lane_index`). Rebound by :func:`enable`; a no-op when off.
 record = _off
 _codes: dict[str, int] = {}
+_lanes: dict[str, int] = {MAIN: 0}  # lane name -> its index in the slot
 _words = _floats = None
 _now = time.time
+
+
+def lane_index(name: str) -> int | None:
+    """The slot index of the lane ``name`` (:data:`LANE_NAME`), given to it at its first
+    request (lane 0 is :data:`MAIN`); None when all :data:`MAX_LANES` lanes are taken
+    (the calls of that lane are then not recorded).
+
+    Raises:
+        ValueError: ``name`` does not match :data:`LANE_NAME`.
+    """
+    index = _lanes.get(name)
+    if index is not None:
+        return index
+    if not LANE_NAME.fullmatch(name):
+        raise ValueError(f"progress lane name {name!r}: expected {LANE_NAME.pattern}")
+    if len(_lanes) >= MAX_LANES:
+        return None
+    index = _lanes[name] = len(_lanes)
+    if _state["map"] is not None:
+        _write_lane_name(index, name)
+    return index
+
+
+def _write_lane_name(index: int, name: str) -> None:
+    start = index * LANE_SIZE + _NAME_AT
+    _state["map"][start:start + LANE_NAME_SIZE] = name.encode("ascii").ljust(LANE_NAME_SIZE, b"\0")
 
 
 def _new_code(op: str) -> int:
@@ -81,7 +132,9 @@ def _new_code(op: str) -> int:
 
 def _empty_slot() -> bytes:
     data = bytearray(SLOT_SIZE)
-    memoryview(data).cast("q")[_CALL] = -1
+    words = memoryview(data).cast("q")
+    for lane in range(MAX_LANES):
+        words[lane * _LANE_WORDS + _CALL] = -1
     return bytes(data)
 
 
@@ -117,6 +170,8 @@ def enable(fd: int | None) -> None:
     _words = memoryview(mapped).cast("q")
     _floats = memoryview(mapped).cast("d")
     _words[_PID] = os.getpid()
+    for name, index in _lanes.items():
+        _write_lane_name(index, name)
     record = _on
 
 
@@ -163,15 +218,38 @@ def enable_from_env(environ=None) -> None:
 
 
 def read_slot(data: bytes) -> tuple[int, str, float, int] | None:
-    """``(call, op, since, pid)`` from the bytes of a slot file, or None before the first
-    call (or for a slot too short to hold one)."""
+    """``(call, op, since, pid)`` of the :data:`MAIN` lane from the bytes of a slot file,
+    or None before its first call (or for a slot too short to hold one)."""
     if len(data) < NAMES_OFFSET:
         return None
-    words = memoryview(data[:NAMES_OFFSET]).cast("q")
-    call, code, pid = words[_CALL], words[_OP], words[_PID]
-    if call < 0:
+    lanes = read_lanes(data)
+    if not lanes or lanes[0][0] != MAIN:
         return None
-    since = memoryview(data[:NAMES_OFFSET]).cast("d")[_SINCE]
-    start = NAMES_OFFSET + code * NAME_SIZE
-    name = bytes(data[start:start + NAME_SIZE]).split(b"\0", 1)[0].decode("utf-8", "replace")
-    return call, name or "?", since, pid
+    _, call, name, since = lanes[0]
+    return call, name, since, memoryview(data[:8 * (_PID + 1)]).cast("q")[_PID]
+
+
+def read_lanes(data: bytes) -> list[tuple[str, int, str, float]]:
+    """``(lane, call, op, since)`` of every lane that has entered a call, in slot order
+    (:data:`MAIN` first), from the bytes of a slot file; a lane whose name is not a
+    :data:`LANE_NAME` (lane 0: not :data:`MAIN`) or whose operation code is out of range
+    is left out. Empty for a slot too short to hold the lanes."""
+    if len(data) < NAMES_OFFSET:
+        return []
+    words = memoryview(data[:NAMES_OFFSET]).cast("q")
+    floats = memoryview(data[:NAMES_OFFSET]).cast("d")
+    out = []
+    for lane in range(MAX_LANES):
+        base = lane * _LANE_WORDS
+        call, code = words[base + _CALL], words[base + _OP]
+        if call < 0 or not 0 <= code < MAX_OPS:
+            continue
+        start = lane * LANE_SIZE + _NAME_AT
+        raw = bytes(data[start:start + LANE_NAME_SIZE]).split(b"\0", 1)[0]
+        lane_name = MAIN if lane == 0 and not raw else raw.decode("ascii", "replace")
+        if not LANE_NAME.fullmatch(lane_name) or (lane == 0) != (lane_name == MAIN):
+            continue
+        start = NAMES_OFFSET + code * NAME_SIZE
+        name = bytes(data[start:start + NAME_SIZE]).split(b"\0", 1)[0].decode("utf-8", "replace")
+        out.append((lane_name, call, name or "?", floats[base + _SINCE]))
+    return out

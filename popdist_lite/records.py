@@ -49,9 +49,11 @@ receiver drops what does not match. Kinds (fields besides ``kind``):
 ``signal`` (launcher -> agent)
     ``signal``: one of :data:`REQUEST_SIGNALS`, which the agent sends to its program.
 ``progress`` (agent -> launcher; only with ``POPRUN_LITE_STALL_INSPECTOR=1``)
-    identity + ``call`` (the collective call number the rank last entered), ``op`` (its
-    operation, e.g. ``"all_reduce"``), ``since`` (``time.time()`` when it entered it).
-    The agent reads these from the rank's progress slot (:mod:`popdist_lite.progress`).
+    identity + ``lane`` (the sequence of calls: ``"main"``, or a communicator's own such
+    as ``"jax"``; a :data:`popdist_lite.progress.LANE_NAME`), ``call`` (the collective
+    call number the rank last entered on that lane), ``op`` (its operation, e.g.
+    ``"all_reduce"``), ``since`` (``time.time()`` when it entered it). The agent reads
+    these from the rank's progress slot (:mod:`popdist_lite.progress`).
 ``stack_request`` (launcher -> agent)
     ``request``: an integer the answer repeats. The agent has its program dump the
     Python stack of every thread and answers with ``stack``.
@@ -85,6 +87,8 @@ import socket
 import threading
 import time
 
+from .progress import LANE_NAME
+
 #: The launcher's collector, ``host:port`` (set for every rank by poprun-lite).
 COLLECTOR_ENV = "POPRUN_LITE_COLLECTOR"
 #: File descriptor of the rank's stream socket to its agent (set by the agent).
@@ -116,7 +120,8 @@ IDENTITY = {"rank": "count?", "replica": "count", "role": "name", "feeder": "cou
 #: ``number`` a finite int or float, ``flag`` a bool, ``name`` / ``message`` / ``text``
 #: strings of at most :data:`MAX_NAME_CHARS` / :data:`MAX_MESSAGE_CHARS` /
 #: :data:`MAX_TEXT_CHARS` characters, ``nonce`` 64 lowercase hex digits, ``signal`` one of
-#: :data:`REQUEST_SIGNALS`; a ``?`` also allows None (JSON null).
+#: :data:`REQUEST_SIGNALS`, ``lane`` a :data:`popdist_lite.progress.LANE_NAME` (at most 16
+#: characters); a ``?`` also allows None (JSON null).
 SCHEMA = {
     "challenge": {"nonce": "nonce"},
     "hello": {**IDENTITY, "nonce": "nonce"},
@@ -127,7 +132,7 @@ SCHEMA = {
              "terminated": "flag"},
     "lost": {**IDENTITY, "reason": "message", "terminated": "flag"},
     "signal": {"signal": "signal"},
-    "progress": {**IDENTITY, "call": "count", "op": "name", "since": "number"},
+    "progress": {**IDENTITY, "lane": "lane", "call": "count", "op": "name", "since": "number"},
     "stack_request": {"request": "count"},
     "stack": {**IDENTITY, "request": "count", "text": "text"},
     "resize_request": {"replicas": "count"},
@@ -179,6 +184,8 @@ def _conforms(value, kind: str) -> bool:
         return type(value) is str and len(value) == 64 and _HEX.issuperset(value)
     if kind == "signal":
         return type(value) is str and value in REQUEST_SIGNALS
+    if kind == "lane":
+        return type(value) is str and LANE_NAME.fullmatch(value) is not None
     return _is_text(value, _LIMITS[kind])
 
 

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+from popdist_lite import progress
 from popdist_lite_launcher.rank_progress import RankProgress
 
 from helpers import JOB_SECONDS
@@ -86,8 +87,49 @@ def test_watch_reports_each_new_call():
                 child.wait()
     finally:
         rank.close()
-    assert [(call, op) for call, op, _ in seen] == [(0, "all_gather"), (1, "all_reduce"), (2, "broadcast")]
-    assert seen[0][2] < seen[1][2] < seen[2][2]
+    assert [(lane, call, op) for lane, call, op, _ in seen] == [
+        ("main", 0, "all_gather"), ("main", 1, "all_reduce"), ("main", 2, "broadcast")]
+    assert seen[0][3] < seen[1][3] < seen[2][3]
+
+
+def test_lanes_are_read_apart_and_bad_lanes_are_left_out():
+    """Calls on the jax lane neither replace the main lane's last call nor hide behind a
+    higher one; a lane name or operation code that is not what the slot's writer would
+    write (bytes from a hostile or broken rank) is left out of what the agent reads."""
+    rank = RankProgress()
+    code = textwrap.dedent("""
+        from popdist_lite import progress
+        progress.enable_from_env()
+        jax = progress.lane_index("jax")
+        progress.record("all_reduce", 9)
+        progress.record("EmbeddingCollection.lookup_in_jit", 3, jax)
+        assert progress.lane_index("jax") == jax and progress.last_call()[:2] == (9, "all_reduce")
+        for name in ("Jax", "x" * 17, "", "1a", "a-b"):
+            try:
+                progress.lane_index(name)
+            except ValueError:
+                continue
+            raise AssertionError(name)
+        assert progress.lane_index("checkpoint") == 2 and progress.lane_index("other") == 3
+        assert progress.lane_index("one_too_many") is None  # MAX_LANES: not recorded
+    """)
+    try:
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, **rank.env()}, pass_fds=rank.fds(),
+                       timeout=JOB_SECONDS, check=True)
+        lanes = rank.read_lanes()
+        assert [(lane, call, op) for lane, call, op, _ in lanes] == [
+            ("main", 9, "all_reduce"), ("jax", 3, "EmbeddingCollection.lookup_in_jit")]
+        data = bytearray(os.pread(rank.slot.fileno(), progress.SLOT_SIZE, 0))
+        words = memoryview(data).cast("q")
+        words[2 * progress.LANE_SIZE // 8] = 5  # lane 2 ("checkpoint") entered call 5 ...
+        words[2 * progress.LANE_SIZE // 8 + 1] = progress.MAX_OPS  # ... with an op code out of range
+        name_at = 3 * progress.LANE_SIZE + 32
+        data[name_at:name_at + 5] = b"BAD\n\0"  # lane 3 renamed to something no writer writes
+        words[3 * progress.LANE_SIZE // 8] = 1
+        assert [lane for lane, *_ in progress.read_lanes(bytes(data))] == ["main", "jax"]
+        assert progress.read_lanes(bytes(data[:progress.NAMES_OFFSET - 1])) == []
+    finally:
+        rank.close()
 
 
 def test_off_by_default_records_nothing():

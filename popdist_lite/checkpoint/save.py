@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..calls import numbered
+from ..calls import numbered, set_lane
 from ..collectives import agree_objects, comm_cache
 from .format import (FORMAT, MANIFEST, TMP_PREFIX, TRASH_PREFIX, VERSION, CheckpointError, committed, file_name,
                      fsync_path, problem_of, step_dir_name, write_npy)
@@ -144,6 +144,7 @@ def save_checkpoint(directory, state: dict, step: int, keep: int | None = None, 
     cache = comm_cache(comm)
     if _DUPLICATE not in cache:  # the background writer's own communicator, made once per communicator
         cache[_DUPLICATE] = numbered(comm, "comm_dup", comm.Dup)  # collective: every replica is in this call
+        set_lane(cache[_DUPLICATE], "checkpoint")  # its writer thread's calls: seen by the stall inspector
     entries = [e for e in description.entries if k in e.partition.writers(r)]
     for name in set(_buffers) - {e.name for e in entries}:
         del _buffers[name]

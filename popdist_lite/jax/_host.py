@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 import popdist_lite as pl
-from popdist_lite.calls import numbered
+from popdist_lite.calls import numbered, set_lane
 
 if TYPE_CHECKING:  # popdist_lite.collectives imports MPI: imported where a check runs
     from popdist_lite.collectives import Problem
@@ -29,7 +29,10 @@ def dedicated_comm(comm=None):
 
     Every table of the binding and every collective it issues uses it, so the host
     callbacks of the in-jit path (which run on XLA's threads) never share a
-    communicator with collectives the program issues on the replica communicator.
+    communicator with collectives the program issues on the replica communicator. Its
+    calls are numbered on their own and recorded on the stall inspector's ``jax`` lane
+    (:func:`popdist_lite.calls.set_lane`), which the inspector compares replica by
+    replica apart from the main lane.
     """
     pl.init()
     parent = pl.replica_comm() if comm is None else comm
@@ -38,6 +41,7 @@ def dedicated_comm(comm=None):
     entry = _DEDICATED.get(id(parent))
     if entry is None:
         entry = _DEDICATED[id(parent)] = (parent, numbered(parent, "comm_dup", parent.Dup))  # keeps the parent alive: its id stays unique
+        set_lane(entry[1], "jax")
     return entry[1]
 
 

@@ -38,7 +38,7 @@ def handshake(key=b"k" * 32, agent_key=None):
 def test_handshake_and_frames_both_ways():
     launcher, agent_side, hello = handshake()
     assert {k: hello[k] for k in records.IDENTITY_FIELDS} == IDENT
-    progress = records.make("progress", IDENT, call=1, op="all_reduce", since=1.0)
+    progress = records.make("progress", IDENT, lane="main", call=1, op="all_reduce", since=1.0)
     for _ in range(3):
         assert launcher.open(agent_side.seal(progress)[:-1], records.FROM_AGENT) == progress
     request = records.make("signal", signal="SIGUSR1")

@@ -317,7 +317,7 @@ ATTACKER = textwrap.dedent("""
                 welcomed.append(rank)
                 for record in (records.make("error", ident, exception="FORGED", message="FORGED",
                                             traceback="FORGED"),
-                               records.make("progress", ident, call=1, op="FORGED", since=1.0),
+                               records.make("progress", ident, lane="main", call=1, op="FORGED", since=1.0),
                                records.make("resize_stop", ident)):
                     sock.sendall(session.seal(record))
                 time.sleep(0.5)

@@ -38,6 +38,8 @@ def value_of(kind: str):
         values = st.text("0123456789abcdef", min_size=64, max_size=64)
     elif base == "signal":
         values = st.sampled_from(records.REQUEST_SIGNALS)
+    elif base == "lane":
+        values = st.from_regex(r"[a-z][a-z0-9_]{0,15}", fullmatch=True) | st.text(max_size=20)
     else:
         values = st.text(max_size=_TEXT_SIZES[base])
     return st.none() | values if kind.endswith("?") else values
@@ -84,7 +86,7 @@ def sample(kind: str) -> dict:
     fields = {"error": dict(exception="E", message="m", traceback="t"),
               "exit": dict(exitcode=3, signal=None, stderr_tail="", terminated=False),
               "lost": dict(reason="r", terminated=True),
-              "progress": dict(call=4, op="all_reduce", since=2.5),
+              "progress": dict(lane="main", call=4, op="all_reduce", since=2.5),
               "stack": dict(request=3, text="")}
     return records.make(kind, ident, **fields[kind])
 
@@ -114,6 +116,15 @@ def test_wrong_types_and_sizes_are_refused_without_echoing(change, message):
     with pytest.raises(ValueError, match=message) as info:
         records.validate(record)
     assert "SIGKILL" not in str(info.value) and "hhhh" not in str(info.value)
+
+
+@pytest.mark.parametrize("lane", ["jax" * 6, "Main", "", "9lanes", "a b", "lane\n", "\u00e9t\u00e9", 1, None, ["main"]])
+def test_progress_lanes_are_bounded_names(lane):
+    """A lane is a short lowercase name (popdist_lite.progress.LANE_NAME): anything else,
+    a longer one included, is refused."""
+    with pytest.raises(ValueError, match="field 'lane' is not lane"):
+        records.validate({**sample("progress"), "lane": lane}, records.FROM_AGENT)
+    assert records.validate({**sample("progress"), "lane": "checkpoint_16chr"}, records.FROM_AGENT)
 
 
 def test_missing_fields_and_kinds_not_accepted():
@@ -310,7 +321,7 @@ def test_collector_memory_is_bounded_per_rank():
         def send(first: int, n: int) -> None:
             for start in range(first, first + n, 1000):
                 frames = b"".join(agent_connection.session.seal(records.make(
-                    "progress", agent_connection.ident, call=call, op="all_reduce", since=1.0))
+                    "progress", agent_connection.ident, lane="main", call=call, op="all_reduce", since=1.0))
                     for call in range(start, min(start + 1000, first + n)))
                 agent_connection.sock.sendall(frames)
             wait_for(lambda: count["n"] == first + n, timeout=600, what=f"{first + n} records")

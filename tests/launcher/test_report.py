@@ -177,7 +177,7 @@ def test_collector_drops_bad_lines_and_reports_lost_agents():
         # agent 0: a bad line, a progress record, then it vanishes without an exit record
         agent0 = AgentConnection(collector, 0)
         agent0.sock.sendall(b"not json\n")
-        agent0.send("progress", call=3, op="all_reduce", since=1.0)
+        agent0.send("progress", lane="main", call=3, op="all_reduce", since=1.0)
         wait_for(lambda: seen, what="the progress record")
         agent0.close()
         assert collector.wait_closed(60)

@@ -7,6 +7,7 @@ import re
 import time
 
 from popdist_lite_launcher.collector import Collector
+from popdist_lite.progress import MAX_LANES
 from popdist_lite_launcher.inspector import STACK_WAIT_SECONDS, StallInspector
 from popdist_lite_launcher.stall import Progress, find_stall, format_stall, stopped_text
 from peers import AgentConnection, wait_for
@@ -66,7 +67,7 @@ def test_a_replica_past_the_others_is_the_waiting_one():
     stall = find_stall(progress, 3, NOW)
     assert stall.call == 5 and [r for r, _ in stall.waiting] == [0]
     assert [r for r, _ in stall.missing] == [1, 2]
-    assert stall.key == (5, (1, 2))
+    assert stall.key == ("main", 5, (1, 2))
 
 
 def test_clock_ahead_of_the_launcher_counts_as_no_wait():
@@ -116,6 +117,54 @@ def test_inspector_warns_once_with_the_stacks_then_times_out():
     block = inspector.poll(NOW + 5.5 + STACK_WAIT_SECONDS)  # they never come
     assert block.startswith("root cause: stall: replicas 0, 2 have waited 8.5 s in all_reduce")
     assert "  Python stack of replica 1: not available" in block
+
+
+def test_a_timeout_before_the_warning_prints_the_warning_first():
+    """The first poll after the stall is already past the timeout (a late poll, a
+    timeout close to the warning): the warning block is printed, then the root cause."""
+    asked = []
+    inspector, out = make_inspector(asked, warning=2.0, timeout=3.0)
+    for r, call in ((0, 4), (1, 3), (2, 4)):
+        inspector.on_progress(progress_record(r, call, "all_reduce", NOW))
+    assert inspector.poll(NOW + 4.0) is None and out.getvalue() == ""  # waiting for the stacks
+    for rank, request in asked:
+        inspector.on_stack({"kind": "stack", "rank": rank, "request": request, "text": f"stack of rank {rank}"})
+    block = inspector.poll(NOW + 4.1)
+    assert block.startswith("root cause: stall: replicas 0, 2 have waited 4.1 s in all_reduce")
+    printed = out.getvalue()
+    assert printed.startswith("poprun-lite: stall: replicas 0, 2 have waited 4.1 s in all_reduce "
+                              "(collective call #4) for replica 1")
+    assert "  Python stack of replica 1:\n    stack of rank 1" in printed
+    assert inspector.poll(NOW + 4.2) is not None and out.getvalue() == printed  # printed once
+
+
+def test_lanes_are_compared_apart():
+    """Replica 1 stopped before a call on the jax lane while every replica is in step on
+    the main lane (its numbers there are higher): the stall is named on the jax lane.
+    A replica that never used a lane of its own is not missing there; lanes beyond
+    MAX_LANES and replicas outside the job are dropped."""
+    asked = []
+    inspector, out = make_inspector(asked, warning=2.0, timeout=None)
+    for r in range(3):
+        inspector.on_progress(progress_record(r, 9, "all_reduce", NOW))
+        inspector.on_progress({**progress_record(r, 3, "lookup", NOW), "lane": "jax"})
+    inspector.on_progress({**progress_record(0, 4, "lookup", NOW), "lane": "jax"})
+    inspector.on_progress({**progress_record(2, 4, "lookup", NOW), "lane": "jax"})
+    inspector.on_progress({**progress_record(0, 2, "checkpoint_bcast", NOW), "lane": "checkpoint"})  # 1 and 2 never used it
+    for k in range(MAX_LANES):
+        inspector.on_progress({**progress_record(0, 99, "forged", NOW), "lane": f"extra{k}"})
+    inspector.on_progress(progress_record(7, 99, "forged", NOW))
+    assert sorted(inspector._progress) == ["checkpoint", "extra0", "jax", "main"]  # MAX_LANES == 4
+    assert inspector.poll(NOW + 2.5) is None and [rank for rank, _ in asked] == [1, 3]
+    for rank, request in asked:
+        inspector.on_stack({"kind": "stack", "rank": rank, "request": request, "text": f"stack of rank {rank}"})
+    assert inspector.poll(NOW + 2.6) is None
+    printed = out.getvalue()
+    assert printed.startswith("poprun-lite: stall: replicas 0, 2 have waited 2.6 s in lookup "
+                              "(collective call #4 on the jax lane) for replica 1, which did not enter it"), printed
+    assert "  missing: replica 1 (rank 1, host h, pid 101): last entered lookup (collective call #3 on the jax lane)" \
+        in printed
+    assert "forged" not in printed and "extra" not in printed
 
 
 def test_inspector_rearms_after_progress_and_ignores_feeders():
@@ -176,8 +225,8 @@ def test_wait_is_measured_on_the_launchers_clock_not_a_hosts():
         agents = [AgentConnection(collector, rank) for rank in range(2)]
         behind = time.time() - 300.0
         agents[0].ident["time"] = behind
-        agents[0].send("progress", call=2, op="all_reduce", since=behind)
-        agents[1].send("progress", call=1, op="broadcast", since=time.time())
+        agents[0].send("progress", lane="main", call=2, op="all_reduce", since=behind)
+        agents[1].send("progress", lane="main", call=1, op="broadcast", since=time.time())
         wait_for(lambda: len(seen) == 2, what="both progress records")
         assert ender.poll() is None and asked == []
         assert warner.poll() is None  # prints the warning block

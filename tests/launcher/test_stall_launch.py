@@ -1,10 +1,18 @@
 """The stall inspector end to end: poprun-lite with a short --stall-warning over real
-ranks, one replica stalling in each of five ways (the fifth in a torch
-DistributedDataParallel backward). Each test checks the printed block
+ranks, one replica stalling in each of eight ways (among them in a torch
+DistributedDataParallel backward, a checkpoint save, and before a JAX in-jit lookup,
+whose calls are on the jax lane: tests/progs/jax_stall_prog.py). Each test checks the printed block
 (the right replica, operation and call number, and a Python stack naming the test
 program's own function), that it came no sooner than the warning time after the stall,
 and that --stall-timeout ends the job (every run has one, so each job ends by itself,
-its output read to the end). Every run is under a timeout."""
+its output read to the end). Every run is under a timeout.
+
+No healthy replica is ever slow enough to look stalled, however busy the machine: the
+replicas meet at a file barrier after their imports and before their first collective,
+and the replicas that will wait enter the stalled call only once the missing one has
+written that it is in its stalling function (an event, not a delay). So the only stall
+there is to see is the real one, and --stall-timeout can be a few seconds after the
+warning (the inspector prints the warning block before ending the job in any case)."""
 
 import os
 import re
@@ -13,31 +21,53 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from helpers import JOB_SECONDS, timeout_for
+from helpers import JOB_SECONDS, ROOT, timeout_for
 from peers import alive, wait_for
 
 pytestmark = timeout_for(1)
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
+PROG_DIR = ROOT / "tests" / "progs"
 WARNING = 2.0
-#: --stall-timeout: well after the warning block (printed at most the inspector's 3 s stack
-#: wait after WARNING), so that block is always printed before the job is stopped.
-STALL_TIMEOUT = 15.0
+#: --stall-timeout: after the warning block (which the inspector prints before it ends
+#: the job, whenever the timeout comes); the gap lets the block come first in the usual
+#: way, from the warning's own round of stacks.
+STALL_TIMEOUT = WARNING + 3.0
 
-# Calls: all_reduce #0, broadcast #1, then the scenario. Replica 0 writes the time at
-# which it enters the collective the others will wait in to argv[1]/stall_start.
+# Calls: all_reduce #0, broadcast #1 (after every replica has imported everything: a
+# barrier on files), then the scenario. The replica that will be missing calls
+# missing_now() once it is in its stalling function; the others call wait_for_missing()
+# before they enter the call they will wait in, and replica 0 writes the time at which
+# it enters it to argv[1]/stall_start.
 PRELUDE = """
     import os, sys, time
     import numpy as np
     import popdist_lite as pl
 
+    def wait_for_file(name):
+        deadline = time.monotonic() + 240
+        while not os.path.exists(os.path.join(sys.argv[1], name)):
+            if time.monotonic() > deadline:
+                sys.exit(f"no {name} after 240 s")
+            time.sleep(0.01)
+
     pl.init()
     me = pl.replica_id()
+    open(os.path.join(sys.argv[1], f"ready-{me}"), "w").close()
+    for r in range(pl.num_replicas()):
+        wait_for_file(f"ready-{r}")
     x = np.ones(4)
     pl.all_reduce(x)
     pl.broadcast(x)
+
+    def missing_now():
+        open(os.path.join(sys.argv[1], "missing"), "w").close()
+
+    def wait_for_missing():
+        wait_for_file("missing")
 
     def stall_starts():
         if me == 0:
@@ -47,22 +77,26 @@ PRELUDE = """
 
 SLEEP = PRELUDE + """
     def sleep_before_all_reduce():
+        missing_now()
         time.sleep(120)
 
     if me == 1:
         sleep_before_all_reduce()
+    wait_for_missing()
     stall_starts()
     pl.all_reduce(x)
 """
 
 LOOP = PRELUDE + """
     def spin_in_a_python_loop():
+        missing_now()
         n = 0
         while True:
             n += 1
 
     if me == 1:
         spin_in_a_python_loop()
+    wait_for_missing()
     stall_starts()
     pl.all_gather(x)
 """
@@ -71,11 +105,13 @@ SKIP = PRELUDE + """
     pl.set_collective_checks(False)  # checked, the skip would be a clean error at once
 
     def skip_the_broadcast():
+        missing_now()
         pl.all_reduce(x)  # replica 1 skips broadcast #2 (it is the root) and goes on
 
     if me == 1:
         skip_the_broadcast()
     else:
+        wait_for_missing()
         stall_starts()
         pl.broadcast(x, root=1)
         pl.all_reduce(x)
@@ -87,7 +123,9 @@ STOP = PRELUDE + """
     if me == 1:  # stops itself while replica 0 waits for it in all_reduce #2
         with open(os.path.join(sys.argv[1], "stopped_pid"), "w") as f:
             f.write(str(os.getpid()))
+        missing_now()
         os.kill(os.getpid(), signal.SIGSTOP)
+    wait_for_missing()
     stall_starts()
     pl.all_reduce(x)
 """
@@ -97,9 +135,21 @@ FEEDER = """
     import numpy as np
     import popdist_lite as pl
 
+    def wait_for_file(name):
+        deadline = time.monotonic() + 240
+        while not os.path.exists(os.path.join(sys.argv[1], name)):
+            if time.monotonic() > deadline:
+                sys.exit(f"no {name} after 240 s")
+            time.sleep(0.01)
+
     pl.init()
+    if pl.role() == "replica":
+        open(os.path.join(sys.argv[1], f"ready-{pl.replica_id()}"), "w").close()
+        for r in range(pl.num_replicas()):
+            wait_for_file(f"ready-{r}")
 
     def stuck_in_the_dataset():
+        open(os.path.join(sys.argv[1], "missing"), "w").close()
         while True:
             time.sleep(0.1)
 
@@ -113,6 +163,7 @@ FEEDER = """
     if pl.role() == "replica":
         for step, batch in enumerate(feed):  # per step: infeed #2s, all_reduce #2s+1
             if step == 2 and pl.replica_id() == 0:
+                wait_for_file("missing")  # until replica 1's feeder is stuck
                 with open(os.path.join(sys.argv[1], "stall_start"), "w") as f:
                     f.write(repr(time.time()))  # about to ask for batch 3
             pl.all_reduce(batch["x"])
@@ -130,6 +181,7 @@ DDP = PRELUDE + """
     model = pt.DistributedDataParallel(torch.nn.Linear(4, 2))
 
     def sleep_before_backward():
+        missing_now()
         time.sleep(120)
 
     for step in range(2):
@@ -137,6 +189,7 @@ DDP = PRELUDE + """
         if step == 1:
             if me == 1:
                 sleep_before_backward()
+            wait_for_missing()
             stall_starts()
         loss.backward()
 """
@@ -151,7 +204,7 @@ DDP = PRELUDE + """
 SAVE = PRELUDE + """
     from popdist_lite.checkpoint import save as checkpoint_save
 
-    def slow_disk(*args, **kwargs):
+    def slow_disk(*args, **kwargs):  # replica 1 cannot be held: it is inside the save already
         time.sleep(120)
 
     if me == 0:
@@ -164,10 +217,14 @@ SAVE = PRELUDE + """
 
 
 def run_stalled(tmp_path, code, *args, replicas=2):
-    """Run ``code`` under poprun-lite until its stall timeout ends it; return (all its
-    stderr text, seconds from the stall's start to the first stall block, exit code)."""
-    prog = tmp_path / "prog.py"
-    prog.write_text(textwrap.dedent(code))
+    """Run ``code`` (a program's text, or the path of one) under poprun-lite until its
+    stall timeout ends it; return (all its stderr text, seconds from the stall's start to
+    the first stall block, exit code)."""
+    if isinstance(code, Path):
+        prog = code
+    else:
+        prog = tmp_path / "prog.py"
+        prog.write_text(textwrap.dedent(code))
     proc = subprocess.Popen([*LAUNCHER, "--timeout", str(JOB_SECONDS), "--num-replicas", str(replicas),
                              "--stall-warning", str(WARNING), "--stall-timeout", str(STALL_TIMEOUT), *args,
                              sys.executable, str(prog), str(tmp_path)],
@@ -247,6 +304,27 @@ def test_replica_not_joining_a_checkpoint_save(tmp_path):
     assert code == 1, err
     cause = block_of(err, "root cause: stall:")
     assert "in checkpoint_bcast (collective call #6) for replica 0" in cause
+
+
+def test_replica_stopping_before_a_jax_in_jit_lookup(tmp_path):
+    """The JAX binding's calls are on a communicator of their own, recorded on the jax
+    lane: replica 1 stops before an in-jit lookup while the main lane is in step (and
+    ahead), and the replicas waiting in the lookup's host callback name it."""
+    pytest.importorskip("jax", reason="popdist_lite.jax needs the [jax] extra (pip install '.[jax]')")
+    err, delay, code = run_stalled(tmp_path, PROG_DIR / "jax_stall_prog.py")
+    assert delay is not None and delay >= WARNING, err
+    block = block_of(err)
+    assert "replica 0 has waited" in block
+    # the jax lane: the table's creation, then step 0's lookup ending in the table's
+    # embedding_lookup #4; step 1's lookup starts with its input agreement #5
+    assert ("in EmbeddingCollection.lookup_in_jit (collective call #5 on the jax lane) for replica 1, "
+            "which did not enter it") in block, block
+    assert "  missing: replica 1 (rank 1, host" in block
+    assert "last entered embedding_lookup (collective call #4 on the jax lane)" in block, block
+    assert "in stop_before_the_lookup" in block
+    assert code == 1, err
+    cause = block_of(err, "root cause: stall:")
+    assert "in EmbeddingCollection.lookup_in_jit (collective call #5 on the jax lane) for replica 1" in cause
 
 
 def test_replica_stuck_in_a_python_loop(tmp_path):

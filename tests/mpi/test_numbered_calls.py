@@ -49,8 +49,8 @@ def test_timeline_exit_gather_is_numbered_and_counted(comm, shared):
 def test_background_save_dup_is_numbered_and_counted(comm, shared):
     """agree_objects #0, replica 0's directory (checkpoint_bcast #1), agree_objects #2,
     the writer's communicator (comm_dup #3); on that one, the background thread's
-    checkpoint_gather #0 and checkpoint_bcast #1, numbered but not recorded for the
-    stall inspector (whose one slot shows the main thread's last call)."""
+    checkpoint_gather #0 and checkpoint_bcast #1, numbered and recorded on the stall
+    inspector's checkpoint lane (the main lane keeps the main thread's last call)."""
     from popdist_lite.checkpoint import save, wait
 
     work = comm.Dup()
@@ -60,7 +60,9 @@ def test_background_save_dup_is_numbered_and_counted(comm, shared):
     last = progress.last_call()[:2]
     wait()
     assert last == (3, "comm_dup")
-    assert progress.last_call()[:2] == last  # the background thread's calls are not recorded
+    assert progress.last_call()[:2] == last  # the background thread's calls are on a lane of their own
+    lanes = {lane: (call, op) for lane, call, op, _ in progress.read_lanes(progress._state["map"][:])}
+    assert lanes["main"] == last and lanes["checkpoint"] == (1, "checkpoint_bcast")
     assert count("comm_dup") == before + 1
     assert numbers(work) == 4
     assert numbers(calls.comm_cache(work)[save._DUPLICATE]) == 2

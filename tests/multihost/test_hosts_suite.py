@@ -1,11 +1,30 @@
-"""The single-host suite's checks, run once at 2 hosts x 2 replicas over TCP.
+"""The single-host suite's checks whose path differs across hosts, at 2 hosts x 2
+replicas over TCP.
 
-The multi-rank modules of tests/mpi (collectives, embeddings TOKEN/ENCODING, the sparse
-exchange, ID limits, optimizers, precision, data parallelism, topology, the feed
-thread) run under plain mpirun across the two test hosts, as tests/test_multirank.py
-runs them on one, with every byte between ranks on TCP (``--mca btl tcp,self``); the
-collectives module also under MPICH; and the host feed end to end (tests/progs/infeed_prog.py
-under poprun-lite) with 2 feeders per replica. Each launch runs under a timeout.
+The tests/mpi modules in :data:`MODULES` run under plain mpirun across the two test
+hosts, as tests/test_multirank.py runs every module on one host, with every byte between
+ranks on TCP (``--mca btl tcp,self``); the collectives module also under MPICH; and the
+host feed end to end (tests/progs/infeed_prog.py under poprun-lite) with 2 feeders per
+replica. Each launch runs under a timeout.
+
+Only the modules whose code path differs between one host and two run here: on one host
+Open MPI moves bytes through shared memory (``vader``), across hosts through TCP, and
+each test host has its own hostname and a private ``/tmp``. What that changes:
+
+- ``test_collectives.py``: every collective (and its checks' ``Allgather``) between
+  hosts over TCP, where MPI picks other algorithms and segment sizes than in shared memory;
+- ``test_sparse_exchange.py``: the TOKEN exchanges' all-to-all (sparse, with its
+  per-peer counts, and dense) between hosts;
+- ``test_checkpoint.py``: saves and loads where replicas write their own files from
+  different hosts into the shared checkout, a background save's writer thread talking
+  across hosts, and a directory under a host's private ``/tmp`` that the other host's
+  replicas cannot see (refused before writing);
+- ``test_checkpoint_hostile.py``: a checkpoint tampered with on one host, read on both;
+- ``test_infeed.py``: the feed thread's per-step agreement between hosts.
+
+The other modules (embeddings' arithmetic, optimizers, precision, layouts, limits, the
+torch and JAX bindings, table state, topology under plain mpirun) run the same code on
+top of those same collectives whatever the transport: test_multirank.py covers them.
 """
 
 from __future__ import annotations
@@ -20,7 +39,9 @@ import pytest
 
 from hostlaunch import MPICH_PYTHON, ROOT, mpirun, poprun
 
-MODULES = sorted(p.name for p in (ROOT / "tests" / "mpi").glob("test_*.py"))
+#: The tests/mpi modules whose path differs across hosts (see above).
+MODULES = ("test_checkpoint.py", "test_checkpoint_hostile.py", "test_collectives.py", "test_infeed.py",
+           "test_sparse_exchange.py")
 TCP_ONLY = "--mpi-global-args=--mca btl tcp,self"
 PYTEST = ["-m", "pytest", "--with-mpi", "-q", "--color=no", "-p", "no:cacheprovider",
           "--timeout", "120", "--timeout-method", "thread", "-x"]
@@ -28,7 +49,8 @@ PYTEST = ["-m", "pytest", "--with-mpi", "-q", "--color=no", "-p", "no:cacheprovi
 
 @pytest.mark.timeout(900)
 def test_mpi_modules_at_2_hosts_x_2_replicas(hosts):
-    """Every tests/mpi module in one pytest session per rank, 4 ranks on 2 hosts."""
+    """The modules of :data:`MODULES` in one pytest session per rank, 4 ranks on 2 hosts."""
+    assert all((ROOT / "tests" / "mpi" / m).is_file() for m in MODULES), MODULES
     proc = mpirun(hosts, 2, [sys.executable, *PYTEST, *(f"tests/mpi/{m}" for m in MODULES)],
                   timeout=840)
     summaries = re.findall(r"^(\d+) passed.*$", proc.stdout, re.M)
