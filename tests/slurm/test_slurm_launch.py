@@ -93,14 +93,16 @@ def test_salloc(cluster, mpi):
     check_run(output, mpi)
 
 
-def wait_for(predicate, what: str, timeout: float):
+def wait_for(predicate, what: str, timeout: float, said=None):
+    """``predicate()`` once true, polled every 0.1 s; AssertionError after ``timeout``
+    seconds (with ``said()``, e.g. the job's output, when given)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout:g} s")
+            raise AssertionError(f"no {what} within {timeout:g} s" + (f":\n{said()}" if said else ""))
         time.sleep(0.1)
 
 
