@@ -41,7 +41,7 @@ import subprocess
 
 from . import network
 from .attempts import ElasticPolicy, FixedPolicy
-from .elastic import Cluster, Membership, capacity
+from .elastic import Cluster, Membership, capacity, size_attempt
 from .mpirun import LauncherError
 from .options import Options
 from .slurm import SLURM, expand_nodelist
@@ -229,6 +229,12 @@ class SlurmCluster(Cluster):
     def discover(self) -> list[tuple[str, int | None]]:
         usable, _ = self.nodes.usable()
         return [(node, self.slots[node]) for node in usable]
+
+    def size(self, usable: list[tuple[str, int | None]]) -> Membership:
+        """:func:`~popdist_lite_launcher.elastic.size_attempt` for this job, the nodes
+        named even when the batch script's node is the only one: mpirun given no hosts
+        inside an allocation would start its daemons on every node of it, a lost one too."""
+        return size_attempt(usable, self.opts.num_replicas, self.opts.feeders_per_replica)
 
 
 def make_policy(opts: Options) -> FixedPolicy | ElasticPolicy | None:

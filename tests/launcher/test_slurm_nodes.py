@@ -170,7 +170,16 @@ def test_fixed_policy_with_no_node_left(in_allocation):
 def test_cluster_discovers_the_usable_nodes(in_allocation):
     opts = options("--min-replicas", "2")
     nodes = fake_nodes("n[1-3]", "n1 mixed\nn2 down*\nn3 idle\n")
-    assert slurm_nodes.SlurmCluster(opts, nodes).discover() == [("n1", 2), ("n3", 2)]
+    cluster = slurm_nodes.SlurmCluster(opts, nodes)
+    assert cluster.discover() == [("n1", 2), ("n3", 2)]
+    # named even when it is this machine: mpirun gets -H, not the whole allocation
+    assert cluster.size([("localhost", 2)]) == Membership((("localhost", 2),))
+
+
+def test_slurm_launcher_lets_mpiruns_steps_overlap(in_allocation):
+    opts = options()
+    launcher = slurm.SlurmLauncher(opts, "mpirun", "openmpi")
+    assert launcher.environment({"A": "1"}) == {"A": "1", "SLURM_OVERLAP": "1"}
 
 
 def test_which_jobs_get_the_slurm_policies(in_allocation):

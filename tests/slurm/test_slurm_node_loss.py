@@ -8,6 +8,9 @@ the loss meets the job at a known step whatever the machine's speed). The job is
   there any more) and finishes on pdls1 from the checkpoint, with the replicas pdls1's
   task slots hold. Under both MPIs: the second attempt's launch differs (Open MPI's
   PRRTE and MPICH's hydra each start their daemons through ``srun`` on the nodes left).
+- ``--min-replicas 2`` (an elastic job whose hosts are the allocation's usable nodes):
+  the same, pdls2 being a host lost. One MPI (Open MPI): the second attempt's launch is
+  the fixed job's, tested under both.
 - no option: the job fails with a report naming pdls2 and the replicas on it. One MPI
   (Open MPI): what notices the loss and reports it is poprun-lite's (the agents'
   connections and the probe through Slurm), the same under both.
@@ -22,7 +25,7 @@ import re
 
 import pytest
 
-from test_slurm_launch import MPIS, REPORT, batch_script, mpi_env, poprun_command, wait_for
+from slurmjob import MPIS, REPORT, batch_script, mpi_env, poprun_command, wait_for
 
 STEPS = 4
 SAVED = 2     # --checkpoint-every: the checkpoint of step 2 is the one resumed from
@@ -75,6 +78,20 @@ def test_lost_node_with_max_restarts(cluster, mpi):
                      output, re.M), output
     assert re.search(r"^poprun-lite: job succeeded on attempt 2 of 2", output, re.M), output
     after = output[output.index("attempt 2 of 2"):]
+    assert sorted(REPORT.findall(after)) == [("0", "pdls1"), ("1", "pdls1")], after
+    assert re.search(rf"^resumed from \S+ \(step {SAVED}\)$", after, re.M), after
+    steps = [int(n) for n in re.findall(r"^Step (\d+), loss = ", after, re.M)]
+    assert steps == list(range(SAVED, STEPS)), after
+
+
+def test_lost_node_with_min_replicas(cluster):
+    """``--min-replicas 2``: attempt 2 runs on pdls1 alone, resumes from step 2 and
+    finishes all the steps."""
+    output = _lose_pdls2(cluster, "openmpi", "lost-elastic", "--min-replicas", "2")
+    assert re.search(r"^poprun-lite: attempt 2: 2 replicas on pdls1 \(2\), after host pdls2 lost",
+                     output, re.M), output
+    assert re.search(r"^poprun-lite: job succeeded on attempt 2", output, re.M), output
+    after = output[output.index("poprun-lite: attempt 2:"):]
     assert sorted(REPORT.findall(after)) == [("0", "pdls1"), ("1", "pdls1")], after
     assert re.search(rf"^resumed from \S+ \(step {SAVED}\)$", after, re.M), after
     steps = [int(n) for n in re.findall(r"^Step (\d+), loss = ", after, re.M)]

@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from test_slurm_launch import batch_script, mpi_env
+from slurmjob import batch_script, mpi_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PROG = ROOT / "tests" / "progs" / "hosts_prog.py"
