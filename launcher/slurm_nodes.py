@@ -29,8 +29,10 @@ Slurm's host-list grammar and its expansion (``scontrol show hostnames``) name b
 with :func:`popdist_lite_launcher.hosts.check_host`
 (:func:`popdist_lite_launcher.slurm.expand_nodelist`); a ``sinfo`` line counts only when
 it names one of the allocation's nodes and its state fits the grammar ``word[flags]``.
-Output that does not pass leaves a node without a state (not usable), or the job's node
-list unknown (then the allocation's nodes are kept), and is named in what is said.
+Output that does not pass leaves a node without a state (not usable; why names the
+failed ``squeue`` too, if it failed), or the job's node list unknown (then the
+allocation's nodes are kept, their states deciding); when ``sinfo`` itself fails,
+the states are unknown and only the probe decides.
 """
 
 from __future__ import annotations
@@ -120,25 +122,26 @@ class Nodes:
             return list(self.nodes), str(exc)
         return [node for node in self.nodes if node in listed], None
 
-    def states(self, nodes: list[str]) -> dict[str, str]:
-        """Slurm's state of each of ``nodes`` (``sinfo``); a node missing from the answer
-        (or the query failing) has none."""
+    def states(self, nodes: list[str]) -> dict[str, str] | None:
+        """Slurm's state of each of ``nodes`` (``sinfo``; a node missing from its answer
+        has none), or None when the query failed (Slurm's view is unknown)."""
         if not nodes:
             return {}
         try:
             proc = self._run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T"])
         except (OSError, subprocess.SubprocessError):
-            return {}
-        return parse_states(proc.stdout, nodes) if proc.returncode == 0 else {}
+            return None
+        return parse_states(proc.stdout, nodes) if proc.returncode == 0 else None
 
     def usable(self) -> tuple[list[str], dict[str, str]]:
         """The allocation's usable nodes now (module docstring), in order, and why each
-        other node is not."""
+        other node is not. When ``sinfo`` fails, the job's nodes count as usable (the
+        probe after a failed attempt still finds a node that is gone)."""
         in_job, problem = self.in_job()
         why = {node: f"node {node} is no longer a node of Slurm job {self.job_id}"
                for node in self.nodes if node not in in_job}
         states = self.states(in_job)
-        for node in in_job:
+        for node in in_job if states is not None else ():
             if not usable_state(states.get(node)):
                 state = states.get(node)
                 why[node] = (f"node {node} of Slurm job {self.job_id} is {state}" if state else

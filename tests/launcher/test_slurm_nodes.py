@@ -84,6 +84,18 @@ def test_no_state_is_not_usable():
     assert why["n2"] == "node n2 of Slurm job 17: sinfo gave no state"
 
 
+def test_a_failed_sinfo_leaves_it_to_the_probe():
+    def run(argv):
+        return done("n[1-3]") if argv[0] == "squeue" else done("", returncode=1)
+
+    def probe(nodes):
+        return {node: ("host n2 is not reachable" if node == "n2" else None) for node in nodes}
+
+    nodes = slurm_nodes.Nodes("17", ["n1", "n2", "n3"], "srun-agent", run=run, expand=expand, probe=probe)
+    assert nodes.usable() == (["n1", "n2", "n3"], {})
+    assert nodes.gone(["n1", "n2", "n3"]) == {"n2": "host n2 is not reachable"}
+
+
 def test_gone_asks_the_probe_only_for_nodes_slurm_still_counts():
     probed = []
 

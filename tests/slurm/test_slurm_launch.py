@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from slurmjob import MPIS, REPORT, batch_script, mpi_env, poprun_command, wait_for
+from slurmjob import MPIS, REPORT, ROOT, batch_script, mpi_env, poprun_command, wait_for
 
 
 def check_run(output: str, mpi: str, replicas: int = 4) -> None:
