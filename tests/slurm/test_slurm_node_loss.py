@@ -1,13 +1,16 @@
 """A node lost mid-run on the test cluster (pdls1, pdls2): every process on pdls2 is
 killed, its slurmd included, once the job has saved the checkpoint of step 2 and holds
-after step 3 (the Shakespeare example's ``--test-hold-at``, a count of polls, so that
-the loss meets the job at a known step whatever the machine's speed). The job is submitted with
-``sbatch --no-kill``, so the allocation outlives the node.
+after its third step, ``Step 2, loss`` (the Shakespeare example's ``--test-hold-at``, a
+count of polls, so that the loss meets the job at a known step whatever the machine's
+speed). The job is submitted with ``sbatch --no-kill``, so the allocation outlives the
+node.
 
-- ``--max-restarts 1``: the next attempt leaves pdls2 out (Slurm does not start a step
-  there any more) and finishes on pdls1 from the checkpoint, with the replicas pdls1's
-  task slots hold. Under both MPIs: the second attempt's launch differs (Open MPI's
-  PRRTE and MPICH's hydra each start their daemons through ``srun`` on the nodes left).
+- ``--max-restarts 1``: the next attempt leaves pdls2 out (the probe through Slurm
+  fails there at once; Slurm itself marks it down only after ``SlurmdTimeout``) and
+  finishes on pdls1 from the checkpoint, with the replicas pdls1's task slots hold.
+  Under both MPIs: the second attempt's launch differs (Open MPI starts the ranks on
+  the batch node itself; MPICH's hydra starts its proxy there through ``srun``, a step
+  that must not wait for the first attempt's step on the lost node).
 - ``--min-replicas 2`` (an elastic job whose hosts are the allocation's usable nodes):
   the same, pdls2 being a host lost. One MPI (Open MPI): the second attempt's launch is
   the fixed job's, tested under both.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -34,7 +38,7 @@ HOLD_AT = 3   # the job holds after step index 2 ("Step 2, loss") until pdls2 is
 pytestmark = pytest.mark.timeout(540)
 
 
-def _command(cluster, mpi: str, name: str, *options: str) -> tuple[list[str], object]:
+def _command(cluster, mpi: str, name: str, *options: str) -> tuple[list[str], Path]:
     ckpt = cluster.work / f"ckpt-{name}"
     command = [*poprun_command(cluster, mpi, STEPS, *options), "--checkpoint-dir", str(ckpt),
                "--checkpoint-every", str(SAVED), "--resume", "--test-hold-at", str(HOLD_AT),
@@ -53,6 +57,7 @@ def _lose_pdls2(cluster, mpi: str, name: str, *options: str) -> str:
                             env=cluster.env({**os.environ, **mpi_env(mpi)}))
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
+
     def said() -> str:
         return out.read_text() if out.exists() else ""
 
