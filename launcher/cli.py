@@ -17,7 +17,7 @@ import shlex
 import signal
 import sys
 
-from . import __version__, attempts, children, elastic, hosts, job, report, slurm
+from . import __version__, attempts, children, elastic, hosts, job, report, slurm, slurm_nodes
 from .mpirun import LauncherError, detect_implementation, find_mpirun
 from .options import Options
 from .plan import RESTART_COUNT_ENV, format_topology, placement, plan_ranks, processes_of  # noqa: F401
@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     except LauncherError as exc:
         print(f"poprun-lite: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    policy = attempts.ElasticPolicy(opts) if opts.elastic else attempts.FixedPolicy(opts)
+    policy = slurm_nodes.make_policy(opts) or (
+        attempts.ElasticPolicy(opts) if opts.elastic else attempts.FixedPolicy(opts))
     launcher_class = slurm.SlurmLauncher if opts.launcher == slurm.SLURM else SshLauncher
     loop = attempts.AttemptsLoop(opts, launcher_class(opts, mpirun, implementation), policy)
     try:

@@ -278,6 +278,13 @@ class SlurmLauncher(SshLauncher):
     def remote_launch(self) -> tuple[list[str], str | None]:
         return mpirun_args(self.implementation), None
 
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with ``SLURM_OVERLAP=1``: the steps mpirun starts with ``srun`` (its
+        daemons) share the nodes with the job's other steps, as the agent's do, so that a
+        step of an earlier attempt Slurm has not ended yet (one on a lost node) does not
+        hold the next attempt's step back ("Requested nodes are busy")."""
+        return {**env, "SLURM_OVERLAP": "1"}
+
 
 def configure(opts, environ) -> None:
     """Settle the launcher and the allocation's part in the job, on poprun-lite's

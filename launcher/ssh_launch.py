@@ -96,7 +96,7 @@ class SshLauncher:
             if opts.allocation is not None:
                 print(f"{opts.allocation.describe()}; launcher {opts.launcher}", flush=True)
             print(format_topology(ranks), flush=True)
-        env = job_environment(collector, mark, opts.launch_agent if remote else None)
+        env = self.environment(job_environment(collector, mark, opts.launch_agent if remote else None))
         if opts.verbose:
             shown = [f"{name}={env[name]}" for name in (cleanup.LAUNCH_AGENT_ENV, cleanup.MARK_ENV)
                      if remote and name in env]
@@ -116,6 +116,11 @@ class SshLauncher:
         launch agent (:data:`cleanup.ATTEMPT_AGENT <popdist_lite_launcher.cleanup.ATTEMPT_AGENT>`,
         which runs ``--launch-agent`` and marks the attempt's processes; None: mpirun's own)."""
         return [], cleanup.ATTEMPT_AGENT
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """mpirun's environment ``env`` (:func:`job_environment`), as this launcher needs
+        it (unchanged here)."""
+        return env
 
     def _clean_up(self, ranks: list[RankSpec], remote: list[str], mark: str) -> None:
         """Kill what is left of the attempt ``mark``: on this machine if it ran ranks here,

@@ -199,12 +199,31 @@ class TestCluster:
         nodes = {node: self.hosts.addresses[node] for node in self.nodes}
         self.conf.write_text(_config(socket.gethostname(), nodes, self.cpus))
         self._daemon([_which("slurmctld")], "slurmctld")
-        keep = " ".join(self._kept_under_tmp())
         for node in self.nodes:
-            self._daemon(["nsenter", f"--net=/run/netns/{node}", "unshare", "--uts", "--mount",
-                          "--propagation", "private", "/bin/bash", "-c", _NODE_ENTRY, "node",
-                          node, _which("slurmd"), "-N", node],
-                         f"slurmd on {node}", extra_env={"KEEP_UNDER_TMP": keep})
+            self._start_slurmd(node)
+        self._wait(self._idle, "every node idle", DIRECTORY / "slurmctld.log")
+
+    def _start_slurmd(self, node: str) -> None:
+        self._daemon(["nsenter", f"--net=/run/netns/{node}", "unshare", "--uts", "--mount",
+                      "--propagation", "private", "/bin/bash", "-c", _NODE_ENTRY, "node",
+                      node, _which("slurmd"), "-N", node],
+                     f"slurmd on {node}", extra_env={"KEEP_UNDER_TMP": " ".join(self._kept_under_tmp())})
+
+    def kill_node(self, node: str) -> None:
+        """Lose ``node``: SIGKILL every process on it, its slurmd included (its link stays
+        up, so a connection to it is refused; slurmctld marks it down after
+        ``SlurmdTimeout``). :meth:`restart_node` brings it back."""
+        testhosts.kill_processes(node)
+
+    def restart_node(self, node: str) -> None:
+        """Start ``node``'s slurmd again (after :meth:`kill_node`); return when every node
+        is idle (``ReturnToService=2`` returns a node marked down when it registers).
+
+        Raises:
+            RuntimeError: as :meth:`setup`.
+        """
+        testhosts.kill_processes(node)
+        self._start_slurmd(node)
         self._wait(self._idle, "every node idle", DIRECTORY / "slurmctld.log")
 
     def teardown(self) -> None:

@@ -12,7 +12,18 @@ popdist_lite_launcher.testcluster (2 nodes, 2 tasks each):
   MPICH;
 - ``scancel_to_empty_s[MPI]``: a job running ``poprun-lite sleep 600`` is cancelled once
   every replica's ``sleep`` runs; the time until no process of it is left on any node
-  (``ip netns pids``, polled every 20 ms).
+  (``ip netns pids``, polled every 20 ms);
+- ``sbatch_to_first_step_s[MPI]``: from running ``sbatch -N 2 --ntasks-per-node 2`` (the
+  batch script ``exec``s poprun-lite, 4 replicas of the Shakespeare example on a tiny
+  text, the other node's through Slurm) until its output file holds ``Step 0, loss``
+  (polled every 20 ms): scheduling, the batch script's start, the launch, the example's
+  imports and its first step;
+- ``ssh_to_first_step_s[MPI]``: the same job started from this machine over the test
+  hosts' ssh stand-in (``launcher/netns-agent``, ``-H pdls1,pdls2 --launcher ssh``, on the
+  cluster's network), from starting poprun-lite until ``Step 0, loss``: every replica
+  remote, no scheduler.
+
+The two first-step figures run one after the other in every run, on the same nodes.
 
     python scripts/bench_slurm.py [--runs 3]
 
@@ -26,13 +37,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from popdist_lite_launcher import testcluster
+from popdist_lite_launcher import testcluster, testhosts
 
 JOB_TIMEOUT = 180
 
@@ -91,6 +103,82 @@ def scancel_to_empty(cluster, python: str, env: dict) -> float:
     return time.monotonic() - start
 
 
+TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks?\n"
+        "It is the east, and Juliet is the sun.\n\n") * 20
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "shakespeare.py"
+
+
+def example(cluster, python: str) -> list[str]:
+    """The Shakespeare example for 2 steps on a tiny text every node sees."""
+    data = cluster.work / "bench.txt"
+    data.write_text(TEXT)
+    return [python, str(EXAMPLE), "--data", str(data), "--steps", "2", "--seq-len", "20",
+            "--batch-size", "4", "--log-every", "1", "--sample-chars", "5"]
+
+
+def first_step(out: Path, start: float, what: str) -> float:
+    """Seconds from ``start`` until ``out`` holds ``Step 0, loss`` (polled every 20 ms)."""
+    while True:
+        try:
+            if "Step 0, loss" in out.read_text(errors="replace"):
+                return time.monotonic() - start
+        except OSError:
+            pass
+        if time.monotonic() > start + JOB_TIMEOUT:
+            text = out.read_text(errors="replace") if out.exists() else ""
+            raise RuntimeError(f"{what}: no first step within {JOB_TIMEOUT} s:\n{text[-2000:]}")
+        time.sleep(0.02)
+
+
+def sbatch_to_first_step(cluster, python: str, env: dict) -> float:
+    out = cluster.work / "bench-first.out"
+    out.unlink(missing_ok=True)
+    script = cluster.work / "bench-first.sh"
+    command = [python, "-m", "popdist_lite_launcher", "--timeout", str(JOB_TIMEOUT),
+               *example(cluster, python)]
+    script.write_text(f"#!/bin/bash\nexec {shlex.join(command)}\n")
+    start = time.monotonic()
+    submitted = cluster.run(["sbatch", "--parsable", "-N", "2", "--ntasks-per-node", "2", "-o",
+                             str(out), str(script)], env=env, cwd=cluster.work)
+    if submitted.returncode != 0:
+        raise RuntimeError(f"sbatch failed: {submitted.stderr}")
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        took = first_step(out, start, f"sbatch job {job}")
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while cluster.run(["squeue", "-h", "-j", job]).stdout.strip():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"job {job} did not end")
+            time.sleep(0.2)
+    finally:
+        cluster.run(["scancel", job])
+    if "Step 1, loss" not in out.read_text(errors="replace"):
+        raise RuntimeError(f"job {job} failed:\n{out.read_text(errors='replace')[-2000:]}")
+    return took
+
+
+def ssh_to_first_step(cluster, python: str, env: dict) -> float:
+    out = cluster.work / "bench-ssh.out"
+    command = [python, "-m", "popdist_lite_launcher", "--timeout", str(JOB_TIMEOUT),
+               "-H", ",".join(cluster.nodes), "--launcher", "ssh", "--num-replicas", "4",
+               "--launch-agent", testhosts.LAUNCH_AGENT, "--network-interface",
+               f"{testcluster.SUBNET}.0/24", *example(cluster, python)]
+    with open(out, "w") as sink:
+        start = time.monotonic()
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, cwd=cluster.work)
+        try:
+            took = first_step(out, start, "ssh job")
+            code = proc.wait(timeout=JOB_TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if code != 0:
+        raise RuntimeError(f"ssh job failed ({code}):\n{out.read_text(errors='replace')[-2000:]}")
+    return took
+
+
 def _comm(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -105,6 +193,7 @@ def main() -> None:
     reason = testcluster.unavailable()
     if reason:
         sys.exit(f"bench_slurm: {reason}")
+    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     load_before = os.getloadavg()
     runs: list[dict] = []
     for _ in range(args.runs):
@@ -119,12 +208,16 @@ def main() -> None:
                 run[f"poprun_job_s[{mpi}]"] = timed_job(
                     cluster, f"{python} -m popdist_lite_launcher true", env)
                 run[f"scancel_to_empty_s[{mpi}]"] = scancel_to_empty(cluster, python, env)
+                run[f"sbatch_to_first_step_s[{mpi}]"] = sbatch_to_first_step(cluster, python, env)
+                run[f"ssh_to_first_step_s[{mpi}]"] = ssh_to_first_step(cluster, python, env)
             down = time.monotonic()
         run["cluster_down_s"] = time.monotonic() - down
         runs.append(run)
     result = {key: round(statistics.median(r[key] for r in runs), 3) for key in runs[0]}
     result.update(runs=args.runs, all=[{k: round(v, 3) for k, v in r.items()} for r in runs],
-                  load_before=load_before, load_after=os.getloadavg(), cpus=os.cpu_count())
+                  load_before=load_before, load_after=os.getloadavg(), cpus=os.cpu_count(),
+                  uptime_before=uptime_before,
+                  uptime_after=subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     print(json.dumps(result, indent=1))
 
 
