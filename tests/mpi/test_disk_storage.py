@@ -92,6 +92,8 @@ def test_training_is_bit_identical(strategy, spec_name, precision, comm, tmp_pat
     if rows > stats["cache_rows"]:  # a partition larger than the cache: rows went to disk and back
         assert stats["evictions"] > 0 and stats["rows_written"] > 0
     assert memory.storage_stats is None
+    phases = pl.stats()["phases"]  # the file's reads and writes on the timeline's phases
+    assert phases["disk.read"]["calls"] > 0 and phases["disk.read"]["seconds"] > 0
 
 
 @pytest.mark.mpi
@@ -192,6 +194,8 @@ def test_checkpoint_between_disk_and_memory_reshards(source, target, comm, share
     want = table.get_embedding_tensor(master=True)
     probe = np.arange(0, T, 5)  # 48 rows: within the cache (64 rows) on every replica
     want_rows = table.lookup(probe)
+    if source == "disk":  # the checkpoint reads the partition file's maps in chunks, not a copy in RAM
+        assert all(isinstance(a, np.memmap) for a in table.state().arrays.values())
     path = pl.save_checkpoint(shared, {"emb": table}, step=1)
     enc = {**kw, "partition_strategy": "ENCODING"}
     other = pl.create_host_embedding("ck", [T, E], optimizer_spec=spec, seed=9, storage=storage(target, enc, r), **enc)

@@ -81,7 +81,7 @@ class DiskRows:
         self.stats = dict.fromkeys(STAT_NAMES, 0)
         self.stats["disk_seconds"] = 0.0
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:64]
-        self.file = RowFile(storage.directory, f"popdist-{safe}-r{replica}-", self.record, rows, self.stats)
+        self.file = RowFile(storage.directory, f"popdist-{safe}-r{replica}-", self.record, rows, self.stats, name)
         self._closer = weakref.finalize(self, self.file.close)
         self._initial_state(optimizer_spec, probe, rows, cols)
         self.stats.update(dict.fromkeys(self.stats, 0), disk_seconds=0.0)  # count from the first lookup

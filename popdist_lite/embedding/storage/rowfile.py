@@ -15,6 +15,8 @@ from time import perf_counter
 
 import numpy as np
 
+from ... import counters
+
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 
 
@@ -32,6 +34,9 @@ class RowFile:
         rows: how many records.
         stats: dict of counters to add to (``rows_read``, ``rows_written``,
             ``bytes_read``, ``bytes_written``, ``disk_seconds``).
+        label: the timeline's detail of each read and write (the table's name); each
+            batch is also counted as the phase ``disk.read``/``disk.write`` of
+            :mod:`popdist_lite.counters` (calls and seconds; no network bytes).
 
     Raises:
         OSError: the directory cannot be made or written, or the disk cannot hold the
@@ -39,12 +44,13 @@ class RowFile:
             in the middle of a step).
     """
 
-    def __init__(self, directory, prefix: str, record: np.dtype, rows: int, stats: dict):
+    def __init__(self, directory, prefix: str, record: np.dtype, rows: int, stats: dict, label: str | None = None):
         directory = tempfile.gettempdir() if directory is None else os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
         fd, self.path = tempfile.mkstemp(prefix=prefix, suffix=".rows", dir=directory)
         self.fd, self.record, self.rows, self.stats = fd, np.dtype(record), int(rows), stats
         self.size = self.rows * self.record.itemsize
+        self.label = label
         try:
             if self.size:
                 os.posix_fallocate(fd, 0, self.size)
@@ -107,6 +113,7 @@ class RowFile:
         self.stats[f"rows_{what}"] += n
         self.stats[f"bytes_{what}"] += n * self.record.itemsize
         self.stats["disk_seconds"] += perf_counter() - start
+        counters.record("disk.read" if what == "read" else "disk.write", start, kind=counters.PHASE, detail=self.label)
 
     def close(self) -> None:
         """Close and remove the file (idempotent)."""
