@@ -46,7 +46,7 @@ _LAZY = {
     ".counters": ("reset_stats", "stats"),
     ".elastic": ("should_checkpoint",),
     ".data_parallel": ("CrossReplicaOptimizer", "all_reduce_gradients", "broadcast_parameters"),
-    ".embedding": ("COMBINERS", "EmbeddingOptimizerSpec", "HostEmbedding", "HostEmbeddingAdagradOptimizerSpec",
+    ".embedding": ("COMBINERS", "DiskStorage", "EmbeddingOptimizerSpec", "HostEmbedding", "HostEmbeddingAdagradOptimizerSpec",
                    "HostEmbeddingAdamOptimizerSpec", "HostEmbeddingMomentumOptimizerSpec",
                    "HostEmbeddingOptimizerSpec", "HostEmbeddingSGDGAOptimizerSpec", "IdLimitError",
                    "IdLimitRecorder", "IdLimits", "TableState", "bucket_of", "create_host_embedding",

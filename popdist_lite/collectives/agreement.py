@@ -263,7 +263,7 @@ def agree(op: str, x: np.ndarray | None, comm, *, problem: Problem | None = None
                 counters.record("agree", start, n, n)
                 if table.tobytes() == sig.tobytes() * table.shape[0]:
                     return named
-                return _disagree(op, table, problem, comm, same_from, name, extra_name, extra_format)
+                return _disagree(op, table, problem, comm, same_from, name, extra_name, extra_format, what)
     start = perf_counter()
     seq = next_call_number(comm, op)
     key = None

@@ -5,11 +5,12 @@ from .combiners import COMBINERS
 from .host_embedding import HostEmbedding, create_host_embedding
 from .id_limits import IdLimitError, IdLimitRecorder, IdLimits, bucket_of, last_id_stats, minibatch_ranges, split_mask
 from .state import TableState
+from .storage import DiskStorage
 from .optimizer_specs import (EmbeddingOptimizerSpec, HostEmbeddingAdagradOptimizerSpec, HostEmbeddingAdamOptimizerSpec,
                         HostEmbeddingMomentumOptimizerSpec, HostEmbeddingOptimizerSpec,
                         HostEmbeddingSGDGAOptimizerSpec, UpdateContext)
 
-__all__ = ["HostEmbedding", "TableState", "create_host_embedding", "EmbeddingOptimizerSpec", "HostEmbeddingOptimizerSpec",
+__all__ = ["HostEmbedding", "TableState", "DiskStorage", "create_host_embedding", "EmbeddingOptimizerSpec", "HostEmbeddingOptimizerSpec",
            "HostEmbeddingSGDGAOptimizerSpec", "HostEmbeddingMomentumOptimizerSpec", "HostEmbeddingAdagradOptimizerSpec",
            "HostEmbeddingAdamOptimizerSpec", "UpdateContext", "IdLimits", "IdLimitError", "IdLimitRecorder", "last_id_stats",
            "COMBINERS", "bucket_of", "split_mask", "minibatch_ranges"]

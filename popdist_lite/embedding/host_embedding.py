@@ -25,6 +25,8 @@ from .id_limits.enforcer import IdLimitEnforcer
 from .optimizer_specs import EmbeddingOptimizerSpec, UpdateContext
 from .sparse import SparseTokenExchange
 from .state import TableState, check_arrays, layout_of
+from .storage import DiskStorage, as_storage
+from .storage.disk import DiskRows
 from .table_spec import TableSpec
 from .token import TokenPartition
 
@@ -61,9 +63,13 @@ class HostEmbedding:
             ``(ceil(t/r), e)``, ENCODING ``(t, ceil(e/r))``.
         id_limits: the table's :class:`~popdist_lite.embedding.id_limits.settings.IdLimits` (TOKEN
             only), or ``None``.
+        storage: ``None`` (in memory) or the table's :class:`DiskStorage`. On a disk
+            table ``local_shard`` and the file-backed ``optimizer_state`` slots are
+            memory maps of the partition file, up to date after :meth:`state` (which
+            writes the cache back); see ``docs/offload.md``.
     """
 
-    def __init__(self, spec: TableSpec, initializer, comm):
+    def __init__(self, spec: TableSpec, initializer, comm, storage: DiskStorage | None = None):
         self.spec = spec
         self.name, self.shape, self.dtype, self.master_dtype = spec.name, spec.shape, spec.dtype, spec.master_dtype
         self.partition_strategy, self.exchange = spec.partition_strategy, spec.exchange
@@ -72,12 +78,24 @@ class HostEmbedding:
         self._comm = comm
         t, e = self.shape
         self._partition = PARTITIONS[spec.partition_strategy](t, e, comm.size, comm.rank)
-        self.local_shard = np.zeros(self._partition.shard_shape, dtype=self.master_dtype)
+        self.storage, self._disk = storage, None
+        if storage is None:
+            self.local_shard = np.zeros(self._partition.shard_shape, dtype=self.master_dtype)
+        else:
+            self._disk = _open_disk(spec, self._partition.shard_shape, storage, comm)
+            self.local_shard = self._disk.weights
         self._exchange: Exchange = (SparseTokenExchange(spec, comm) if spec.exchange == "sparse"
                                     else DenseExchange(spec.name, self._partition, comm))
         self._limiter = IdLimitEnforcer(spec, comm) if self.id_limits is not None else None
         if spec.exchange == "sparse" and self.id_limits is not None and self.id_limits.capacity is not None:
             self._exchange.reserve(self.id_limits.capacity, self.dtype)
+        if self._disk is not None:
+            _initialize(_Writes(self._disk), self._partition, spec, initializer, comm)
+            self._disk.release_pages()
+            self._serving = self._disk.serving(self.dtype)
+            self.optimizer_state = self._disk.slots
+            self._registered = 0
+            return
         _initialize(self.local_shard, self._partition, spec, initializer, comm)
         # Lookups read the serving copy: the master shard itself, or its float16 (lookup
         # dtype) rounding kept in step with every update (only written rows are re-cast).
@@ -134,7 +152,10 @@ class HostEmbedding:
         return self._limiter.lookup(flat, problem, self._lookup_once)
 
     def _lookup_once(self, flat: np.ndarray, problem: Problem | None) -> np.ndarray:
-        return self._exchange.lookup(self._serving, flat, problem)
+        rows = self._exchange.lookup(self._serving, flat, problem)
+        if self._disk is not None:
+            self._disk.agree(self._comm)  # a disk problem met inside the exchange, raised everywhere
+        return rows
 
     def apply_gradients(self, indices, grads, clip_indices: bool = False, *, loss_scale: float = 1.0) -> None:
         """Update the rows looked up with ``indices`` with the optimizer spec. Collective.
@@ -173,6 +194,8 @@ class HostEmbedding:
             update(flat, grads, problem)
         else:
             self._limiter.update(flat, grads, problem, update)
+        if self._disk is not None:
+            self._disk.unpin()  # the rows of the lookups before this update may go
 
     def _update_once(self, flat: np.ndarray, grads, problem: Problem | None, loss_scale: float = 1.0) -> None:
         pairs = self._exchange.gradient_sums(flat, grads, problem, trainable=self.spec.trainable)
@@ -257,12 +280,35 @@ class HostEmbedding:
         sums = sums.astype(np.result_type(sums.dtype, np.float32), copy=False)
         if loss_scale != 1.0:
             sums = sums / np.asarray(loss_scale, sums.dtype)
+        if self._disk is not None:
+            self._disk.update(rows, functools.partial(self._apply_rows, sums), self._comm)
+            return
         result = self.optimizer_spec.apply(self.local_shard, rows, sums, self.optimizer_state, self._update_context())
         if result is not None:
             written, values = result
             self.local_shard[written] = self.stochastic_rounding.cast(values, self.master_dtype, replicated=False)
             if self._serving is not self.local_shard:
                 self._serving[written] = self.local_shard[written].astype(self.dtype)
+
+    def _apply_rows(self, sums: np.ndarray, shard: np.ndarray, state: dict):
+        """A disk table's optimizer step on its touched rows read out as a compact
+        ``(u, c)`` partition: ``(written positions, values in the master dtype)`` or ``None``."""
+        result = self.optimizer_spec.apply(shard, np.arange(len(sums)), sums, state, self._update_context())
+        if result is None:
+            return None
+        written, values = result
+        return written, self.stochastic_rounding.cast(values, self.master_dtype, replicated=False)
+
+    @property
+    def storage_stats(self) -> dict | None:
+        """A disk table's counters on this replica since it was created, else ``None``:
+        ``hits``, ``misses`` (distinct rows a lookup or update found in the cache or
+        not), ``evictions``, ``rows_read``, ``rows_written``, ``bytes_read``,
+        ``bytes_written`` (the partition file), ``disk_seconds`` (time in reads and
+        writes of the file), ``cache_rows`` (capacity), ``file_bytes``."""
+        if self._disk is None:
+            return None
+        return {**self._disk.stats, "cache_rows": self._disk.cache.capacity, "file_bytes": self._disk.file_bytes}
 
     def _update_context(self) -> UpdateContext:
         row_sum = getattr(self._partition, "row_sum", None)
@@ -278,7 +324,14 @@ class HostEmbedding:
     def state(self) -> TableState:
         """This replica's state of the table: live references to its master partition and
         optimizer state, their layouts and the stochastic-rounding generator states. Local
-        (no communication). See :class:`popdist_lite.TableState`."""
+        (no communication). See :class:`popdist_lite.TableState`. A disk table first
+        writes its dirty rows back and empties its cache: its arrays are the partition
+        file's memory maps.
+
+        Raises:
+            RuntimeError: a disk table's partition file was truncated or replaced."""
+        if self._disk is not None:
+            self._disk.sync()
         arrays = {"weights": self.local_shard}
         layouts = {"weights": "table"}
         declared = self.optimizer_spec.state_layouts() if self.optimizer_state else {}
@@ -311,7 +364,9 @@ class HostEmbedding:
             np.copyto(current.arrays[key], value)
         if generators:
             self.stochastic_rounding.set_generator_states(generators)
-        if self._serving is not self.local_shard:
+        if self._disk is not None:
+            self._disk.release_pages()
+        elif self._serving is not self.local_shard:
             np.copyto(self._serving, self.local_shard, casting="unsafe")
 
     # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -----------------
@@ -369,7 +424,11 @@ class HostEmbedding:
             master: return the master weights (``master_dtype``) instead of the values
                 lookups serve (``dtype``); the same unless ``master_weights`` was given.
         """
-        shard = self.local_shard if master else self._serving
+        if self._disk is not None:
+            self._disk.sync()
+            shard = np.array(self.local_shard, dtype=self.master_dtype if master else self.dtype)
+        else:
+            shard = self.local_shard if master else self._serving
         return self._partition.assemble(all_gather(shard, comm=self._comm))
 
     def __repr__(self) -> str:
@@ -386,7 +445,7 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
                           *, master_weights=None, stochastic_rounding=None, exchange: str | None = None,
                           max_ids_per_partition: int | None = None, max_unique_ids_per_partition: int | None = None,
                           allow_id_dropping: bool = False, enable_minibatching: bool = False,
-                          track_id_stats: bool = False,
+                          track_id_stats: bool = False, storage=None,
                           comm=None) -> HostEmbedding:
     """Create a ``(t, e)`` embedding table partitioned over the replicas. Collective.
 
@@ -433,6 +492,12 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
             instead (:mod:`popdist_lite.embedding.id_limits.enforcer`); results equal one pass.
         track_id_stats: publish per-call ID statistics (:mod:`popdist_lite.embedding.id_limits.stats`)
             even without limits (costs one small all-gather per call).
+        storage: ``None``/``"memory"`` (default): the partition and its optimizer state
+            are numpy arrays in RAM; a :class:`DiskStorage`: they live in a file on
+            local disk behind a cache of hot rows of ``cache_bytes`` (LRU or LFU), with
+            the same results (``docs/offload.md``). Every replica must pass the same kind
+            (cache sizes may differ). Not with :class:`HostEmbeddingSGDGAOptimizerSpec`
+            (its update is not row-local).
 
     Returns:
         :class:`HostEmbedding`.
@@ -444,24 +509,55 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
     """
     topology.init()
     comm = topology.replica_comm() if comm is None else comm
-    problem = spec = None
+    problem = spec = disk = None
     try:
+        disk = as_storage(storage)
         spec = TableSpec.from_arguments(
             name, shape, dtype, partition_strategy, optimizer_spec, seed, master_weights=master_weights,
             stochastic_rounding=stochastic_rounding, exchange=exchange, max_ids_per_partition=max_ids_per_partition,
             max_unique_ids_per_partition=max_unique_ids_per_partition, allow_id_dropping=allow_id_dropping,
             enable_minibatching=enable_minibatching, track_id_stats=track_id_stats)
+        if disk is not None and spec.trainable and "replicated" in spec.optimizer_spec.state_layouts().values():
+            raise TypeError(f"argument storage: a DiskStorage table cannot take {type(optimizer_spec).__name__} "
+                            f"(its update reads state of rows it does not touch); use an in-memory table")
     except (ValueError, TypeError) as exc:
         problem = Problem.of(exc)
     # Creation is rare: a pickled agreement keeps the check simple.
-    signature = None if spec is None else spec.signature()
+    signature = None if spec is None else spec.signature() + ("memory" if disk is None else "disk",)
     gathered = agree_objects(f"create_host_embedding({name!r})", signature, comm, problem=problem)
     for r, item in enumerate(gathered):
         if item != gathered[0]:
             raise ValueError(f"create_host_embedding({name!r}): replica {r} passed (name, shape, dtype, "
-                             f"strategy, optimizer, seed, master weights, stochastic rounding, exchange, id limits) = "
+                             f"strategy, optimizer, seed, master weights, stochastic rounding, exchange, id limits, storage) = "
                              f"{item}, expected {gathered[0]} as on replica 0")
-    return HostEmbedding(spec, initializer, comm)
+    return HostEmbedding(spec, initializer, comm, disk)
+
+
+def _open_disk(spec: TableSpec, shard_shape: tuple, storage: DiskStorage, comm) -> DiskRows:
+    """This replica's partition file and cache. Collective: a replica that cannot make
+    its file (no such directory, no space, a cache smaller than one row) fails them all."""
+    problem, disk = None, None
+    try:
+        disk = DiskRows(spec.name, comm.rank, shard_shape, spec.master_dtype, spec.optimizer_spec, storage)
+    except (OSError, ValueError) as exc:
+        problem = Problem.of(exc)
+    agree_objects(f"create_host_embedding({spec.name!r}, storage={storage})", None, comm, problem=problem)
+    return disk
+
+
+class _Writes:
+    """The shard :func:`_initialize` writes a disk table's initial rows into: the
+    partition file's weights map, its pages written back and dropped every few MiB."""
+
+    def __init__(self, disk: DiskRows):
+        self.disk, self.pending = disk, 0
+
+    def __setitem__(self, key, value) -> None:
+        self.disk.weights[key] = value
+        self.pending += np.asarray(value).nbytes
+        if self.pending >= 64 << 20:
+            self.disk.release_pages()
+            self.pending = 0
 
 
 def _prepare(spec: TableSpec, indices: np.ndarray, clip_indices: bool, grads=None):

@@ -1,0 +1,222 @@
+"""A replica's partition on disk, as its table sees it: :class:`DiskRows`.
+
+The record of a local row holds its master weights (``c`` columns of the master dtype)
+and each optimizer slot laid out per row (``"table"`` slots: ``c`` values, ``"row"``
+slots: one); ``"replicated"`` slots stay in RAM. Lookups gather rows by local index
+through :class:`ServingRows` (``take``, as numpy's, cast to the lookup dtype: a float16
+table serves its float32 master rows rounded, as the in-memory table's serving copy);
+an update reads the touched rows' records, runs the optimizer spec on them as a
+compact partition of ``u`` rows and writes them back (marked dirty), so every spec whose
+update is row-local gives the in-memory table's values bit for bit.
+
+Errors inside an exchange (a cache too small, a short read) cannot be raised there
+without leaving the other replicas in the collective: :class:`DiskRows` keeps them as a
+:class:`~popdist_lite.collectives.Problem` and :meth:`DiskRows.agree` raises the first one on
+every replica after the exchange.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import numpy as np
+
+from ...collectives import Problem
+from ...collectives.agreement import agree, register_op
+from .cache import SLOT_OVERHEAD, CacheTooSmall, RowCache
+from .rowfile import RowFile, RowFileError
+
+_OP = register_op("disk_rows")
+_NOTHING = np.zeros(0, np.int64)
+_CHUNK_BYTES = 8 << 20
+#: Counters of :attr:`DiskRows.stats`.
+STAT_NAMES = ("hits", "misses", "evictions", "rows_read", "rows_written", "bytes_read", "bytes_written",
+              "disk_seconds")
+
+
+class DiskRows:
+    """This replica's partition of a table, in a file behind a :class:`RowCache`.
+
+    Args:
+        name: the table's name (file name, errors).
+        replica: this replica's index (file name).
+        shard_shape: ``(rows, c)`` of the partition.
+        master_dtype: the weights' storage dtype.
+        optimizer_spec: the table's spec or ``None``; ``"table"``/``"row"`` slots go to the file.
+        storage: the :class:`~popdist_lite.embedding.storage.DiskStorage`.
+
+    Attributes:
+        weights: the file's weights as a ``(rows, c)`` memory map (valid after
+            :meth:`sync`; writes to it are seen by the table after :meth:`sync`).
+        slots: optimizer state, slot -> memory map (file slots) or array (replicated).
+        stats: counters (:data:`STAT_NAMES`).
+
+    Raises:
+        CacheTooSmall: ``cache_bytes`` cannot hold one row.
+        OSError: the file cannot be created (see :class:`RowFile`).
+    """
+
+    def __init__(self, name: str, replica: int, shard_shape: tuple, master_dtype, optimizer_spec, storage):
+        rows, cols = shard_shape
+        self.name, self.shard_shape, self.storage = name, tuple(shard_shape), storage
+        trainable = optimizer_spec is not None and optimizer_spec.trainable
+        self.pin = trainable
+        probe = optimizer_spec.init_state((1, cols)) if trainable else {}
+        layouts = optimizer_spec.state_layouts() if trainable else {}
+        self.layouts = {slot: layouts.get(slot) or ("table" if a.shape == (1, cols) else "row" if a.shape == (1,)
+                                                   else "replicated") for slot, a in probe.items()}
+        fields = [("weights", np.dtype(master_dtype), (cols,))]
+        for slot, array in probe.items():
+            layout = self.layouts[slot]
+            if layout == "table":
+                fields.append((f"s/{slot}", array.dtype, (cols,)))
+            elif layout == "row":
+                fields.append((f"s/{slot}", array.dtype))
+        self.record = np.dtype(fields)
+        self.capacity = int(storage.cache_bytes) // (self.record.itemsize + SLOT_OVERHEAD)
+        if self.capacity < 1:
+            raise CacheTooSmall(f"host embedding {name!r}: DiskStorage: cache_bytes={storage.cache_bytes} cannot "
+                                f"hold one row ({self.record.itemsize + SLOT_OVERHEAD} bytes)")
+        self.stats = dict.fromkeys(STAT_NAMES, 0)
+        self.stats["disk_seconds"] = 0.0
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:64]
+        self.file = RowFile(storage.directory, f"popdist-{safe}-r{replica}-", self.record, rows, self.stats, name)
+        self._closer = weakref.finalize(self, self.file.close)
+        self._initial_state(optimizer_spec, probe, rows, cols)
+        self.stats.update(dict.fromkeys(self.stats, 0), disk_seconds=0.0)  # count from the first lookup
+        self.cache = RowCache(self.file, min(self.capacity, rows), storage.cache_policy, self.stats)
+        self._map = np.memmap(self.file.path, dtype=self.record, mode="r+", shape=(rows,))
+        self.weights = self._map["weights"]
+        self.slots = {slot: (self._map[f"s/{slot}"] if f"s/{slot}" in self.record.names else array)
+                      for slot, array in self._replicated.items()}
+        self.problem: Problem | None = None
+
+    def _initial_state(self, spec, probe, rows: int, cols: int) -> None:
+        """Write every record's initial optimizer state (zero weights), in chunks."""
+        self._replicated = {}
+        for slot, array in probe.items():
+            if self.layouts[slot] == "replicated":
+                self._replicated[slot] = spec.init_state((rows, cols))[slot]
+            else:
+                self._replicated[slot] = None  # a placeholder for the order of slots
+        step = max(1, _CHUNK_BYTES // self.record.itemsize)
+        for first in range(0, rows, step):
+            n = min(step, rows - first)
+            block = np.zeros(n, self.record)
+            if probe:
+                state = spec.init_state((n, cols))
+                for slot in self.record.names[1:]:
+                    block[slot] = state[slot[2:]]
+            self.file.write_range(first, block)
+
+    # -- lookups -----------------------------------------------------------------------
+    def serving(self, dtype) -> "ServingRows":
+        """The object lookups gather rows from (``take``, ``dtype``, ``shape``)."""
+        return ServingRows(self, np.dtype(dtype))
+
+    def take(self, indices, dtype, out=None) -> np.ndarray:
+        """``weights[indices]`` in ``dtype`` (into ``out`` when given); never raises for
+        the table's state: a problem is kept for :meth:`agree` (rows then read as zeros)."""
+        indices = np.asarray(indices).reshape(-1)
+        if out is None:
+            out = np.empty((len(indices), self.shard_shape[1]), dtype)
+        if not len(indices):
+            return out
+        unique, inverse = np.unique(indices, return_inverse=True)
+        try:
+            if self.problem is not None:
+                raise CacheTooSmall(self.problem.message)
+            slots = self.cache.slots(unique.astype(np.int64), self.pin)
+        except (CacheTooSmall, RowFileError, OSError) as exc:
+            self._keep(exc)
+            out[...] = 0
+            return out
+        np.copyto(out, self.cache.records["weights"][slots[inverse]], casting="unsafe")
+        return out
+
+    def _keep(self, exc: BaseException) -> None:
+        if self.problem is None:
+            message = Problem.of(exc).message if isinstance(exc, OSError) else str(exc)
+            if isinstance(exc, CacheTooSmall) and exc.rows:
+                message = (f"{message}; raise DiskStorage(cache_bytes={self.storage.cache_bytes}) to at least "
+                           f"{exc.rows * (self.record.itemsize + SLOT_OVERHEAD)} or send fewer distinct IDs per call")
+            self.problem = Problem(ValueError if isinstance(exc, CacheTooSmall) else RuntimeError, message)
+
+    def agree(self, comm) -> None:
+        """Raise the first replica's kept problem on every replica (collective: one
+        small agreement); the problem is forgotten, the cache's pins released."""
+        problem, self.problem = self.problem, None
+        if problem is not None:
+            self.cache.unpin()
+        agree(_OP, _NOTHING, comm, problem=problem, same_from=0, what=f"host embedding {self.name!r} (disk storage)")
+
+    # -- updates -----------------------------------------------------------------------
+    def update(self, rows: np.ndarray, step, comm) -> None:
+        """Read-modify-write of sorted unique local ``rows``: ``step(shard, state)`` gets
+        the rows' weights ``(u, c)`` and state (slot -> ``(u, c)``/``(u,)`` arrays, the
+        replicated slots whole) and returns ``(written positions, stored values)`` or
+        ``None``. Collective (the agreement of :meth:`agree` comes first, so a problem
+        on any replica writes nothing anywhere)."""
+        slots = None
+        try:
+            if self.problem is None:
+                slots = self.cache.slots(np.asarray(rows, np.int64), self.pin)
+        except (CacheTooSmall, RowFileError, OSError) as exc:
+            self._keep(exc)
+        self.agree(comm)
+        block = self.cache.records[slots]
+        state = {slot: (block[f"s/{slot}"] if array is None else array) for slot, array in self._replicated.items()}
+        result = step(block["weights"], state)
+        if result is not None:
+            written, values = result
+            block["weights"][written] = values
+        self.cache.records[slots] = block
+        self.cache.dirty[slots] = True
+
+    def unpin(self) -> None:
+        self.cache.unpin()
+
+    # -- the whole partition -------------------------------------------------------------
+    def sync(self) -> None:
+        """Write every dirty row back and empty the cache: the file (and :attr:`weights`,
+        :attr:`slots`) is then the partition's truth, and writes to the maps are seen by
+        the next lookup.
+
+        Raises:
+            RowFileError: the file was truncated or replaced.
+        """
+        self.file.check_size()
+        self.cache.flush()
+        self.cache.clear()
+
+    def release_pages(self) -> None:
+        """Write back and drop the file's pages in the page cache (after whole-partition
+        access through the maps)."""
+        self._map.flush()
+        self.file.drop_pages()
+
+    def close(self) -> None:
+        """Remove the file (the table is unusable afterwards)."""
+        self._map = self.weights = None
+        self.slots = {}
+        self._closer()
+
+    @property
+    def file_bytes(self) -> int:
+        return self.file.size
+
+
+class ServingRows:
+    """What a disk table's exchange gathers lookup rows from: numpy's ``take`` on the
+    partition, in the lookup dtype (``np.take(rows, i, axis=0)`` calls it too)."""
+
+    def __init__(self, rows: DiskRows, dtype: np.dtype):
+        self.rows, self.dtype = rows, dtype
+        self.shape = rows.shard_shape
+        self.ndim = 2
+
+    def take(self, indices, axis=0, out=None, mode="raise"):
+        if axis != 0:
+            raise ValueError("disk table rows: take supports axis=0 only")
+        return self.rows.take(indices, self.dtype, out)
