@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,51 @@ def test_program_cannot_read_the_key(tmp_path, mpi):
     check_nothing_found(hunts(proc.stdout), keys.read_text().split(), 2, ancestors=3)
     assert not [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("poprun-lite-key-*")
                 if p.stat().st_uid == os.getuid() and "0000000000000000" not in p.name]
+
+
+def _agent(tmp_path, body: str) -> str:
+    """A launch agent (called ``AGENT -- HOST COMMAND...``) running ``body`` in sh."""
+    path = tmp_path / "agent"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o700)
+    return str(path)
+
+
+def test_key_files_reach_other_hosts_through_the_launch_agent(tmp_path):
+    """deposit_keys: this host's ranks get files written here, another host's through the
+    launch agent (here one that runs the command on this machine, TMPDIR set apart);
+    every rank's variable names its own file, which holds the key."""
+    from popdist_lite_launcher import channel
+    from popdist_lite_launcher.mpirun import RankSpec
+    from popdist_lite_launcher.ssh_launch import deposit_keys
+
+    there = tmp_path / "there"
+    there.mkdir()
+    agent = _agent(tmp_path, f'shift 2; TMPDIR={there} exec "$@"')
+    ranks = [RankSpec("replica", 0), RankSpec("replica", 1, host="otherhost"), RankSpec("replica", 2)]
+    key, mark = b"\x17" * 32, "0123456789abcdef"
+    local = deposit_keys(ranks, ["otherhost"], key, mark, agent)
+    try:
+        paths = [spec.env[channel.KEY_FILE_ENV] for spec in ranks]
+        assert [os.path.basename(p) for p in paths] == ["rank-0", "rank-1", "rank-2"]
+        assert os.path.dirname(paths[0]) == os.path.dirname(paths[2]) == local
+        assert os.path.dirname(os.path.dirname(paths[1])) == str(there)
+        assert [channel.take_key({channel.KEY_FILE_ENV: p}) for p in paths] == [key] * 3
+        assert not os.listdir(there) and not os.path.exists(local)  # the last reader removed each directory
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+@pytest.mark.parametrize("body", ["exit 3", "cat >/dev/null; echo /etc"])
+def test_a_host_that_cannot_take_the_key_fails_the_attempt(tmp_path, body):
+    """A launch agent that fails, or prints something other than a key directory of the
+    attempt: the attempt fails naming the host, and this host's key files are removed."""
+    from popdist_lite_launcher.attempts import AttemptError
+    from popdist_lite_launcher.mpirun import RankSpec
+    from popdist_lite_launcher.ssh_launch import deposit_keys
+
+    ranks = [RankSpec("replica", 0), RankSpec("replica", 1, host="otherhost")]
+    mark = "fedcba9876543210"
+    with pytest.raises(AttemptError, match="cannot give the job's key to host otherhost"):
+        deposit_keys(ranks, ["otherhost"], b"\x17" * 32, mark, _agent(tmp_path, body))
+    assert not list(Path(tempfile.gettempdir()).glob(f"poprun-lite-key-{mark}-*"))
