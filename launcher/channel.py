@@ -5,7 +5,8 @@ key, the handshake and the framing of every line (standard library only: ``secre
 Key: the launcher makes :data:`KEY_BYTES` random bytes for every attempt of a job
 (:func:`new_key`). No process's environment ever holds them: every rank's agent gets its
 own copy in a file, ``rank-N`` (N its MPI rank, mode 0600), in a private directory of its
-host (``tempfile.mkdtemp``, mode 0700, named ``poprun-lite-key-<attempt mark>-*``), and
+host (``tempfile.mkdtemp``, mode 0700, named ``poprun-lite-key-<attempt mark>-*``, in
+:data:`KEY_PARENT` when it is a writable directory, else the temporary directory), and
 only that file's path in :data:`KEY_FILE_ENV`; it reads the file and removes it
 (:func:`take_key`) before it connects or starts its program. The launcher writes the
 files of the ranks on its own host itself (:func:`write_keys`); on every other host it
@@ -14,8 +15,12 @@ runs ``python -m popdist_lite_launcher.channel MARK RANK...`` with the launch ag
 standard input, never on a command line (:func:`main`), which prints the directory it
 made. This is the one path that reaches every host on every launch (ssh, Slurm,
 Open MPI's daemons spawning daemons, MPICH's hydra): mpirun only carries environments
-to other hosts, and the hosts share no ``/tmp``. One file per rank rather than per host:
-each agent removes its own, so no agent has to know how many others read a shared one.
+to other hosts, and the hosts share no ``/tmp``. ``/dev/shm`` rather than ``/tmp``: it is
+a memory file system on every Linux host (the key never reaches a disk), and the same
+directory for every process of a host, where a launch agent may give each command a
+/tmp of its own (the test hosts' ``netns-agent`` does). One file per rank rather than
+per host: each agent removes its own, so no agent has to know how many others read a
+shared one.
 
 The program cannot read the key: every agent has removed its file before sending its
 ``hello``, and no program runs before every rank has enrolled (the collector holds the
@@ -70,6 +75,9 @@ from popdist_lite import records
 KEY_FILE_ENV = "POPRUN_LITE_KEY_FILE"
 #: The start of the name of a host's directory of key files (then the attempt's mark).
 KEY_DIR_PREFIX = "poprun-lite-key-"
+#: Where a host's key directory is made (when it is a writable directory; else the
+#: temporary directory, ``tempfile.gettempdir()``).
+KEY_PARENT = "/dev/shm"
 #: Largest key file an agent reads (the key is 64 hex digits and maybe a newline).
 MAX_KEY_FILE_BYTES = 256
 #: Bytes of the job's key and of each nonce.
@@ -108,11 +116,19 @@ _MARK = re.compile(r"[0-9a-f]{16,64}")
 _KEY_DIR = re.compile(r"/[A-Za-z0-9_./-]{1,4000}")
 
 
+def key_parent() -> str:
+    """The directory where this host's key directories are made: :data:`KEY_PARENT` when
+    it is a writable directory, else the temporary directory."""
+    if os.path.isdir(KEY_PARENT) and os.access(KEY_PARENT, os.W_OK | os.X_OK):
+        return KEY_PARENT
+    return tempfile.gettempdir()
+
+
 def write_keys(key: bytes, ranks, mark: str, parent: str | None = None) -> str:
     """Write ``key`` (hex) into one file per rank of ``ranks`` (:func:`key_file_name`,
     mode 0600, created exclusively, never through a symbolic link) in a new private
-    directory of ``parent`` (default: the temporary directory; ``tempfile.mkdtemp``,
-    mode 0700) named for the attempt ``mark``; returns that directory. On a failure the
+    directory of ``parent`` (default :func:`key_parent`; ``tempfile.mkdtemp``, mode
+    0700) named for the attempt ``mark``; returns that directory. On a failure the
     directory is removed.
 
     Raises:
@@ -121,7 +137,7 @@ def write_keys(key: bytes, ranks, mark: str, parent: str | None = None) -> str:
     """
     if not _MARK.fullmatch(mark):
         raise ValueError("not an attempt mark")
-    directory = tempfile.mkdtemp(prefix=f"{KEY_DIR_PREFIX}{mark}-", dir=parent)
+    directory = tempfile.mkdtemp(prefix=f"{KEY_DIR_PREFIX}{mark}-", dir=parent or key_parent())
     try:
         for rank in ranks:
             fd = os.open(os.path.join(directory, key_file_name(rank)),
@@ -183,10 +199,10 @@ def take_key(environ=None) -> bytes | None:
 
 
 def remove_keys(mark: str, parent: str | None = None) -> int:
-    """Remove the key directories of the attempt ``mark`` left in ``parent`` (default:
-    the temporary directory): directories of this user (not symbolic links) named
+    """Remove the key directories of the attempt ``mark`` left in ``parent`` (default
+    :func:`key_parent`): directories of this user (not symbolic links) named
     ``poprun-lite-key-MARK-*``. Returns how many were removed."""
-    parent = parent or tempfile.gettempdir()
+    parent = parent or key_parent()
     if not _MARK.fullmatch(mark):
         return 0
     removed = 0

@@ -38,9 +38,11 @@ def hunts(stdout: str) -> list[dict]:
     return sorted(found, key=lambda h: h["replica"])
 
 
-def check_nothing_found(found: list[dict], keys: list[str], replicas: int, ancestors: int) -> None:
-    """No real key in anything the programs read, no key variable anywhere, and every key
-    file path they found leads nowhere."""
+def check_nothing_found(found: list[dict], keys: list[str], replicas: int, ancestors: int, stderr: str) -> None:
+    """Every agent had the key (none warned that it had none), yet no real key is in
+    anything the programs read, no key variable anywhere, and every key file path they
+    found leads nowhere."""
+    assert "no job key" not in stderr, stderr[-3000:]
     assert [h["replica"] for h in found] == list(range(replicas)), found
     assert keys and all(len(k) == 64 for k in keys)
     for hunt in found:
@@ -48,3 +50,13 @@ def check_nothing_found(found: list[dict], keys: list[str], replicas: int, ances
         assert not set(keys) & set(hunt["candidates"]), hunt
         assert "POPRUN_LITE_JOB_KEY" not in hunt["names"], hunt
         assert hunt["files"] and all(f.endswith(": missing") for f in hunt["files"]), hunt
+
+
+def key_dirs() -> set[str]:
+    """The key directories of this user on this machine now (channel.key_parent())."""
+    import os
+
+    from popdist_lite_launcher import channel
+
+    parent = Path(channel.key_parent())
+    return {str(p) for p in parent.glob(channel.KEY_DIR_PREFIX + "*") if p.stat().st_uid == os.getuid()}

@@ -138,23 +138,25 @@ def test_a_key_directory_printed_by_a_host_is_checked(printed):
     assert channel.is_key_dir("/tmp/poprun-lite-key-0123456789abcdef-x_1.a", "0123456789abcdef")
 
 
-def test_the_key_reaches_another_host_on_standard_input_only(tmp_path):
+def test_the_key_reaches_another_host_on_standard_input_only():
     """What the launcher runs on another host: the key on standard input, the directory
-    printed; a bad mark, rank or key writes nothing. remove_keys removes the attempt's."""
-    mark, key = "0123456789abcdef", b"\x5a" * 32
+    (in channel.key_parent()) printed; a bad mark, rank or key writes nothing.
+    remove_keys removes the attempt's."""
+    mark, key = "0123456789abcdee", b"\x5a" * 32
     run = [sys.executable, "-m", "popdist_lite_launcher.channel"]
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    mine = lambda: sorted(n for n in os.listdir(channel.key_parent()) if mark in n)  # noqa: E731
+    channel.remove_keys(mark)
     done = subprocess.run([*run, mark, "0", "2"], input=key.hex() + "\n", capture_output=True, text=True,
-                          env=env, timeout=60)
+                          timeout=60)
     assert done.returncode == 0, done.stderr
     directory = done.stdout.strip()
-    assert channel.is_key_dir(directory, mark) and os.path.dirname(directory) == str(tmp_path)
+    assert channel.is_key_dir(directory, mark) and os.path.dirname(directory) == channel.key_parent()
     assert channel.take_key({channel.KEY_FILE_ENV: f"{directory}/rank-2"}) == key
     for args, given in (([mark, "0"], "zz\n"), (["nothex", "0"], key.hex()), ([mark, "-1"], key.hex()), ([mark], key.hex())):
-        bad = subprocess.run([*run, *args], input=given, capture_output=True, text=True, env=env, timeout=60)
+        bad = subprocess.run([*run, *args], input=given, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and not bad.stdout
-    assert len(os.listdir(tmp_path)) == 1
-    assert channel.remove_keys(mark, str(tmp_path)) == 1 and not os.listdir(tmp_path)
+    assert len(mine()) == 1
+    assert channel.remove_keys(mark) == 1 and not mine()
 
 
 # ---------------------------------------------------------------- the collector

@@ -11,13 +11,12 @@ import os
 import subprocess
 import sys
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from helpers import JOB_SECONDS, timeout_for
-from keyhunt import HUNT, check_nothing_found, hunts, recording_launcher
+from keyhunt import HUNT, check_nothing_found, hunts, key_dirs, recording_launcher
 
 pytestmark = timeout_for(1)
 
@@ -32,15 +31,14 @@ def test_program_cannot_read_the_key(tmp_path, mpi):
         bin_dir = os.path.dirname(MPICH_PYTHON)
         python = MPICH_PYTHON
         env.update(PATH=f"{bin_dir}:{env['PATH']}", POPRUN_LITE_MPIRUN=os.path.join(bin_dir, "mpiexec"))
-    keys = tmp_path / "keys"
+    keys, before = tmp_path / "keys", key_dirs()
     proc = subprocess.run(recording_launcher(python, keys, "--timeout", str(JOB_SECONDS), "--num-replicas", "2",
                                              python, HUNT),
                           capture_output=True, text=True, timeout=JOB_SECONDS + 60, env=env,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    check_nothing_found(hunts(proc.stdout), keys.read_text().split(), 2, ancestors=3)
-    assert not [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("poprun-lite-key-*")
-                if p.stat().st_uid == os.getuid() and "0000000000000000" not in p.name]
+    check_nothing_found(hunts(proc.stdout), keys.read_text().split(), 2, 3, proc.stderr)
+    assert not key_dirs() - before  # the agents removed every file and directory
 
 
 def _agent(tmp_path, body: str) -> str:
@@ -59,9 +57,7 @@ def test_key_files_reach_other_hosts_through_the_launch_agent(tmp_path):
     from popdist_lite_launcher.mpirun import RankSpec
     from popdist_lite_launcher.ssh_launch import deposit_keys
 
-    there = tmp_path / "there"
-    there.mkdir()
-    agent = _agent(tmp_path, f'shift 2; TMPDIR={there} exec "$@"')
+    agent = _agent(tmp_path, 'shift 2; exec "$@"')
     ranks = [RankSpec("replica", 0), RankSpec("replica", 1, host="otherhost"), RankSpec("replica", 2)]
     key, mark = b"\x17" * 32, "0123456789abcdef"
     local = deposit_keys(ranks, ["otherhost"], key, mark, agent)
@@ -69,9 +65,10 @@ def test_key_files_reach_other_hosts_through_the_launch_agent(tmp_path):
         paths = [spec.env[channel.KEY_FILE_ENV] for spec in ranks]
         assert [os.path.basename(p) for p in paths] == ["rank-0", "rank-1", "rank-2"]
         assert os.path.dirname(paths[0]) == os.path.dirname(paths[2]) == local
-        assert os.path.dirname(os.path.dirname(paths[1])) == str(there)
+        there = os.path.dirname(paths[1])
+        assert there != local and os.path.dirname(there) == os.path.dirname(local) == channel.key_parent()
         assert [channel.take_key({channel.KEY_FILE_ENV: p}) for p in paths] == [key] * 3
-        assert not os.listdir(there) and not os.path.exists(local)  # the last reader removed each directory
+        assert not os.path.exists(there) and not os.path.exists(local)  # the last reader removed each directory
     finally:
         shutil.rmtree(local, ignore_errors=True)
 
@@ -80,6 +77,7 @@ def test_key_files_reach_other_hosts_through_the_launch_agent(tmp_path):
 def test_a_host_that_cannot_take_the_key_fails_the_attempt(tmp_path, body):
     """A launch agent that fails, or prints something other than a key directory of the
     attempt: the attempt fails naming the host, and this host's key files are removed."""
+    from popdist_lite_launcher import channel
     from popdist_lite_launcher.attempts import AttemptError
     from popdist_lite_launcher.mpirun import RankSpec
     from popdist_lite_launcher.ssh_launch import deposit_keys
@@ -88,4 +86,4 @@ def test_a_host_that_cannot_take_the_key_fails_the_attempt(tmp_path, body):
     mark = "fedcba9876543210"
     with pytest.raises(AttemptError, match="cannot give the job's key to host otherhost"):
         deposit_keys(ranks, ["otherhost"], b"\x17" * 32, mark, _agent(tmp_path, body))
-    assert not list(Path(tempfile.gettempdir()).glob(f"poprun-lite-key-{mark}-*"))
+    assert not list(Path(channel.key_parent()).glob(f"poprun-lite-key-{mark}-*"))

@@ -112,7 +112,7 @@ def test_program_cannot_read_the_key(cluster, mpi):
     assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{output}"
     found = hunts(output)
     assert sorted(h["host"] for h in found) == ["pdls1", "pdls1", "pdls2", "pdls2"], output
-    check_nothing_found(found, keys.read_text().split(), 4, ancestors=2)
+    check_nothing_found(found, keys.read_text().split(), 4, 2, output)
 
 
 def wait_for(predicate, what: str, timeout: float):
