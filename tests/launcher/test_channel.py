@@ -146,17 +146,21 @@ def test_the_key_reaches_another_host_on_standard_input_only():
     run = [sys.executable, "-m", "popdist_lite_launcher.channel"]
     mine = lambda: sorted(n for n in os.listdir(channel.key_parent()) if mark in n)  # noqa: E731
     channel.remove_keys(mark)
-    done = subprocess.run([*run, mark, "0", "2"], input=key.hex() + "\n", capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    directory = done.stdout.strip()
-    assert channel.is_key_dir(directory, mark) and os.path.dirname(directory) == channel.key_parent()
-    assert channel.take_key({channel.KEY_FILE_ENV: f"{directory}/rank-2"}) == key
-    for args, given in (([mark, "0"], "zz\n"), (["nothex", "0"], key.hex()), ([mark, "-1"], key.hex()), ([mark], key.hex())):
-        bad = subprocess.run([*run, *args], input=given, capture_output=True, text=True, timeout=60)
-        assert bad.returncode == 2 and not bad.stdout
-    assert len(mine()) == 1
-    assert channel.remove_keys(mark) == 1 and not mine()
+    try:
+        done = subprocess.run([*run, mark, "0", "2"], input=key.hex() + "\n", capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        directory = done.stdout.strip()
+        assert channel.is_key_dir(directory, mark) and os.path.dirname(directory) == channel.key_parent()
+        assert channel.take_key({channel.KEY_FILE_ENV: f"{directory}/rank-2"}) == key
+        for args, given in (([mark, "0"], "zz\n"), (["nothex", "0"], key.hex()), ([mark, "-1"], key.hex()),
+                            ([mark], key.hex())):
+            bad = subprocess.run([*run, *args], input=given, capture_output=True, text=True, timeout=60)
+            assert bad.returncode == 2 and not bad.stdout
+        assert len(mine()) == 1
+        assert channel.remove_keys(mark) == 1 and not mine()
+    finally:
+        channel.remove_keys(mark)
 
 
 # ---------------------------------------------------------------- the collector

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import shutil
 from pathlib import Path
 
 import pytest
@@ -70,7 +69,7 @@ def test_key_files_reach_other_hosts_through_the_launch_agent(tmp_path):
         assert [channel.take_key({channel.KEY_FILE_ENV: p}) for p in paths] == [key] * 3
         assert not os.path.exists(there) and not os.path.exists(local)  # the last reader removed each directory
     finally:
-        shutil.rmtree(local, ignore_errors=True)
+        channel.remove_keys(mark)
 
 
 @pytest.mark.parametrize("body", ["exit 3", "cat >/dev/null; echo /etc"])
