@@ -1,8 +1,9 @@
 """Per-rank supervisor: ``python -m popdist_lite_launcher.agent -- program args``.
 
 mpirun starts one agent per rank (like torchrun's per-worker agent) on the rank's host.
-The agent takes the job's key out of its environment (so its program's environment does
-not hold it), starts the program as its child, tees the child's stderr while keeping its
+The agent reads the job's key from its key file and removes the file
+(:func:`popdist_lite_launcher.channel.take_key`: no process's environment holds the key,
+only the file's path), starts the program as its child, tees the child's stderr while keeping its
 last lines, forwards SIGTERM/SIGINT, and keeps ONE authenticated TCP connection to the
 launcher's collector (``POPRUN_LITE_COLLECTOR``; :class:`Link`, framing and handshake in
 :mod:`popdist_lite_launcher.channel`) over which it sends records
@@ -27,15 +28,15 @@ and a stack file on this host (:mod:`popdist_lite_launcher.rank_progress`) and s
 The program reaches its agent through a host-local socket pair whose descriptor is in
 ``POPDIST_LITE_RECORD_FD`` (see :func:`popdist_lite.records.send`).
 
-Enrolment before the program: the key is still in the environment of the agent's
-ancestors (mpirun, its daemons) and in the agent's own initial environment
-(``/proc/PID/environ``), where the program, a process of the same user, can read it. So
-the program's process is created held (:data:`HOLD`: a shell waiting for one line on the
-program's socket, so that its pid is known for the ``hello``) and runs the program only
-after the launcher's welcome, which a job's collector sends once every rank has enrolled
-(:class:`popdist_lite_launcher.collector.Collector`, ``enrolment``) and after which it
-accepts no hello: what a program can read is spent. An agent that cannot enrol does not
-start its program and exits with :data:`NOT_STARTED`.
+Enrolment before the program: the program's process is created held (:data:`HOLD`: a
+shell waiting for one line on the program's socket, so that its pid is known for the
+``hello``) and runs the program only after the launcher's welcome, which a job's
+collector sends once every rank has enrolled (:class:`popdist_lite_launcher.collector.Collector`,
+``enrolment``) and after which it accepts no hello. Every agent removed its key file
+before its hello, so when a program starts no key file of the job is left on any host;
+and a key the program could still find (a file whose agent never started) would be
+spent. An agent that cannot enrol does not start its program and exits with
+:data:`NOT_STARTED`.
 
 The launcher's death ends the program: when the connection to the collector ends (end of
 file or an error, the launcher was killed or closed it) the agent SIGKILLs its program
@@ -43,7 +44,7 @@ at once and exits. The program gets SIGKILL when the agent dies (``PR_SET_PDEATH
 
 Environment read here (set by the launcher):
     POPRUN_LITE_COLLECTOR                   the collector's host:port (no records if unset)
-    POPRUN_LITE_JOB_KEY                     the job's key (hex), removed from the environment
+    POPRUN_LITE_KEY_FILE                    the file holding the job's key (hex), removed
     POPRUN_LITE_STALL_INSPECTOR             "1": record and forward the program's progress
     POPDIST_LITE_ROLE                       "replica" (default) or "feeder"
     POPDIST_LITE_FEEDER_OF / _FEEDER_INDEX  on a feeder: the replica it feeds, its index
@@ -163,7 +164,8 @@ class Link:
         self.ready = threading.Event()  # authenticated, or given up
         self.closed = threading.Event()
         if address and key is None:
-            _warn(f"no job key in ${channel.KEY_ENV}; this rank's failures will not be reported")
+            _warn(f"no job key (${channel.KEY_FILE_ENV} names no readable key file); "
+                  "this rank's failures will not be reported")
         if not address or key is None:
             self.ready.set()
 
@@ -414,7 +416,7 @@ def run(program: list[str]) -> int:
     not raise for failures of the program.
     """
     environ = os.environ
-    key = channel.take_key(environ)  # out of our environment before anything is started
+    key = channel.take_key(environ)  # the key file is gone before anything is started
     ident = records.env_identity(environ)
     shown = _is_shown(environ)
     ours, theirs = socket.socketpair()

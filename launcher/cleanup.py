@@ -16,7 +16,9 @@ launch agent, all at once and under :data:`CLEANUP_TIMEOUT_SECONDS` (and
 :func:`kill_marked` itself for ranks on its own host); a host where that fails is
 reported. :func:`kill_marked` SIGKILLs every process of the caller's user whose
 environment holds the mark (read from ``/proc/PID/environ``), itself and its ancestors
-excepted, until none is left. The mark names processes; it is not a secret: a local user
+excepted, until none is left, and removes the attempt's key directory there
+(:func:`popdist_lite_launcher.channel.remove_keys`: the files of agents that never
+started). The mark names processes; it is not a secret: a local user
 who copies it into a process of their own only gets that process killed.
 """
 
@@ -29,6 +31,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+from . import channel
 
 #: The variable holding the attempt's mark, in every process of the attempt.
 MARK_ENV = "POPRUN_LITE_ATTEMPT"
@@ -141,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m popdist_lite_launcher.cleanup MARK (16 to 64 hex digits)", file=sys.stderr)
         return 2
     killed, left = kill_marked(args[0])
+    channel.remove_keys(args[0])  # key files of agents that never started (channel.write_keys)
     if left:
         print(f"poprun-lite cleanup: {len(left)} process(es) of the attempt still running "
               f"(pids {', '.join(map(str, left[:10]))})", file=sys.stderr)

@@ -54,8 +54,8 @@ POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
 POPDIST_REPLICA_INDEX_OFFSET, POPDIST_LOCAL_INSTANCE_INDEX, POPDIST_LITE_ROLE,
 POPRUN_LITE_COLLECTOR (where its agent sends records), POPDIST_LITE_FEEDERS_PER_REPLICA (and
 POPDIST_LITE_TIMELINE with --timeline). The agents also get the job's key (a new one for
-every attempt) in POPRUN_LITE_JOB_KEY, forwarded by name from mpirun's environment like
-POPRUN_LITE_COLLECTOR, never on a command line; the program does not see it. Feeders (ranks after the replicas, on their replica's host) get their
+every attempt) in a file of their own on their host, named by POPRUN_LITE_KEY_FILE and
+removed before the program starts: it is on no command line and in no environment. Feeders (ranks after the replicas, on their replica's host) get their
 replica's variables plus POPDIST_LITE_ROLE=feeder, POPDIST_LITE_FEEDER_OF and
 POPDIST_LITE_FEEDER_INDEX. OMP_NUM_THREADS and the BLAS thread variables default to 1.
 mpirun: --mpirun, $POPRUN_LITE_MPIRUN, mpirun/mpiexec on PATH, or next to Python.

@@ -1,8 +1,8 @@
 """The launcher's collector: a TCP server receiving the records of every rank's agent.
 
 The launcher starts a :class:`Collector` before mpirun and gives every rank its address
-(``POPRUN_LITE_COLLECTOR=host:port``) and the job's key (:data:`channel.KEY_ENV
-<popdist_lite_launcher.channel.KEY_ENV>`), both in the environment. Each agent opens one
+(``POPRUN_LITE_COLLECTOR=host:port``, in the environment) and the job's key (in a key
+file of its own, :mod:`popdist_lite_launcher.channel`). Each agent opens one
 connection, authenticates with the key (:mod:`popdist_lite_launcher.channel`: challenge,
 hello, welcome; a job's collector takes each rank's hello once and holds the welcomes
 until every rank has enrolled, ``enrolment``) and sends framed records (format: :mod:`popdist_lite.records`). Anyone
@@ -124,9 +124,9 @@ class Collector:
             ranks have to enrol: each of ranks ``0 .. ranks-1`` is accepted once, with
             its welcome held until every rank has enrolled or these seconds (from the
             collector's start) have passed; then enrolment closes and no hello is
-            accepted any more. So the key an agent's ancestors still hold in their
-            environment opens nothing once any program runs (agents start their
-            program after their welcome). None: any agent, at once (up to ``ranks +
+            accepted any more. Every agent removed its key file before its hello,
+            so no program (agents start it after their welcome) finds one; a key it
+            found anyway (a file whose agent never started) opens nothing. None: any agent, at once (up to ``ranks +
             CONNECTION_MARGIN`` connected; the hosts' check server, tests).
 
     Raises:

@@ -4,6 +4,8 @@ every job not launched through Slurm (:class:`popdist_lite_launcher.slurm.SlurmL
 changes only how mpirun reaches the other hosts, :meth:`SshLauncher.remote_launch`).
 
 Each attempt gets its own collector (address, key), attempt mark and stall inspector;
+the key reaches every rank's agent in a file of its own on its host
+(:func:`deposit_keys`, :mod:`popdist_lite_launcher.channel`);
 remote hosts are checked first (the probe, :func:`popdist_lite_launcher.network.check_hosts`)
 unless the membership policy checked them already; mpirun runs the MPMD command of the
 rank plan (:func:`popdist_lite_launcher.plan.plan_ranks`) with the attempt agent
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import sys
 
 from popdist_lite import records
@@ -51,14 +54,21 @@ class SshLauncher:
             address = network.launcher_address(opts.network_interface, remote) if remote else "127.0.0.1"
             if remote and opts.host_check and not attempt.hosts_checked:
                 network.check_hosts(opts.launch_agent, remote, address=address)
-            collector = Collector(address, ranks=len(ranks), enrolment=ENROLMENT_SECONDS)
         except (OSError, LauncherError) as exc:
             raise AttemptError(str(exc)) from None
-        mark = cleanup.new_mark()
-        try:
+        mark, key = cleanup.new_mark(), channel.new_key()
+        local_keys = None
+        try:  # the key files first: the collector's enrolment time starts with it
+            local_keys = deposit_keys(ranks, remote, key, mark, opts.launch_agent)
+            try:
+                collector = Collector(address, ranks=len(ranks), enrolment=ENROLMENT_SECONDS, key=key)
+            except (OSError, LauncherError) as exc:
+                raise AttemptError(str(exc)) from None
             with collector:
                 result = self._launch(attempt, ranks, remote, address, collector, mark)
         finally:
+            if local_keys is not None:
+                shutil.rmtree(local_keys, ignore_errors=True)
             self._clean_up(ranks, remote, mark)
         result.refused, result.dropped = collector.ignored()
         stops = collector.records("resize_stop")
@@ -88,7 +98,7 @@ class SshLauncher:
             tag_output=opts.tag_output,
             oversubscribe=not remote or len(ranks) > (os.cpu_count() or 1),
             allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
-            export=[*export, records.COLLECTOR_ENV, channel.KEY_ENV, cleanup.MARK_ENV],
+            export=[*export, records.COLLECTOR_ENV, cleanup.MARK_ENV],
             launch_agent=mpirun_agent,
             network=opts.network_interface if remote else None,
             launcher_address=address if remote else None)
@@ -137,14 +147,60 @@ class SshLauncher:
                   file=sys.stderr, flush=True)
 
 
+def deposit_keys(ranks: list[RankSpec], remote: list[str], key: bytes, mark: str,
+                 launch_agent: str) -> str | None:
+    """Give every rank's agent the job's ``key`` in a file of its own on its host
+    (:func:`channel.write_keys <popdist_lite_launcher.channel.write_keys>`), and set the
+    file's path in the rank's environment (:data:`channel.KEY_FILE_ENV
+    <popdist_lite_launcher.channel.KEY_FILE_ENV>`, in ``ranks[i].env``): on this host
+    directly, on each host of ``remote`` with the launch agent running
+    ``python -m popdist_lite_launcher.channel MARK RANK...`` with the key on its standard
+    input (all hosts at once), whose printed directory is checked
+    (:func:`channel.is_key_dir <popdist_lite_launcher.channel.is_key_dir>`). Returns this
+    host's key directory (None: no rank here), for the caller to remove after the
+    attempt; the cleanup removes the others' (``remove_keys``).
+
+    Raises:
+        AttemptError: naming the host where the files could not be written.
+    """
+    hosts: dict[str | None, list[int]] = {}
+    for rank, spec in enumerate(ranks):
+        hosts.setdefault(None if is_local_host(spec.host) else spec.host, []).append(rank)
+    directories: dict[str | None, str] = {}
+    try:
+        if None in hosts:
+            directories[None] = channel.write_keys(key, hosts[None], mark)
+    except OSError as exc:
+        raise AttemptError(f"cannot write the job's key files on this host: {exc}") from None
+    outcomes = network.run_on_hosts(
+        launch_agent, remote, lambda host, index: [sys.executable, "-m", "popdist_lite_launcher.channel",
+                                                   mark, *map(str, hosts[host])],
+        timeout=network.HOST_CHECK_TIMEOUT_SECONDS, input_text=key.hex() + "\n")
+    for host in remote:
+        outcome = outcomes[host]
+        printed = "" if isinstance(outcome, str) else outcome.stdout.strip()
+        if isinstance(outcome, str) or outcome.returncode != 0 or not channel.is_key_dir(printed, mark):
+            if None in directories:
+                shutil.rmtree(directories[None], ignore_errors=True)
+            said = outcome if isinstance(outcome, str) else \
+                f"exit code {outcome.returncode}: " + " / ".join(
+                    (outcome.stderr.strip() or printed[:200] or "no output").splitlines()[-3:])
+            raise AttemptError(f"cannot give the job's key to host {host} with the launch agent: {said}")
+        directories[host] = printed
+    for host, members in hosts.items():
+        for rank in members:
+            ranks[rank].env[channel.KEY_FILE_ENV] = f"{directories[host]}/{channel.key_file_name(rank)}"
+    return directories.get(None)
+
+
 def job_environment(collector: Collector, mark: str, launch_agent: str | None = None) -> dict[str, str]:
-    """mpirun's environment: the launcher's, plus the collector's address and the job's
-    key, which mpirun forwards to every rank by name (never on a command line), the
-    attempt's mark (:mod:`popdist_lite_launcher.cleanup`) and, for remote hosts, the real
-    launch agent behind :data:`cleanup.ATTEMPT_AGENT
-    <popdist_lite_launcher.cleanup.ATTEMPT_AGENT>`."""
-    env = {**os.environ, records.COLLECTOR_ENV: collector.address,
-           channel.KEY_ENV: collector.key.hex(), cleanup.MARK_ENV: mark}
+    """mpirun's environment: the launcher's, plus the collector's address, which mpirun
+    forwards to every rank by name (never on a command line), the attempt's mark
+    (:mod:`popdist_lite_launcher.cleanup`) and, for remote hosts, the real launch agent
+    behind :data:`cleanup.ATTEMPT_AGENT <popdist_lite_launcher.cleanup.ATTEMPT_AGENT>`.
+    Not the job's key (:func:`deposit_keys`)."""
+    env = {**os.environ, records.COLLECTOR_ENV: collector.address, cleanup.MARK_ENV: mark}
+    env.pop(channel.KEY_FILE_ENV, None)
     if launch_agent is not None:
         env[cleanup.LAUNCH_AGENT_ENV] = launch_agent
     return env

@@ -31,10 +31,13 @@ class DenseOptimizer:
     Checkpoints (the ``Stateful`` protocol of :mod:`popdist_lite.checkpoint`): the slots
     (replicated) and the step counter. An optimizer that has state (after :meth:`init`
     or an update) loads into its own arrays, whose shapes and dtypes come from the
-    parameters; one without takes the checkpoint's slots, each checked to be a slot of
-    this optimizer in a float dtype before anything is allocated (the load allocates
-    them once their files were checked), and compared with the parameters at the next
-    update, which has them.
+    parameters; one without takes the checkpoint's slots, each checked before anything
+    is allocated (the load allocates them once their files were checked): a slot of
+    this optimizer in a float dtype (:meth:`checkpoint_slot`), and of the shape and
+    dtype of its parameter, the live array of the parameter's name in the state being
+    loaded (``{"params": params, "opt": opt}``: ``params/w`` for the slots ``w/m``,
+    ``w/v``; :meth:`check_claims`). A slot whose parameter is not in that state is
+    compared with the parameters at the next update, which has them.
     """
 
     #: The names of the arrays kept per parameter.
@@ -80,6 +83,26 @@ class DenseOptimizer:
         if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise ValueError(f"optimizer state is float32 or float64 (native byte order), got {np.dtype(dtype).str}")
 
+    def check_claims(self, claims: dict, live: dict) -> None:
+        """Compare the checkpoint's slots ``claims`` (``"<param>/<slot>"`` -> saved
+        ``(shape, dtype)``) with the parameters among ``live`` (name -> ``(shape,
+        dtype)`` of the state being loaded): a slot of parameter ``w`` must have the
+        shape of a live array named ``w`` or ``.../w`` and the dtype its state takes
+        (float32, float64 for float64 parameters). Slots of parameters not in ``live``
+        are left to the next update's check (:meth:`check_state`).
+
+        Raises:
+            ValueError: naming the slot, the shape and dtype it has and those expected.
+        """
+        for relative, (shape, dtype) in claims.items():
+            param = relative.rpartition("/")[0]
+            wants = {(tuple(s), np.result_type(d, np.float32)) for name, (s, d) in live.items()
+                     if name == param or name.endswith("/" + param)}
+            if wants and (tuple(shape), np.dtype(dtype)) not in wants:
+                expected = " or ".join(sorted(f"{d}{list(s)}" for s, d in wants))
+                raise ValueError(f"{type(self).__name__} slot {relative!r} is {np.dtype(dtype)}{list(shape)}, "
+                                 f"its parameter {param!r} needs {expected}")
+
     def state_dict(self, partition=None) -> dict:
         """The slots (``{"state": {param: {slot: array}}}``, live references; before any
         state exists, an :class:`~popdist_lite.checkpoint.stateful.Allocate` taking the
@@ -88,7 +111,8 @@ class DenseOptimizer:
         from .checkpoint.stateful import Allocate
 
         tree: dict = {"state": {name: dict(slots) for name, slots in self.state.items()} if self.state else
-                      Allocate(partition or Partition("replicated"), self.checkpoint_slot)}
+                      Allocate(partition or Partition("replicated"), self.checkpoint_slot,
+                               None if partition is not None else self.check_claims)}
         if hasattr(self, "steps"):
             tree["steps"] = int(self.steps)
         return tree

@@ -118,8 +118,8 @@ def run(replicas: int, timeout: float, kill_at: int | None) -> dict:
 
 
 # The agents' side of control_plane(), in its own process as agents are: N handshakes,
-# one after the other, then records through the first connection. The key comes in the
-# environment, as poprun-lite gives it.
+# one after the other, then records through the first connection. The key comes in a key
+# file, as poprun-lite gives it (channel.take_key reads and removes it).
 AGENTS = """
 import json, os, sys, time
 from popdist_lite import records
@@ -158,8 +158,9 @@ def control_plane(agents: int, count: int, timeout: float) -> dict:
 
     with Collector(ranks=agents) as collector:
         collector.subscribe("progress", arrived)
+        keys = channel.write_keys(collector.key, [0], "0" * 16)  # the agents' side reads and removes it
         env = {**os.environ, records.COLLECTOR_ENV: collector.address,
-               channel.KEY_ENV: collector.key.hex()}
+               channel.KEY_FILE_ENV: f"{keys}/{channel.key_file_name(0)}"}
         proc = subprocess.Popen([sys.executable, "-c", AGENTS, str(agents), str(count)], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:

@@ -84,6 +84,8 @@ class Binding:
     finish: list[Callable[[], None]] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
     allocations: list[Callable[[], None]] = field(default_factory=list)
+    live: dict = field(default_factory=dict)         # the user's plain arrays: name -> (shape, dtype)
+    claim_checks: list[Callable[[], None]] = field(default_factory=list)  # run by bind at its end
 
     def allocate(self) -> None:
         """Allocate the claimed arrays (zeros, shaped as saved) and put them in the
@@ -316,6 +318,8 @@ def bind(state: dict, manifest: dict, path, replicas: int, replica: int) -> Bind
     out = Binding()
     for key, name in _children(state, ""):
         _bind_leaf(out, m, name, state, key)
+    for check in out.claim_checks:  # once every live array is known
+        check()
     return out
 
 
@@ -330,6 +334,7 @@ def _bind_leaf(out: Binding, m: _Manifest, name: str, parent: dict, key: str) ->
             _bind_leaf(out, m, child, value, child_key)
     elif isinstance(value, np.ndarray):
         m.object(name, "ndarray")
+        out.live[name] = (value.shape, value.dtype)
         out.targets.append(_target(out, m, name, value.shape, value.dtype, Partition("replicated"), value))
     elif isinstance(value, PerReplica):
         saved = m.replica_value(name)
@@ -402,6 +407,7 @@ def _bind_allocation(out: Binding, m: _Manifest, name: str, leaf: Allocate) -> d
     :meth:`Binding.allocate`, which runs once the files behind the claims were checked,
     so a manifest's claims cost nothing before its files back them."""
     loaded: dict = {}
+    claims: dict = {}
     prefix = name + "/"
     for array_name in sorted(n for n in m.arrays if n.startswith(prefix)):
         record = m.arrays[array_name]
@@ -431,4 +437,12 @@ def _bind_allocation(out: Binding, m: _Manifest, name: str, leaf: Allocate) -> d
             entry.local = np.zeros(local_shape, entry.dtype)
             node[last] = wrap(entry.local)
         out.allocations.append(allocate)
+        claims[relative] = (shape, dtype)
+    if leaf.check_claims is not None:
+        def check_claims():
+            try:
+                leaf.check_claims(claims, out.live)
+            except (ValueError, TypeError) as exc:
+                raise CheckpointMismatch(f"checkpoint {m.path}: {name!r}: {exc}") from None
+        out.claim_checks.append(check_claims)
     return loaded

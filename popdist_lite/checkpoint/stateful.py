@@ -116,12 +116,19 @@ class Allocate:
     leaf, e.g. ``"w/m"``) accepted it; the arrays are split over the replicas by
     ``partition`` (the global shape is the saved one). ``check`` runs before anything
     is allocated (compare with the live parameters there when the object knows them);
-    the arrays are allocated only once their files were checked (size, header, crc32),
-    so a checkpoint cannot make a load allocate more than it holds on disk.
+    so does ``check_claims(claims, live)`` when given, once the whole state was matched:
+    ``claims`` maps each accepted name to its saved ``(shape, dtype)``, ``live`` every
+    plain numpy array of the state being loaded (in the user's dicts, e.g.
+    ``"params/w"``) to its ``(shape, dtype)``, so that an object that does not know its
+    parameters (a numpy optimizer before its first step) can compare its claims with
+    them; it raises ``ValueError`` to refuse. The arrays are allocated only once their
+    files were checked (size, header, crc32), so a checkpoint cannot make a load
+    allocate more than it holds on disk.
     """
 
     partition: Partition
     check: Callable[[str, tuple, np.dtype], None]
+    check_claims: Callable[[dict, dict], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import pytest
 from popdist_lite import records
 from popdist_lite_launcher import agent, channel, collector as collector_module
 from popdist_lite_launcher.collector import Collector
-from peers import AgentConnection, address, read_line, wait_for
+from peers import AgentConnection, address, key_file, read_line, wait_for
 
 IDENT = records.identity(rank=0, replica=0, pid=10)
 
@@ -99,11 +99,68 @@ def test_authentic_frame_with_invalid_record():
     assert launcher.open(agent_side.seal(records.make("heartbeat"))[:-1], records.FROM_AGENT)
 
 
-def test_take_key_removes_it():
-    env = {channel.KEY_ENV: "ab" * 32, "OTHER": "1"}
+def test_take_key_reads_and_removes_the_file(tmp_path):
+    mark = "0123456789abcdef"
+    directory = channel.write_keys(b"\xab" * 32, [0, 3], mark, parent=str(tmp_path))
+    assert os.stat(directory).st_mode & 0o777 == 0o700 and channel.is_key_dir(directory, mark)
+    assert sorted(os.listdir(directory)) == ["rank-0", "rank-3"]
+    assert all(os.stat(f"{directory}/{n}").st_mode & 0o777 == 0o600 for n in ("rank-0", "rank-3"))
+    env = {channel.KEY_FILE_ENV: f"{directory}/rank-0", "OTHER": "1"}
     assert channel.take_key(env) == b"\xab" * 32 and env == {"OTHER": "1"}
-    assert channel.take_key({channel.KEY_ENV: "zz"}) is None and channel.take_key({}) is None
-    assert channel.take_key({channel.KEY_ENV: "ab" * 16}) is None  # too short
+    assert os.listdir(directory) == ["rank-3"]  # its own file only; the directory goes with the last
+    assert channel.take_key({channel.KEY_FILE_ENV: f"{directory}/rank-3"}) == b"\xab" * 32
+    assert not os.path.exists(directory)
+    assert channel.take_key({channel.KEY_FILE_ENV: f"{directory}/rank-3"}) is None  # read once
+    assert channel.take_key({}) is None
+
+
+@pytest.mark.parametrize("case", ["short", "not hex", "readable by others", "symlink", "fifo"])
+def test_take_key_refuses_a_bad_file(tmp_path, case):
+    path = tmp_path / "rank-0"
+    if case == "symlink":
+        target = tmp_path / "target"
+        target.write_text("ab" * 32)
+        target.chmod(0o600)
+        path.symlink_to(target)
+    elif case == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        path.write_text({"short": "ab" * 16, "not hex": "zz" * 32}.get(case, "ab" * 32))
+        path.chmod(0o644 if case == "readable by others" else 0o600)
+    assert channel.take_key({channel.KEY_FILE_ENV: str(path)}) is None  # and returns at once
+
+
+@pytest.mark.parametrize("printed", ["relative/poprun-lite-key-0123456789abcdef-x", "/tmp/other",
+                                     "/tmp/poprun-lite-key-fedcba9876543210-x", "/tmp/../poprun-lite-key-0123456789abcdef-x",
+                                     "/tmp/poprun-lite-key-0123456789abcdef-x;rm", "/tmp/poprun-lite-key-0123456789abcdef-x\n"])
+def test_a_key_directory_printed_by_a_host_is_checked(printed):
+    assert not channel.is_key_dir(printed, "0123456789abcdef")
+    assert channel.is_key_dir("/tmp/poprun-lite-key-0123456789abcdef-x_1.a", "0123456789abcdef")
+
+
+def test_the_key_reaches_another_host_on_standard_input_only():
+    """What the launcher runs on another host: the key on standard input, the directory
+    (in channel.key_parent()) printed; a bad mark, rank or key writes nothing.
+    remove_keys removes the attempt's."""
+    mark, key = "0123456789abcdee", b"\x5a" * 32
+    run = [sys.executable, "-m", "popdist_lite_launcher.channel"]
+    mine = lambda: sorted(n for n in os.listdir(channel.key_parent()) if mark in n)  # noqa: E731
+    channel.remove_keys(mark)
+    try:
+        done = subprocess.run([*run, mark, "0", "2"], input=key.hex() + "\n", capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        directory = done.stdout.strip()
+        assert channel.is_key_dir(directory, mark) and os.path.dirname(directory) == channel.key_parent()
+        assert channel.take_key({channel.KEY_FILE_ENV: f"{directory}/rank-2"}) == key
+        for args, given in (([mark, "0"], "zz\n"), (["nothex", "0"], key.hex()), ([mark, "-1"], key.hex()),
+                            ([mark], key.hex())):
+            bad = subprocess.run([*run, *args], input=given, capture_output=True, text=True, timeout=60)
+            assert bad.returncode == 2 and not bad.stdout
+        assert len(mine()) == 1
+        assert channel.remove_keys(mark) == 1 and not mine()
+    finally:
+        channel.remove_keys(mark)
 
 
 # ---------------------------------------------------------------- the collector
@@ -393,12 +450,12 @@ def test_agent_drops_invalid_requests_and_strips_the_key(tmp_path):
     ready = tmp_path / "ready"
     code = ("import os, signal, time, pathlib\n"
             "signal.signal(signal.SIGUSR1, lambda *a: os._exit(7))\n"
-            f"pathlib.Path({str(ready)!r}).write_text(str({channel.KEY_ENV!r} in os.environ) + "
-            f"str(open('/proc/self/environ', 'rb').read().count(b{channel.KEY_ENV!r})))\n"
+            f"pathlib.Path({str(ready)!r}).write_text(str({channel.KEY_FILE_ENV!r} in os.environ) + "
+            f"str(open('/proc/self/environ', 'rb').read().count(b{channel.KEY_FILE_ENV!r})))\n"
             "time.sleep(60)")
     with Collector(ranks=1) as collector:
         env = {**os.environ, records.COLLECTOR_ENV: collector.address,
-               channel.KEY_ENV: collector.key.hex(), "PMI_RANK": "0"}
+               **key_file(collector.key), "PMI_RANK": "0"}
         proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
                                  sys.executable, "-c", code], env=env, text=True,
                                 stderr=subprocess.PIPE)

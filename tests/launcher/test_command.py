@@ -157,8 +157,8 @@ def test_plan_env_per_instance():
         assert env["POPDIST_LOCAL_INSTANCE_INDEX"] == str(i)
         assert env["POPDIST_LITE_ROLE"] == "replica"
         assert "POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE" not in env
-        # the same for every rank: forwarded by name from mpirun's environment instead
-        assert records.COLLECTOR_ENV not in env and channel.KEY_ENV not in env
+        # forwarded by name from mpirun's environment; the key file is set per attempt (ssh_launch.deposit_keys)
+        assert records.COLLECTOR_ENV not in env and channel.KEY_FILE_ENV not in env
 
 
 def test_plan_hosts_divided_evenly():

@@ -152,29 +152,32 @@ def test_stranger_cannot_change_a_healthy_job(tmp_path):
 
 
 def test_key_is_on_no_command_line_and_not_in_the_program(tmp_path):
+    """No environment and no command line holds the job's key: mpirun gets none (each
+    agent reads its own key file, tests/launcher/test_key_unreadable.py), the collector's
+    address is forwarded by name."""
     launcher = start(tmp_path, "-v")
     try:
         ranks = ranks_started(tmp_path, launcher)
         mpirun = _children(launcher.pid)  # the launcher runs only mpirun (Open MPI 5: prterun)
         assert len(mpirun) == 1
         env = environ_of(mpirun[0])
-        key, collector = env[channel.KEY_ENV], env[records.COLLECTOR_ENV]
-        assert len(bytes.fromhex(key)) == channel.KEY_BYTES
+        assert "POPRUN_LITE_JOB_KEY" not in env and channel.KEY_FILE_ENV not in env
+        collector = env[records.COLLECTOR_ENV]
         cmdlines = {int(p): _cmdline(int(p)) for p in os.listdir("/proc") if p.isdigit()}
         agents = [_parent(rank["pid"]) for rank in ranks]
         assert all("popdist_lite_launcher.agent" in cmdlines[p] for p in agents)
-        assert not [p for p, c in cmdlines.items() if key in c or collector in c]
+        assert not [p for p, c in cmdlines.items() if collector in c]
         for rank in ranks:
-            assert not rank["environ"] and not rank["initial"]  # the agent removed it
-            assert channel.KEY_ENV not in environ_of(rank["pid"])
+            assert not rank["environ"] and not rank["initial"]
+            assert channel.KEY_FILE_ENV not in environ_of(rank["pid"])  # the agent took it out
             assert environ_of(rank["pid"])[records.COLLECTOR_ENV] == collector
         out, err = finish(tmp_path, launcher)
     finally:
         stop(tmp_path, launcher)
     assert launcher.returncode == 0, err
     command = err.splitlines()[0]
-    assert f"-x {channel.KEY_ENV} " in command and f"-x {records.COLLECTOR_ENV} " in command
-    assert key not in out + err and collector not in command
+    assert "POPRUN_LITE_JOB_KEY" not in command and f"-x {records.COLLECTOR_ENV} " in command
+    assert collector not in command
 
 
 def _children(pid: int) -> list[int]:
@@ -334,12 +337,11 @@ MPICH_PYTHON = os.environ.get("POPDIST_LITE_MPICH_PYTHON")
 @pytest.mark.parametrize("mpi", ["openmpi", pytest.param("mpich", marks=pytest.mark.skipif(
     not MPICH_PYTHON, reason="no MPICH environment (scripts/test prepares one)"))])
 def test_program_cannot_enrol_with_what_it_can_read(tmp_path, mpi):
-    """The job's key is still in the environment of the program's ancestors (the agent's
-    initial environment, mpirun and its daemon), where the program can read it; it is
-    spent: every rank had enrolled before any program ran, so the collector refuses a
-    hello with it for the program's own rank, another rank of the job and a rank beyond
-    it. The job's records and report hold nothing of the attacker's, and every refusal
-    is counted."""
+    """Whatever looks like a key in the environments of the program and its ancestors
+    (the agent's initial environment, mpirun and its daemon) opens nothing: the job's key
+    is in none of them (tests/launcher/test_key_unreadable.py), and a key found anyway
+    would be spent (every rank had enrolled before any program ran). The job's records
+    and report hold nothing of the attacker's, and every refusal is counted."""
     python, env = sys.executable, dict(os.environ)
     if mpi == "mpich":
         bin_dir = os.path.dirname(MPICH_PYTHON)
@@ -351,10 +353,11 @@ def test_program_cannot_enrol_with_what_it_can_read(tmp_path, mpi):
                            "2", python, str(prog), str(tmp_path)], capture_output=True, text=True,
                           timeout=JOB_SECONDS + 60, env=env, stdin=subprocess.DEVNULL)
     attack = json.loads((tmp_path / "attack").read_text())
-    assert attack["keys"] >= 1 and attack["ancestors"] >= 3, attack  # the key was there to find
+    assert attack["ancestors"] >= 3, attack
     assert attack["welcomed"] == [], (attack, proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FORGED" not in proc.stdout + proc.stderr and "root cause" not in proc.stderr
-    [line] = [line for line in proc.stderr.splitlines() if line.startswith("poprun-lite: ignored")]
-    assert f"ignored {attack['tried']} unauthenticated connection(s)" in line, line
-    assert "hello after enrolment closed" in line, line
+    ignored = [line for line in proc.stderr.splitlines() if line.startswith("poprun-lite: ignored")]
+    assert len(ignored) == bool(attack["tried"]), ignored
+    if attack["tried"]:
+        assert f"ignored {attack['tried']} unauthenticated connection(s)" in ignored[0], ignored

@@ -17,7 +17,7 @@ import pytest
 from popdist_lite import records
 from popdist_lite_launcher import agent, channel, report
 from popdist_lite_launcher.collector import Collector
-from peers import AgentConnection, address, wait_for
+from peers import AgentConnection, address, key_file, wait_for
 
 TB = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    1 / 0\n' \
      "ZeroDivisionError: division by zero\n"
@@ -335,7 +335,7 @@ def test_excepthook_without_agent(tmp_path):
 def run_agent(collector, code, env, **kw):
     """The agent supervising ``python -c code``, sending to ``collector``."""
     env = {**os.environ, records.COLLECTOR_ENV: collector.address,
-           channel.KEY_ENV: collector.key.hex(), **env}
+           **key_file(collector.key, int(env.get("PMI_RANK", "0"))), **env}
     return subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
                              sys.executable, "-c", code], env=env, text=True, **kw)
 

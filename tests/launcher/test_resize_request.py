@@ -14,7 +14,7 @@ import sys
 
 import pytest
 from helpers import JOB_SECONDS, timeout_for
-from peers import wait_for
+from peers import key_file, wait_for
 
 from popdist_lite import records
 from popdist_lite_launcher import channel
@@ -69,7 +69,7 @@ print("ASKED", before, pl.should_checkpoint(), flush=True)
 def test_resize_request_reaches_should_checkpoint_and_resize_stop_comes_back():
     with Collector(ranks=1) as collector:
         env = {**os.environ, records.COLLECTOR_ENV: collector.address,
-               channel.KEY_ENV: collector.key.hex(), "PMI_RANK": "0",
+               **key_file(collector.key), "PMI_RANK": "0",
                "POPDIST_REPLICA_INDEX_OFFSET": "0", "POPDIST_LITE_ROLE": "replica"}
         proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
                                  sys.executable, "-c", PROGRAM], env=env, text=True,

@@ -161,13 +161,19 @@ def test_slot_bomb_is_refused(shared, comm):
 @pytest.mark.mpi
 @pytest.mark.timeout(240)  # as test_multirank.TEST_SECONDS: ample for 4 ranks on one busy core
 def test_slots_loaded_into_a_fresh_optimizer_are_checked_before_its_first_step(shared, comm):
-    """An optimizer without state takes the checkpoint's slots (bounded by the files on
-    disk); its first step compares them with the parameters and refuses, changing nothing."""
+    """An optimizer without state takes the checkpoint's slots: the load compares them
+    with the live parameters of the state being loaded (refused, nothing allocated or
+    changed: tests/mpi/test_checkpoint_slot_shapes.py); loaded without its parameters in
+    the state, its first step compares them with the parameters and refuses, changing
+    nothing."""
     bomb = pl.CrossReplicaOptimizer(pl.Adam(0.1))
     bomb.optimizer.state = {"w": {"m": np.zeros(1024, np.float32), "v": np.zeros(1024, np.float32)}}
     path = pl.save_checkpoint(shared, _state(seed=1, opt=bomb), step=1)
     live = _state(seed=2, opt=pl.CrossReplicaOptimizer(pl.Adam(0.1)))
-    pl.load_checkpoint(path, live)
+    with pytest.raises(pl.CheckpointError, match=r"slot 'w/m' is float32\[1024\], its parameter 'w' needs float32\[3\]"):
+        pl.load_checkpoint(path, live)
+    assert not live["opt"].optimizer.state
+    pl.load_checkpoint(path, {"opt": live["opt"]})  # the parameters are not in this state
     params = {"w": live["params"]["w"].copy()}
     with pytest.raises(ValueError, match=r"state w/m: expected float32\[3\], got float32\[1024\]"):
         live["opt"].step(live["params"], {"w": np.ones(3, np.float32)})

@@ -19,7 +19,8 @@ import pytest
 
 from popdist_lite_launcher import testhosts
 from helpers import JOB_SECONDS, timeout_for
-from hostlaunch import MPICH_PYTHON, poprun, poprun_command, prog, ROOT
+from keyhunt import HUNT, check_nothing_found, hunts, key_dirs, recording_launcher
+from hostlaunch import MPICH_PYTHON, mpich_env, poprun, poprun_command, prog, ROOT
 
 pytestmark = timeout_for(1)
 
@@ -172,9 +173,10 @@ print("sent from", socket.gethostname())
 
 
 def test_control_plane_across_hosts(hosts):
-    """Agents on both hosts authenticate across the job network; the job's key is on no
-    command line on any host (mpirun's daemons included: the hosts share this machine's
-    process table) and not in the programs' environments; a stranger on a test host
+    """Agents on both hosts authenticate across the job network; the job's key is in no
+    environment (mpirun's included; the programs' key hunt is test_program_cannot_read_the_key)
+    and the collector's address on no command line on any host (mpirun's daemons
+    included: the hosts share this machine's process table); a stranger on a test host
     who sends a forged error and `lost` changes nothing: the job exits 0."""
     base = ROOT / ".test-multihost"
     base.mkdir(exist_ok=True)
@@ -188,9 +190,8 @@ def test_control_plane_across_hosts(hosts):
         assert collector.startswith(testhosts.LAUNCHER_ADDRESS + ":")
         assert not [me for me, env in environs.items() if "POPRUN_LITE_JOB_KEY" in env]
         [mpirun] = [p for p in _pids() if _ppid(p) == launcher.pid]
-        key = _environ(mpirun)["POPRUN_LITE_JOB_KEY"]
-        assert not [p for p in _pids() if key.encode() in _read(f"/proc/{p}/cmdline")
-                    or collector.encode() in _read(f"/proc/{p}/cmdline")]
+        assert "POPRUN_LITE_JOB_KEY" not in _environ(mpirun)
+        assert not [p for p in _pids() if collector.encode() in _read(f"/proc/{p}/cmdline")]
         sent = hosts.run("pdlh2", f"TARGET={collector} {sys.executable} -c '{STRANGER}'")
         assert sent.returncode == 0 and "sent from pdlh2" in sent.stdout, sent.stderr
         (go / "go").touch()
@@ -226,6 +227,26 @@ def _ppid(pid: int) -> int | None:
 def _environ(pid: int) -> dict[str, str]:
     return dict(e.decode(errors="replace").partition("=")[::2]
                 for e in _read(f"/proc/{pid}/environ").split(b"\0") if e)
+
+
+@pytest.mark.parametrize("mpich", [False, pytest.param(True, marks=needs_mpich)], ids=["openmpi", "mpich"])
+def test_program_cannot_read_the_key(hosts, tmp_path, mpich):
+    """Four replicas on two hosts (the launcher on neither: every key file is written
+    through the launch agent) hunt the job's key in their environments, every ancestor's
+    (the agent, MPI's daemon, the launch agent's shell) and the key file they find: none
+    is found, every key file is gone (tests/launcher/test_key_unreadable.py for one host),
+    and no key directory is left after the job."""
+    python = MPICH_PYTHON if mpich else sys.executable
+    keys, before = tmp_path / "keys", key_dirs()  # the test hosts share this machine's /dev/shm
+    command = poprun_command(hosts, "--num-replicas", "4", python, HUNT, job_timeout=JOB_SECONDS, python=python)
+    proc = subprocess.run(recording_launcher(python, keys, *command[3:]), capture_output=True, text=True,
+                          timeout=JOB_SECONDS + 120, cwd=ROOT, stdin=subprocess.DEVNULL,
+                          env={**os.environ, **(mpich_env() if mpich else {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = hunts(proc.stdout)
+    assert [h["host"] for h in found] == ["pdlh1", "pdlh1", "pdlh2", "pdlh2"]
+    check_nothing_found(found, keys.read_text().split(), 4, 2, proc.stderr)
+    assert not key_dirs() - before
 
 
 # ---------------------------------------------------------------- the launcher's death

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from slurmjob import MPIS, REPORT, ROOT, batch_script, mpi_env, poprun_command, wait_for
+from slurmjob import MPIS, REPORT, ROOT, batch_script, mpi_env, poprun_command, python_of, wait_for
 
 
 def check_run(output: str, mpi: str, replicas: int = 4) -> None:
@@ -49,6 +49,28 @@ def test_salloc(cluster, mpi):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     check_run(output, mpi)
+
+
+@pytest.mark.parametrize("mpi", MPIS)
+def test_program_cannot_read_the_key(cluster, mpi):
+    """``sbatch -N 2``: four replicas (two on the launcher's node, two on the other, whose
+    key files srun-agent wrote) hunt the job's key in their environments, every
+    ancestor's (agent, MPI's daemon, slurmstepd) and the key file they find
+    (tests/keyhunt.py): none is found and every key file is gone."""
+    from keyhunt import HUNT, check_nothing_found, hunts, recording_launcher
+
+    python = python_of(mpi)
+    keys, out = cluster.work / f"keys-{mpi}", cluster.work / f"keyhunt-{mpi}.out"
+    keys.unlink(missing_ok=True)
+    script = batch_script(cluster, f"keyhunt-{mpi}", recording_launcher(python, keys, "--timeout", "150",
+                                                                        python, HUNT))
+    done = cluster.run(["sbatch", "--wait", "-N", "2", "--ntasks-per-node", "2", "-o", str(out),
+                        str(script)], timeout=240, env=cluster.env({**os.environ, **mpi_env(mpi)}))
+    output = out.read_text() if out.exists() else ""
+    assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{output}"
+    found = hunts(output)
+    assert sorted(h["host"] for h in found) == ["pdls1", "pdls1", "pdls2", "pdls2"], output
+    check_nothing_found(found, keys.read_text().split(), 4, 2, output)
 
 
 @pytest.mark.parametrize("mpi", MPIS)
