@@ -48,6 +48,10 @@ examples:
   poprun-lite --print-topology python3 train.py        (in an sbatch script, no -H)
       hosts, slots and replicas from the Slurm allocation; processes on other nodes start
       through Slurm, so scancel ends them all (--launcher; docs/slurm.md)
+      SIGUSR1 (sbatch --signal=B:USR1@120) or SIGTERM to poprun-lite there: the replicas
+      checkpoint at their next step boundary (popdist_lite.should_checkpoint()); after
+      SIGUSR1 the job is requeued (scontrol requeue) (--preemption, --requeue-signal,
+      --no-requeue, --grace-period)
 
 Each rank gets POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_IPUS_PER_REPLICA,
 POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
