@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 from popdist_lite.checkpoint.__main__ import export
+from popdist_lite_launcher import testcluster
 from test_slurm_launch import MPIS, ROOT, mpi_env, python_of, wait_for
 
 PROG = ROOT / "tests" / "progs" / "hosts_elastic_prog.py"
@@ -87,8 +88,13 @@ class Job:
         try:
             wait_for(predicate, what, timeout)
         except AssertionError as exc:
+            shown = self.cluster.run(["scontrol", "show", "job", self.id])
+            log = testcluster.DIRECTORY / "slurmctld.log"
+            said = [line for line in (log.read_text(errors="replace") if log.exists() else "").splitlines()
+                    if f"JobId={self.id}" in line or f"job {self.id}" in line.lower()][-30:]
             raise AssertionError(f"{exc}; job {self.id} ({self.state() or 'gone'}), its output:\n"
-                                 f"{self.text()}") from None
+                                 f"{self.text()}\nscontrol show job: {shown.stdout}{shown.stderr}\n"
+                                 f"slurmctld.log:\n" + "\n".join(said)) from None
 
     def wait_held(self, step: int = 5) -> None:
         """Until every replica took step ``step`` (and is held after it)."""
