@@ -146,6 +146,11 @@ def test_usr1_checkpoints_requeues_and_resumes(cluster, mpi):
         job.signal("USR1")
         job.wait(lambda: "start 1" in job.text() or job.state() == "PENDING", "the requeued job", 120)
         if "start 1" not in job.text():  # an administrator's nudge past Slurm's requeue delay
+            # once the first run has left the nodes: a requeued job started while they still
+            # complete it fails at once ("Killing non-startable batch JobId=4: Job credential
+            # revoked", seen under MPICH)
+            job.wait(lambda: "start 1" in job.text() or set(cluster.run(
+                ["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()) == {"idle"}, "idle nodes", 120)
             job.wait(lambda: "start 1" in job.text() or cluster.run(
                 ["scontrol", "update", f"JobId={job.id}", "StartTime=now"]).returncode == 0, "StartTime=now", 60)
         job.wait(lambda: f"DONE {STEPS}" in job.text(), "the end of the requeued job", 240)
