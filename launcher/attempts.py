@@ -230,8 +230,9 @@ class AttemptsLoop:
     collectors' counts, added up) stay readable afterwards."""
 
     def __init__(self, opts: Options, launcher: Launcher, policy: FixedPolicy | ElasticPolicy,
-                 say: Callable[[str], None] = _say):
+                 say: Callable[[str], None] = _say, preemption=None):
         self.opts, self.launcher, self.policy, self.say = opts, launcher, policy, say
+        self.preemption = preemption  # preempt.Preemption: a signal asked for a checkpoint
         self.history: list[AttemptRecord] = []
         self.last: job.JobResult | None = None
         self.refused: dict[str, int] = {}
@@ -308,7 +309,13 @@ class AttemptsLoop:
         asked = next((w for w in watchers if w.asked), None)
         clean = result.returncode == 0 and not result.stop_reason and not result.failures \
             and not result.internal_error
-        unasked = outcome.resize_stops if asked is None else []
+        preempted = self.preemption is not None and self.preemption.asked
+        unasked = outcome.resize_stops if asked is None and not preempted else []
+        if clean and preempted and outcome.resize_stops:  # stopped for the scheduler (preempt.py)
+            code, record.outcome = self.preemption.finish()
+            print(f"poprun-lite: job {record.outcome} (exit code {code}); {format_attempts(self.history)}",
+                  file=sys.stderr, flush=True)
+            return code, ""
         if clean and outcome.resize_stops and asked is not None:
             record.outcome = f"stopped at a step boundary for a resize ({asked.reason})"
             say(f"attempt {record.number} stopped for a resize ({asked.reason}); starting the next")

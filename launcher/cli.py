@@ -17,7 +17,7 @@ import shlex
 import signal
 import sys
 
-from . import __version__, attempts, children, elastic, hosts, job, report, slurm, slurm_nodes
+from . import __version__, attempts, children, elastic, hosts, job, preempt, report, slurm, slurm_nodes
 from .mpirun import LauncherError, detect_implementation, find_mpirun
 from .options import Options
 from .plan import RESTART_COUNT_ENV, format_topology, placement, plan_ranks, processes_of  # noqa: F401
@@ -48,6 +48,10 @@ examples:
   poprun-lite --print-topology python3 train.py        (in an sbatch script, no -H)
       hosts, slots and replicas from the Slurm allocation; processes on other nodes start
       through Slurm, so scancel ends them all (--launcher; docs/slurm.md)
+      SIGUSR1 (sbatch --signal=B:USR1@120) or SIGTERM to poprun-lite there: the replicas
+      checkpoint at their next step boundary (popdist_lite.should_checkpoint()); after
+      SIGUSR1 the job is requeued (scontrol requeue) (--preemption, --requeue-signal,
+      --no-requeue, --grace-period)
 
 Each rank gets POPDIST_NUM_TOTAL_REPLICAS, POPDIST_NUM_IPUS_PER_REPLICA,
 POPDIST_NUM_LOCAL_REPLICAS=1, POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1,
@@ -195,6 +199,24 @@ def build_parser() -> argparse.ArgumentParser:
                                "attempt in POPDIST_LITE_RESTART_COUNT (0, 1, ...). SIGINT and "
                                "SIGTERM stop without restarting (default 0)")
 
+    sched = parser.add_argument_group("preemption and time limits (docs/slurm.md)")
+    sched.add_argument("--preemption", choices=preempt.MODES, default=preempt.AUTO,
+                       help="`on`: the requeue signal and SIGTERM ask the replicas to checkpoint "
+                            "at their next step boundary (popdist_lite.should_checkpoint()) and "
+                            "stop; `off`: SIGTERM stops the job at once and the requeue signal is "
+                            "not caught; `auto` (default): on inside a Slurm allocation")
+    sched.add_argument("--requeue-signal", default=preempt.DEFAULT_SIGNAL, metavar="SIG",
+                       help="the signal that asks for a checkpoint and then `scontrol requeue` "
+                            f"(default {preempt.DEFAULT_SIGNAL}; send it with sbatch "
+                            "--signal=B:USR1@SECONDS or scancel --signal=USR1 --batch)")
+    sched.add_argument("--no-requeue", dest="requeue", action="store_false",
+                       help="after the requeue signal's checkpoint, end the job without "
+                            "`scontrol requeue`")
+    sched.add_argument("--grace-period", type=_non_negative_float, default=None, metavar="SECONDS",
+                       help="how long the replicas have to reach a step boundary after a signal "
+                            "before the job is stopped without a checkpoint (default: Slurm's "
+                            f"KillWait, else {preempt.DEFAULT_GRACE_SECONDS:g})")
+
     grow = parser.add_argument_group("elastic jobs (docs/elastic.md)")
     grow.add_argument("--min-replicas", type=_positive_int, default=None, metavar="N",
                       help="make the job elastic: run with N to --num-replicas replicas on the "
@@ -231,6 +253,11 @@ def parse_args(argv: list[str] | None = None) -> Options:
         parser.error(str(exc))
     if opts.num_replicas is None:
         opts.num_replicas = 1
+    try:
+        opts.preempt = preempt.settings(opts.preemption, opts.requeue_signal, opts.requeue,
+                                        opts.grace_period, slurm.job_id(os.environ))
+    except (ValueError, LauncherError) as exc:
+        parser.error(str(exc))
     if opts.stall_timeout is None:
         text = os.environ.get(STALL_TIMEOUT_ENV, "")
         try:
@@ -309,8 +336,12 @@ def main(argv: list[str] | None = None) -> None:
     policy = slurm_nodes.make_policy(opts) or (
         attempts.ElasticPolicy(opts) if opts.elastic else attempts.FixedPolicy(opts))
     launcher_class = slurm.SlurmLauncher if opts.launcher == slurm.SLURM else SshLauncher
-    loop = attempts.AttemptsLoop(opts, launcher_class(opts, mpirun, implementation), policy)
+    preemption = preempt.Preemption(opts.preempt) if opts.preempt.enabled else None
+    loop = attempts.AttemptsLoop(opts, launcher_class(opts, mpirun, implementation, preemption), policy,
+                                 preemption=preemption)
     try:
+        if preemption is not None:
+            preemption.install()
         code = loop.run()
     except KeyboardInterrupt:  # outside run_job, which handles SIGINT itself
         code = 128 + signal.SIGINT
@@ -318,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         job.kill_sessions()
         children.kill_all()
+        if preemption is not None:
+            preemption.uninstall()
     line = report.format_ignored(loop.refused, loop.dropped)
     if line:
         print(line, file=sys.stderr, flush=True)

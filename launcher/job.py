@@ -101,7 +101,7 @@ _sessions: set[int] = set()  # mpirun sessions started by run_job and not yet ov
 
 
 def run_job(cmd: list[str], collector, *, timeout: float | None = None,
-            env: dict[str, str] | None = None, inspector=None) -> JobResult:
+            env: dict[str, str] | None = None, inspector=None, preemption=None) -> JobResult:
     """Run ``cmd`` (an mpirun command) to completion; failures come from ``collector``
     (a :class:`~popdist_lite_launcher.collector.Collector` whose address the ranks got).
 
@@ -111,7 +111,12 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     ``FAILED_JOB_STOP_DELAY_SECONDS`` later (at once for a lost agent). ``inspector``
     (a :class:`~popdist_lite_launcher.inspector.StallInspector`) is polled every 0.1 s;
     when it returns a block (stall timeout) the job is stopped too and the block is kept
-    in :attr:`JobResult.stall`. In every case the whole session is SIGKILLed if still
+    in :attr:`JobResult.stall`. ``preemption`` (a
+    :class:`~popdist_lite_launcher.preempt.Preemption` bound to this attempt, or None):
+    its signals ask the replicas for a checkpoint instead of stopping mpirun, and it is
+    polled every 0.1 s too: when it returns a reason (grace over, a second signal) the
+    job is stopped with that reason; its first signal is :attr:`JobResult.stop_signal`.
+    In every case the whole session is SIGKILLed if still
     alive ``SESSION_KILL_DELAY_SECONDS`` later. An exception while supervising (a bug
     in the launcher) SIGKILLs the session at once (in a ``finally``: the job is never
     left running unsupervised) and is returned in :attr:`JobResult.internal_error`,
@@ -135,6 +140,14 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
                 pass
 
     def interrupt(signum, _frame=None):
+        if preemption is not None and result.stop_signal is None:
+            why = preemption.on_signal(signum)
+            if why is None:
+                return  # the replicas are asked for a checkpoint (preemption.poll)
+            if why:  # a second signal: stop now, with the first's exit code
+                result.stop_reason, result.stop_signal = why, preemption.signum
+                stop(signal.SIGTERM)
+                return
         if result.stop_signal is None:
             result.stop_signal = signum
             if result.stop_reason is None:
@@ -142,7 +155,8 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
         stop(signum)
 
     # handlers first: a Ctrl-C while starting must not orphan mpirun (its own session)
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    handled = dict.fromkeys((signal.SIGINT, signal.SIGTERM, *(preemption.signals if preemption else ())))
+    previous = {s: signal.signal(s, interrupt) for s in handled}
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 start_new_session=True, env=env,
@@ -162,11 +176,13 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
             err_fd = 2
         tail = Tee(os.dup(proc.stderr.fileno()), err_fd, MPIRUN_TAIL_LINES, drop=b"\0")
         proc.stderr.close()
-        _supervise(proc, collector, timeout, inspector, result, state, stop)
+        _supervise(proc, collector, timeout, inspector, result, state, stop, preemption)
     except Exception as exc:  # noqa: BLE001 - reported; the finally below ends the job
         result.internal_error = describe(exc)
     finally:
         _restore(previous)
+        if preemption is not None and preemption.signum is not None and result.stop_signal is None:
+            result.stop_signal = preemption.signum
         if result.internal_error or state["stop_at"] is not None or proc.poll() is None:
             kill_session(proc.pid)  # leftovers that ignored the stop request, or no supervisor
         _sessions.discard(proc.pid)
@@ -181,7 +197,8 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     return result
 
 
-def _supervise(proc, collector, timeout, inspector, result: JobResult, state: dict, stop) -> None:
+def _supervise(proc, collector, timeout, inspector, result: JobResult, state: dict, stop,
+               preemption=None) -> None:
     """The loop of :func:`run_job`, until mpirun has ended."""
     start = time.monotonic()
     failed_at = None
@@ -207,6 +224,11 @@ def _supervise(proc, collector, timeout, inspector, result: JobResult, state: di
             if block is not None:
                 result.stall = block
                 result.stop_reason = "job stalled"
+                stop(signal.SIGTERM)
+        if preemption is not None and state["stop_at"] is None:
+            why = preemption.poll(lambda: {r.get("rank") for r in collector.records("resize_stop")})
+            if why:
+                result.stop_reason, result.stop_signal = why, preemption.signum
                 stop(signal.SIGTERM)
         if state["stop_at"] is not None and not killed \
                 and now - state["stop_at"] > SESSION_KILL_DELAY_SECONDS:

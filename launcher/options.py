@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # slurm imports the launch, which reads Options
+    from .preempt import Settings
     from .slurm import Allocation
 
 
@@ -51,6 +52,8 @@ class Options:
     stall_warning: float
     stall_timeout: float                    # resolved from $POPDIST_LITE_STALL_TIMEOUT; 0: never
     max_restarts: int
+    # preemption and time limits
+    preempt: Settings                       # --preemption, --requeue-signal, --no-requeue, --grace-period
     # elastic jobs
     elastic: bool                           # --min-replicas or --host-discovery-script given
     min_replicas: int | None                # set (default --num-replicas) when elastic

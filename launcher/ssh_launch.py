@@ -34,10 +34,13 @@ from .plan import format_topology, plan_ranks, processes_of
 
 class SshLauncher:
     """Runs attempts with ``mpirun`` (the executable, of ``implementation`` "openmpi" or
-    "mpich") under the options ``opts``."""
+    "mpich") under the options ``opts``; ``preemption`` (a
+    :class:`~popdist_lite_launcher.preempt.Preemption`, or None) answers the scheduler's
+    signals during each attempt."""
 
-    def __init__(self, opts: Options, mpirun: str, implementation: str):
+    def __init__(self, opts: Options, mpirun: str, implementation: str, preemption=None):
         self.opts, self.mpirun, self.implementation = opts, mpirun, implementation
+        self.preemption = preemption
 
     def run(self, attempt: Attempt) -> Outcome:
         """Run ``attempt`` (see the module docstring): its job's result, with the
@@ -106,6 +109,8 @@ class SshLauncher:
             if opts.allocation is not None:
                 print(f"{opts.allocation.describe()}; launcher {opts.launcher}", flush=True)
             print(format_topology(ranks), flush=True)
+            if self.preemption is not None and self.preemption.settings.enabled:
+                print(self.preemption.settings.describe(), flush=True)
         env = self.environment(job_environment(collector, mark, opts.launch_agent if remote else None))
         if opts.verbose:
             shown = [f"{name}={env[name]}" for name in (cleanup.LAUNCH_AGENT_ENV, cleanup.MARK_ENV)
@@ -113,11 +118,16 @@ class SshLauncher:
             print(shlex.join([*shown, *cmd]), file=sys.stderr, flush=True)
         sys.stdout.flush()
         watcher = attempt.watch(collector.send).start() if attempt.watch is not None else None
+        if self.preemption is not None:
+            self.preemption.begin(collector.send, attempt.membership.replicas)
         try:
-            return job.run_job(cmd, collector, timeout=attempt.timeout, inspector=inspector, env=env)
+            return job.run_job(cmd, collector, timeout=attempt.timeout, inspector=inspector, env=env,
+                               preemption=self.preemption)
         except OSError as exc:
             raise AttemptError(f"cannot run {self.mpirun}: {exc}") from None
         finally:
+            if self.preemption is not None:
+                self.preemption.end()
             if watcher is not None:
                 watcher.stop()
 

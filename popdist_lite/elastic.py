@@ -11,7 +11,10 @@ training loop, at a step boundary, asks::
         pl.save_checkpoint(ckpt_dir, state, step=step + 1)
         break                           # exit 0: the launcher starts the larger attempt
 
-so no step is lost or cut in half by a grow. The first True also sends the launcher a
+so no step is lost or cut in half by a grow. The same request comes when the scheduler
+signals poprun-lite (SIGUSR1 before a Slurm time limit, SIGTERM; docs/slurm.md): the
+program saves its checkpoint the same way, and the launcher requeues or ends the job.
+The first True also sends the launcher a
 ``resize_stop`` record: the replicas stopped for the resize (the attempt's clean end is
 then not the end of the job). Horovod Elastic's ``State.commit()`` checks for host
 changes at the same place (and raises ``HostsUpdatedInterrupt``); torchrun's agent
@@ -32,11 +35,14 @@ _state = {"announced": False}
 
 def should_checkpoint() -> bool:
     """Collective over the replicas: True when the launcher asked this attempt to end for
-    a resize (``poprun-lite --min-replicas``), on every replica at the same call.
+    a resize (``poprun-lite --min-replicas``) or on a scheduler's signal (the requeue
+    signal or SIGTERM with ``--preemption``, docs/slurm.md), on every replica at the same
+    call.
 
     Call it once per step at the step boundary; on True, save a checkpoint and end the
     program normally (exit code 0): the launcher starts the next attempt at the new size,
-    which resumes from that checkpoint. Once True it stays True. Costs one all-reduce of
+    which resumes from that checkpoint (after a signal: it requeues or ends the job).
+    Once True it stays True. Costs one all-reduce of
     one ``int32`` (MAX) on the replica communicator (numbered for the stall inspector,
     counted as ``should_checkpoint``); outside poprun-lite (plain mpirun,
     one process) it is always False.

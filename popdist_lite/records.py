@@ -59,15 +59,18 @@ receiver drops what does not match. Kinds (fields besides ``kind``):
     Python stack of every thread and answers with ``stack``.
 ``stack`` (agent -> launcher)
     identity + ``request`` and ``text`` (faulthandler's dump, "" if none came).
-``resize_request`` (launcher -> agent; elastic jobs, docs/elastic.md)
-    ``replicas``: the size the launcher will give the next attempt. The agent passes it
+``resize_request`` (launcher -> agent; elastic jobs, docs/elastic.md, and the
+    scheduler's signals, docs/slurm.md)
+    ``replicas``: the size the launcher will give the next attempt (after a signal: the
+    attempt's own size, the job ends there). The agent passes it
     to its program as one :data:`RESIZE` byte; the program's
     :func:`popdist_lite.should_checkpoint` then answers True on every replica at the same
     step, and the program saves a checkpoint and exits.
 ``resize_stop`` (rank -> agent -> launcher)
-    identity only: the replicas agreed to stop at this step boundary for the resize
-    (sent by :func:`popdist_lite.should_checkpoint` when it first answers True), so the
-    attempt's clean end is a resize, not the end of the job.
+    identity only: the replicas agreed to stop at this step boundary for the resize or
+    the signal (sent by :func:`popdist_lite.should_checkpoint` when it first answers
+    True), so the attempt's clean end is a resize or a preemption, not the end of the
+    job's work.
 
 Identity fields: ``rank`` (MPI rank or None), ``replica`` (the replica driven, or fed by a
 feeder), ``role`` (``"replica"`` or ``"feeder"``), ``feeder`` (a feeder's index, else

@@ -27,6 +27,11 @@ S (the step of its TOOK lines), the replicas wait at that step boundary until th
 launcher asks for a resize, or until the attempt is torn down (a host lost), so that a
 test meets the job at a known step however fast the steps run. They give up after
 HOLD_POLLS polls (an error on every replica).
+
+``--busy A:S`` (repeatable): in attempt A, after step S, replica 0 prints ``BUSY step``
+and every replica stays in that step, not at a boundary (it never asks
+``should_checkpoint()``), for HOLD_POLLS polls of its clock: a job that a signal cannot
+checkpoint in time (tests/slurm/test_slurm_preempt.py ends it).
 """
 
 import argparse
@@ -44,6 +49,7 @@ parser.add_argument("--samples", type=int, required=True)
 parser.add_argument("--batch", type=int, required=True)
 parser.add_argument("--global-batch", type=int, required=True)
 parser.add_argument("--hold", action="append", default=[], metavar="A:S", help="see above")
+parser.add_argument("--busy", action="append", default=[], metavar="A:S", help="see above")
 parser.add_argument("--every", type=int, default=10)
 args = parser.parse_args()
 HOLD_POLLS, HOLD_POLL_SECONDS = 6000, 0.05  # a count, not a clock: every replica gives up at the same call
@@ -93,6 +99,11 @@ with table.register(), seen.register():
         seen.apply_gradients(ids, -np.ones((len(ids), 1), np.float32))
         optimizer.step(params, {"w": grad_w.astype(np.float32)})
         done = step + 1
+        if f"{attempt}:{step}" in args.busy:
+            if r == 0:
+                print(f"BUSY {step}", flush=True)
+            for _ in range(HOLD_POLLS):
+                time.sleep(HOLD_POLL_SECONDS)
         if f"{attempt}:{step}" in args.hold:
             for _ in range(HOLD_POLLS):
                 if pl.should_checkpoint():

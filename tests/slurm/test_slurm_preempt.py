@@ -1,0 +1,227 @@
+"""Preemption on the test cluster (docs/slurm.md, launcher/preempt.py): poprun-lite, the
+batch script's ``exec``'d process, gets the scheduler's signal from ``scancel --signal=SIG
+--batch`` (what ``sbatch --signal=B:USR1@SECONDS`` sends before the time limit).
+
+The job: tests/progs/hosts_elastic_prog.py, 4 replicas on pdls1 and pdls2, one epoch of
+96 numbered samples in 12 steps, a checkpoint every 2 steps. ``--hold 0:5`` keeps the
+replicas at the boundary after step 5 (asking should_checkpoint()) until the signal
+comes, so the signal meets the job at a known step, after its checkpoints of steps 2
+and 4; ``--busy 0:5`` keeps them inside step 5 instead (no boundary in time).
+
+- SIGUSR1: the replicas checkpoint at step 6 and exit, poprun-lite runs ``scontrol
+  requeue``, the job (submitted with ``--requeue``) starts again (an administrator's
+  ``scontrol update StartTime=now`` instead of Slurm's requeue delay), resumes from step
+  6 and finishes: every step taken once by every replica, every sample once, and the
+  final checkpoint's arrays bit-identical to an uninterrupted job's on the same nodes.
+  Under both MPIs: the ranks on pdls2 start through each MPI's own Slurm launch, and the
+  requeued job launches again through it.
+- SIGTERM: the same checkpoint, no requeue (the job leaves the queue).
+- a second SIGTERM while the replicas are busy: stopped at once, no checkpoint, the
+  report says so; SIGUSR1 while they are busy: stopped when the grace (the cluster's
+  KillWait, 5 s, read from ``scontrol show config``) is over, naming the ranks.
+  These three under Open MPI only: what differs between the MPIs is how the ranks
+  start, which the SIGUSR1 test covers under both; the signal's path (poprun-lite, the
+  collector, the agents) is the same, and the suite's time is kept down.
+
+The tests wait for lines and files under generous deadlines, never for a time; every
+job and poprun-lite has a timeout."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from popdist_lite.checkpoint.__main__ import export
+from popdist_lite_launcher import testcluster
+from test_slurm_launch import MPIS, ROOT, mpi_env, python_of, wait_for
+
+PROG = ROOT / "tests" / "progs" / "hosts_elastic_prog.py"
+SAMPLES, BATCH, GLOBAL_BATCH = 96, 2, 8  # 12 steps of 8 samples at 4 replicas
+STEPS = SAMPLES // GLOBAL_BATCH
+TOOK = re.compile(r"TOOK (\d+) (\d+) (\d+)((?: \d+)+)")
+ARRAYS = ("table/weights", "table/optimizer/m", "table/optimizer/v", "table/optimizer/steps",
+          "seen/weights", "params/w", "optimizer/state/w/velocity")
+
+
+class Job:
+    """One sbatch job of the program on both nodes (2 tasks each), output appended to
+    ``out``; the batch script prints ``start N`` (Slurm's restart count) and ``exec``s
+    poprun-lite."""
+
+    def __init__(self, cluster, mpi: str, name: str, *prog_args: str, sbatch=(), wait=False):
+        self.cluster, self.ckpt = cluster, cluster.work / f"{name}-ckpt"
+        self.out = cluster.work / f"{name}.out"
+        assert not self.ckpt.exists(), f"left from an earlier run: {self.ckpt}"
+        python = python_of(mpi)
+        command = [python, "-m", "popdist_lite_launcher", "--timeout", "240", "--print-topology",
+                   python, str(PROG), str(self.ckpt), "--samples", str(SAMPLES), "--batch", str(BATCH),
+                   "--global-batch", str(GLOBAL_BATCH), "--every", "2", *prog_args]
+        script = cluster.work / f"{name}.sh"
+        script.write_text(f"#!/bin/bash\ncd {shlex.quote(str(ROOT))}\n"
+                          f"echo \"start ${{SLURM_RESTART_COUNT:-0}}\"\nexec {shlex.join(command)}\n")
+        submitted = cluster.run(["sbatch", "--parsable", *(["--wait"] if wait else []), "-N", "2",
+                                 "--ntasks-per-node", "2", "--open-mode=append", "-o", str(self.out),
+                                 *sbatch, str(script)], timeout=300,
+                                env=cluster.env({**os.environ, **mpi_env(mpi)}))
+        self.submitted = submitted
+        self.id = submitted.stdout.strip().split(";")[0] if submitted.stdout.strip() else None
+        assert submitted.returncode == 0 and self.id, f"{submitted.stderr}\n{self.text()}"
+
+    def text(self) -> str:
+        return self.out.read_text() if self.out.exists() else ""
+
+    def state(self) -> str:
+        return self.cluster.run(["squeue", "-h", "-j", self.id, "-o", "%T"]).stdout.strip()
+
+    def signal(self, name: str) -> None:
+        sent = self.cluster.run(["scancel", f"--signal={name}", "--batch", self.id])
+        assert sent.returncode == 0, sent.stderr
+
+    def wait(self, predicate, what: str, timeout: float) -> None:
+        """:func:`wait_for` ``predicate``, the job's output in the error."""
+        try:
+            wait_for(predicate, what, timeout)
+        except AssertionError as exc:
+            shown = self.cluster.run(["scontrol", "show", "job", self.id])
+            log = testcluster.DIRECTORY / "slurmctld.log"
+            said = [line for line in (log.read_text(errors="replace") if log.exists() else "").splitlines()
+                    if f"JobId={self.id}" in line or f"job {self.id}" in line.lower()][-30:]
+            raise AssertionError(f"{exc}; job {self.id} ({self.state() or 'gone'}), its output:\n"
+                                 f"{self.text()}\nscontrol show job: {shown.stdout}{shown.stderr}\n"
+                                 f"slurmctld.log:\n" + "\n".join(said)) from None
+
+    def wait_held(self, step: int = 5) -> None:
+        """Until every replica took step ``step`` (and is held after it)."""
+        self.wait(lambda: sorted(took(self.text()).get(step, {})) == [0, 1, 2, 3],
+                  f"step {step} on every replica", 180)
+
+    def wait_gone(self, timeout: float = 120) -> None:
+        self.wait(lambda: self.state() == "", "the job out of the queue", timeout)
+
+    def checkpoints(self) -> list[int]:
+        return sorted(int(path.name.split("-")[1]) for path in self.ckpt.glob("step-*"))
+
+    def cancel(self) -> None:
+        self.cluster.run(["scancel", self.id])
+        wait_for(lambda: not any(self.cluster.job_processes(node) for node in self.cluster.nodes),
+                 "empty nodes after the job", 60)
+
+
+def took(text: str) -> dict[int, dict[int, list[list[int]]]]:
+    """``{step: {replica: [sample ids, once per TOOK line]}}`` (MPICH's hydra may write
+    two ranks' lines with no newline between them: ``TOOK ... 5TOOK ...``)."""
+    found: dict = {}
+    for match in TOOK.finditer(text):
+        step, replica = int(match[2]), int(match[3])
+        found.setdefault(step, {}).setdefault(replica, []).append(list(map(int, match[4].split())))
+    return found
+
+
+def final_arrays(ckpt_dir: Path, work: Path) -> dict[str, np.ndarray]:
+    final = max(ckpt_dir.glob("step-*"), key=lambda path: int(path.name.split("-")[1]))
+    assert int(final.name.split("-")[1]) == STEPS, final
+    out = {}
+    for name in ARRAYS:
+        path = work / f"{ckpt_dir.name}.{name.replace('/', '.')}.npy"
+        export(final, name, path)
+        out[name] = np.load(path)
+    return out
+
+
+@pytest.mark.timeout(900)  # three jobs, each under its own deadline
+@pytest.mark.parametrize("mpi", MPIS)
+def test_usr1_checkpoints_requeues_and_resumes(cluster, mpi):
+    reference = Job(cluster, mpi, f"reference-{mpi}", wait=True)
+    assert f"DONE {STEPS}" in reference.text(), reference.text()
+    job = Job(cluster, mpi, f"usr1-{mpi}", "--hold", "0:5", sbatch=["--requeue"])
+    try:
+        job.wait_held()
+        assert job.checkpoints() == [2, 4], job.text()
+        job.signal("USR1")
+        job.wait(lambda: "start 1" in job.text() or job.state() == "PENDING", "the requeued job", 120)
+        if "start 1" not in job.text():  # an administrator's nudge past Slurm's requeue delay
+            # once the first run has left the nodes: a requeued job started while they still
+            # complete it fails at once ("Killing non-startable batch JobId=4: Job credential
+            # revoked", seen under MPICH)
+            job.wait(lambda: "start 1" in job.text() or set(cluster.run(
+                ["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()) == {"idle"}, "idle nodes", 120)
+            job.wait(lambda: "start 1" in job.text() or cluster.run(
+                ["scontrol", "update", f"JobId={job.id}", "StartTime=now"]).returncode == 0, "StartTime=now", 60)
+        job.wait(lambda: f"DONE {STEPS}" in job.text(), "the end of the requeued job", 240)
+        job.wait_gone()
+    finally:
+        job.cancel()
+    text = job.text()
+    first, _, second = text.partition("start 1")
+    assert "start 0" in first and "STOPPED 6" in first, text
+    assert f"preemption on: SIGUSR1 -> checkpoint and requeue, SIGTERM -> checkpoint; grace 5 s " \
+           f"(Slurm's KillWait)" in first, text
+    assert "poprun-lite: SIGUSR1: asking the replicas to checkpoint at their next step boundary" in first, text
+    assert f"poprun-lite: job stopped at a step boundary after SIGUSR1 (checkpoint saved); requeued " \
+           f"(scontrol requeue {job.id}) (exit code 138)" in first, text
+    assert "RESUMED 6 4" in second and "start 2" not in second, text
+    # every step once on every replica, every sample once
+    steps = took(text)
+    assert sorted(steps) == list(range(STEPS)), text
+    assert all(sorted(steps[s]) == [0, 1, 2, 3] and all(len(v) == 1 for v in steps[s].values())
+               for s in steps), text
+    samples = sorted(i for s in steps.values() for lines in s.values() for i in lines[0])
+    assert samples == list(range(SAMPLES)), samples
+    got, want = final_arrays(job.ckpt, cluster.work), final_arrays(reference.ckpt, cluster.work)
+    assert np.array_equal(got["seen/weights"], np.ones((SAMPLES, 1), np.float32)), got["seen/weights"].ravel()
+    for name in ARRAYS:
+        assert got[name].dtype == want[name].dtype and got[name].tobytes() == want[name].tobytes(), name
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_checkpoints_without_requeue(cluster):
+    job = Job(cluster, "openmpi", "term", "--hold", "0:5", sbatch=["--requeue"])
+    try:
+        job.wait_held()
+        job.signal("TERM")
+        job.wait_gone()  # a requeued job would wait in the queue
+    finally:
+        job.cancel()
+    text = job.text()
+    assert "STOPPED 6" in text and job.checkpoints() == [2, 4, 6], text
+    assert "poprun-lite: job stopped at a step boundary after SIGTERM (checkpoint saved); not requeued " \
+           "(SIGTERM) (exit code 143)" in text, text
+    assert "start 1" not in text, text
+
+
+@pytest.mark.timeout(400)
+def test_second_sigterm_stops_without_checkpoint(cluster):
+    job = Job(cluster, "openmpi", "second", "--busy", "0:5")
+    try:
+        job.wait(lambda: "BUSY 5" in job.text(), "busy replicas", 180)
+        job.signal("TERM")
+        job.wait(lambda: "poprun-lite: SIGTERM: asking the replicas to checkpoint" in job.text(),
+                 "the checkpoint request", 60)
+        job.signal("TERM")
+        job.wait_gone()
+    finally:
+        job.cancel()
+    text = job.text()
+    assert re.search(r"second SIGTERM: stopping without a checkpoint \(exit code 143\)", text), text
+    assert job.checkpoints() == [2, 4] and "STOPPED" not in text and "start 1" not in text, text
+
+
+@pytest.mark.timeout(400)
+def test_no_boundary_within_the_grace(cluster):
+    job = Job(cluster, "openmpi", "grace", "--busy", "0:5", sbatch=["--requeue"])
+    try:
+        job.wait(lambda: "BUSY 5" in job.text(), "busy replicas", 180)
+        job.signal("USR1")
+        job.wait_gone()
+    finally:
+        job.cancel()
+    text = job.text()
+    assert "no replica reached a step boundary within 5 s of SIGUSR1: ranks 0, 1, 2, 3 did not " \
+           "(exit code 138)" in text, text
+    assert job.checkpoints() == [2, 4] and "STOPPED" not in text and "start 1" not in text, text
