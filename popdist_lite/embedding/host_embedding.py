@@ -27,6 +27,7 @@ from .sparse import SparseTokenExchange
 from .state import TableState, check_arrays, layout_of
 from .storage import DiskStorage, as_storage
 from .storage.disk import DiskRows
+from .storage.rowfile import DROP_BYTES
 from .table_spec import TableSpec
 from .token import TokenPartition
 
@@ -547,15 +548,17 @@ def _open_disk(spec: TableSpec, shard_shape: tuple, storage: DiskStorage, comm) 
 
 class _Writes:
     """The shard :func:`_initialize` writes a disk table's initial rows into: the
-    partition file's weights map, its pages written back and dropped every few MiB."""
+    partition file's weights map, its pages written back and dropped every
+    :data:`~popdist_lite.embedding.storage.rowfile.DROP_BYTES`, as the file's reads and writes."""
 
     def __init__(self, disk: DiskRows):
         self.disk, self.pending = disk, 0
 
     def __setitem__(self, key, value) -> None:
         self.disk.weights[key] = value
-        self.pending += np.asarray(value).nbytes
-        if self.pending >= 64 << 20:
+        # the records' bytes, not the weights': every page of a record written is dirtied
+        self.pending += (np.shape(value)[0] if np.ndim(value) else 1) * self.disk.record.itemsize
+        if self.pending >= DROP_BYTES:
             self.disk.release_pages()
             self.pending = 0
 

@@ -17,6 +17,7 @@ every replica after the exchange.
 
 from __future__ import annotations
 
+import mmap
 import os
 import weakref
 
@@ -192,8 +193,14 @@ class DiskRows:
 
     def release_pages(self) -> None:
         """Write back and drop the file's pages in the page cache (after whole-partition
-        access through the maps)."""
+        access through the maps). The pages this process touched through the maps are
+        first unmapped from it (``MADV_DONTNEED``; the shared mapping's data is in the
+        file after the flush): the kernel drops no page that is still mapped, so without
+        this the advice would leave every page the maps touched in the page cache."""
         self._map.flush()
+        mapped = getattr(self._map, "_mmap", None)  # numpy's memmap keeps its mmap.mmap there
+        if mapped is not None and hasattr(mapped, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
         self.file.drop_pages()
 
     def close(self) -> None:

@@ -1,14 +1,19 @@
 """A file of fixed-size records, one per row of a replica's partition: positional
 reads and writes of sorted rows, one system call per run of consecutive rows.
 
-The file's pages are not a second cache: once :data:`DROP_BYTES` were read or written
-since the last time, the whole file is advised ``POSIX_FADV_DONTNEED``, which drops its
-clean pages and starts the write-back of dirty ones (dropped by the next advice). Why
-not ``O_DIRECT``: ``docs/offload.md``.
+The file's pages are not a second cache: once :data:`DROP_BYTES` of pages were read or
+written since the last time (whole pages: a 776-byte row read alone brings in a 4 KiB
+page, or two), the whole file is advised ``POSIX_FADV_DONTNEED``, which drops its
+clean pages and starts the write-back of dirty ones (dropped by the next advice). The
+file is also advised ``POSIX_FADV_RANDOM``: the kernel's read-ahead would otherwise read
+far more than the rows asked for (a step's misses spread over the file pulled all of a
+73 MiB file into the page cache in one step), uncounted by :data:`DROP_BYTES`. Why not
+``O_DIRECT``: ``docs/offload.md``.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 from time import perf_counter
@@ -18,7 +23,8 @@ import numpy as np
 from ... import counters
 
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
-#: Bytes read or written between two advices (an advice walks the file's cached pages:
+_RANDOM = getattr(os, "POSIX_FADV_RANDOM", None)
+#: Bytes of the pages read or written between two advices (an advice walks the file's cached pages:
 #: about 10 ms per 8192-ID step for a 160 MB file when given after every batch).
 DROP_BYTES = 8 << 20
 
@@ -54,10 +60,12 @@ class RowFile:
         self.fd, self.record, self.rows, self.stats = fd, np.dtype(record), int(rows), stats
         self.size = self.rows * self.record.itemsize
         self.label = label
-        self.moved = 0  # bytes read or written since the last advice
+        self.moved = 0  # bytes of the pages read or written since the last advice
         try:
             if self.size:
                 os.posix_fallocate(fd, 0, self.size)
+            if _RANDOM is not None:
+                os.posix_fadvise(fd, 0, 0, _RANDOM)  # this descriptor's reads: no read-ahead
         except BaseException:
             self.close()
             raise
@@ -85,7 +93,7 @@ class RowFile:
             if got != want:
                 raise RowFileError(f"short read of rows {first}..{stop - 1} of the partition file {self.path}: "
                                    f"{got} of {want} bytes (the file was truncated)")
-        self._count("read", len(rows), start)
+        self._count("read", rows, start)
 
     def write(self, rows: np.ndarray, records: np.ndarray) -> None:
         """Write ``records[i]`` to row ``rows[i]`` for sorted unique ``rows``."""
@@ -96,7 +104,7 @@ class RowFile:
             offset, done = first * size, 0
             while done < len(view):
                 done += os.pwrite(self.fd, view[done:], offset + done)
-        self._count("written", len(rows), start)
+        self._count("written", rows, start)
 
     def read_range(self, first: int, stop: int) -> np.ndarray:
         """Records ``[first, stop)`` as a new array."""
@@ -113,8 +121,9 @@ class RowFile:
         if _DONTNEED is not None and self.size:
             os.posix_fadvise(self.fd, 0, 0, _DONTNEED)
 
-    def _count(self, what: str, n: int, start: float) -> None:
-        self.moved += n * self.record.itemsize
+    def _count(self, what: str, rows: np.ndarray, start: float) -> None:
+        n = len(rows)
+        self.moved += _pages(rows, self.record.itemsize) * mmap.PAGESIZE
         if self.moved >= DROP_BYTES:
             self.drop_pages()
         self.stats[f"rows_{what}"] += n
@@ -131,6 +140,17 @@ class RowFile:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _pages(rows: np.ndarray, size: int) -> int:
+    """How many pages of the file sorted unique ``rows`` of ``size`` bytes touch (two
+    rows next in ``rows`` may share a page; rows further apart share it only if the rows
+    between do)."""
+    if not len(rows):
+        return 0
+    rows = np.asarray(rows, dtype=np.int64)
+    first, last = rows * size // mmap.PAGESIZE, ((rows + 1) * size - 1) // mmap.PAGESIZE
+    return int((last - first + 1).sum() - np.count_nonzero(first[1:] == last[:-1]))
 
 
 def _runs(rows: np.ndarray):
