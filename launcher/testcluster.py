@@ -213,7 +213,7 @@ class TestCluster:
         """Lose ``node``: SIGKILL every process on it, its slurmd included (its link stays
         up, so a connection to it is refused; slurmctld marks it down after
         ``SlurmdTimeout``). :meth:`restart_node` brings it back."""
-        testhosts.kill_processes(node)
+        testhosts.kill_namespace_processes(node)
 
     def restart_node(self, node: str) -> None:
         """Start ``node``'s slurmd again (after :meth:`kill_node`); return when every node
@@ -222,7 +222,7 @@ class TestCluster:
         Raises:
             RuntimeError: as :meth:`setup`.
         """
-        testhosts.kill_processes(node)
+        testhosts.kill_namespace_processes(node)
         self._start_slurmd(node)
         self._wait(self._idle, "every node idle", DIRECTORY / "slurmctld.log")
 

@@ -66,7 +66,7 @@ def _namespaces(prefix: str = PREFIX) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
 
 
-def kill_processes(name: str) -> None:
+def kill_namespace_processes(name: str) -> None:
     """SIGKILL every process in the network namespace ``name`` (``ip netns pids``)."""
     pids = _ip("netns", "pids", name, check=False).stdout.split()
     for pid in pids:
@@ -80,7 +80,7 @@ def remove_all(prefix: str = PREFIX, bridge: str = BRIDGE, mark: str = MARK) -> 
     """Remove every test host, the bridge and the /etc/hosts lines (idempotent); the
     arguments name another set of hosts (:class:`TestHosts`'s)."""
     for name in _namespaces(prefix):
-        kill_processes(name)
+        kill_namespace_processes(name)
         _ip("netns", "del", name, check=False)
     _ip("link", "del", bridge, check=False)
     for name in _leftover_veths(prefix):
@@ -175,7 +175,7 @@ class TestHosts:
         every process on it."""
         _ip("link", "set", self._veth(host), "down")
         if kill_processes:
-            kill_processes(host)
+            kill_namespace_processes(host)
 
     def restore_host(self, host: str) -> None:
         """Bring ``host`` back after :meth:`kill_host`: its link up again (its address,
