@@ -55,30 +55,26 @@ class RankProgress:
     def read(self) -> tuple[int, str, float, int] | None:
         """The rank's last ``(call, op, since, pid)``, or None before its first call.
         Reads until two reads agree, so a half-written slot is never returned."""
-        try:
-            last = None
-            for _ in range(5):
-                data = os.pread(self.slot.fileno(), progress.SLOT_SIZE, 0)
-                if data == last:
-                    return progress.read_slot(data)
-                last = data
-        except (OSError, ValueError):
-            pass
-        return None
+        return self._read_stable(progress.read_slot, None)
 
     def read_lanes(self) -> list[tuple[str, int, str, float]]:
         """The rank's last ``(lane, call, op, since)`` on each lane it has used
         (:func:`popdist_lite.progress.read_lanes`), read as :meth:`read` does."""
+        return self._read_stable(progress.read_lanes, [])
+
+    def _read_stable(self, parse, default):
+        """``parse`` of the slot's bytes once two reads agree (so a half-written slot is
+        never parsed); ``default`` when they never do or the slot cannot be read."""
         try:
             last = None
             for _ in range(5):
                 data = os.pread(self.slot.fileno(), progress.SLOT_SIZE, 0)
                 if data == last:
-                    return progress.read_lanes(data)
+                    return parse(data)
                 last = data
         except (OSError, ValueError):
             pass
-        return []
+        return default
 
     def watch(self, send) -> None:
         """Start a daemon thread calling ``send(lane, call, op, since)`` for every new
