@@ -6,24 +6,13 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from slurmjob import ROOT, wait_for
+
 SCRIPT = ROOT / "examples" / "slurm" / "shakespeare.sbatch"
 TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks?\n"
         "It is the east, and Juliet is the sun.\n\n") * 20
-
-
-def wait_for(predicate, what: str, timeout: float):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout:g} s")
-        time.sleep(0.1)
 
 
 def test_requeued_job_resumes_from_its_checkpoint(cluster):
