@@ -73,6 +73,15 @@ def _lose_pdls2(cluster, mpi: str, name: str, *options: str) -> str:
     return out.read_text()
 
 
+def _check_resumed_on_pdls1(after: str) -> None:
+    """The second attempt's output ``after``: its two replicas on pdls1, resumed from the
+    checkpoint of step SAVED, every step from there to the end once."""
+    assert sorted(REPORT.findall(after)) == [("0", "pdls1"), ("1", "pdls1")], after
+    assert re.search(rf"^resumed from \S+ \(step {SAVED}\)$", after, re.M), after
+    steps = [int(n) for n in re.findall(r"^Step (\d+), loss = ", after, re.M)]
+    assert steps == list(range(SAVED, STEPS)), after
+
+
 @pytest.mark.parametrize("mpi", MPIS)
 def test_lost_node_with_max_restarts(cluster, mpi):
     """``--max-restarts 1``: attempt 2 runs on pdls1 alone, resumes from step 2 and
@@ -83,10 +92,7 @@ def test_lost_node_with_max_restarts(cluster, mpi):
                      output, re.M), output
     assert re.search(r"^poprun-lite: job succeeded on attempt 2 of 2", output, re.M), output
     after = output[output.index("attempt 2 of 2"):]
-    assert sorted(REPORT.findall(after)) == [("0", "pdls1"), ("1", "pdls1")], after
-    assert re.search(rf"^resumed from \S+ \(step {SAVED}\)$", after, re.M), after
-    steps = [int(n) for n in re.findall(r"^Step (\d+), loss = ", after, re.M)]
-    assert steps == list(range(SAVED, STEPS)), after
+    _check_resumed_on_pdls1(after)
 
 
 def test_lost_node_with_min_replicas(cluster):
@@ -97,10 +103,7 @@ def test_lost_node_with_min_replicas(cluster):
                      output, re.M), output
     assert re.search(r"^poprun-lite: job succeeded on attempt 2", output, re.M), output
     after = output[output.index("poprun-lite: attempt 2:"):]
-    assert sorted(REPORT.findall(after)) == [("0", "pdls1"), ("1", "pdls1")], after
-    assert re.search(rf"^resumed from \S+ \(step {SAVED}\)$", after, re.M), after
-    steps = [int(n) for n in re.findall(r"^Step (\d+), loss = ", after, re.M)]
-    assert steps == list(range(SAVED, STEPS)), after
+    _check_resumed_on_pdls1(after)
 
 
 def test_lost_node_without_restarts(cluster):
