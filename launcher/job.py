@@ -1,8 +1,9 @@
 """Running the mpirun command: signals, timeout, lost ranks, hard kill, failure records.
 
-:func:`run_job` starts mpirun in a new session, passes its stderr through while
-keeping the last lines, forwards SIGINT/SIGTERM to it, enforces ``--timeout``, stops
-the job when the collector has lost a rank's agent (a host went down: mpirun may wait
+:func:`run_job` starts mpirun in a new session (first removing the session
+directories killed mpiruns left: :mod:`~popdist_lite_launcher.session_dirs`), passes its
+stdout and stderr through (keeping stderr's last lines, and ending a line the job left
+unfinished), forwards SIGINT/SIGTERM to it, enforces ``--timeout``, stops the job when the collector has lost a rank's agent (a host went down: mpirun may wait
 for it for minutes) or when mpirun is still running
 ``FAILED_JOB_STOP_DELAY_SECONDS`` after a rank failed, and if the job is not gone
 ``SESSION_KILL_DELAY_SECONDS`` after being told to stop, SIGKILLs every process of
@@ -26,7 +27,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from . import report
+from . import report, session_dirs
 from .agent import die_with_parent
 from .tee import Tee
 
@@ -158,23 +159,22 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     handled = dict.fromkeys((signal.SIGINT, signal.SIGTERM, *(preemption.signals if preemption else ())))
     previous = {s: signal.signal(s, interrupt) for s in handled}
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        session_dirs.remove_stale(env)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, env=env,
                                 preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
     except BaseException:
         _restore(previous)
         raise
     _sessions.add(proc.pid)
-    tail = None
+    tail = out = None
     try:
         state["proc"] = proc
         if result.stop_signal is not None:
             stop(result.stop_signal)
-        try:
-            err_fd = sys.stderr.fileno()
-        except (AttributeError, OSError, ValueError):
-            err_fd = 2
-        tail = Tee(os.dup(proc.stderr.fileno()), err_fd, MPIRUN_TAIL_LINES, drop=b"\0")
+        out = Tee(os.dup(proc.stdout.fileno()), _fileno(sys.stdout, 1), 0)
+        proc.stdout.close()
+        tail = Tee(os.dup(proc.stderr.fileno()), _fileno(sys.stderr, 2), MPIRUN_TAIL_LINES, drop=b"\0")
         proc.stderr.close()
         _supervise(proc, collector, timeout, inspector, result, state, stop, preemption)
     except Exception as exc:  # noqa: BLE001 - reported; the finally below ends the job
@@ -188,6 +188,10 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
         _sessions.discard(proc.pid)
     try:
         result.returncode = proc.wait(timeout=SESSION_KILL_DELAY_SECONDS)
+        session_dirs.remove(proc.pid, env)
+        for copy in (out, tail):
+            if copy is not None:
+                copy.end_line(timeout=2.0)  # a job ended mid-line: the next output starts a line
         result.mpirun_tail = tail.text(timeout=2.0) if tail is not None else ""
         collector.wait_closed(2.0)
         collector.finish()
@@ -234,6 +238,13 @@ def _supervise(proc, collector, timeout, inspector, result: JobResult, state: di
                 and now - state["stop_at"] > SESSION_KILL_DELAY_SECONDS:
             kill_session(proc.pid)
             killed = True
+
+
+def _fileno(stream, default: int) -> int:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return default
 
 
 def _restore(handlers: dict) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from popdist_lite_launcher import session_dirs
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "shakespeare.py"
 
@@ -66,7 +68,10 @@ def mpirun_executable() -> str:
 
 
 def mpirun_command(n: int, args: list[str]) -> list[str]:
-    """``mpirun -n N args`` with the flags this machine needs (root, oversubscription)."""
+    """``mpirun -n N args`` with the flags this machine needs (root, oversubscription).
+    First removes the session directories of mpiruns killed earlier (a test's timeout):
+    a new mpirun given the same PID would fail to start (session_dirs' docstring)."""
+    session_dirs.remove_stale()
     exe = mpirun_executable()
     version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
     cmd = [exe, "-n", str(n)]

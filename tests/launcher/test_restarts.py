@@ -190,3 +190,27 @@ def test_the_loop_with_another_launcher(capsys, error, code, line):
     assert f"attempts:\n  attempt 1: 1 replica on this host (1); failed: failed (exit code 3)\n{line}\n" in err, err
     if code == 1:
         assert "poprun-lite: internal error: RuntimeError: a bug (at test_restarts.py:" in err
+
+
+@timeout_for(1)
+def test_an_attempt_that_ends_mid_line_does_not_run_into_the_next(tmp_path):
+    """Attempt 0's replica 1 writes half a line and is killed: the launcher ends that line
+    (it passes mpirun's stdout through), so attempt 1's first line stands on its own, as
+    does the launcher's report after it."""
+    prog = tmp_path / "half_line.py"
+    prog.write_text(textwrap.dedent("""
+        import os, signal, sys
+        attempt = int(os.environ["POPDIST_LITE_RESTART_COUNT"])
+        replica = int(os.environ["POPDIST_REPLICA_INDEX_OFFSET"])
+        if replica == 1:
+            if attempt == 0:
+                sys.stdout.write("half a line from attempt 0")
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            print(f"attempt {attempt} starts a line", flush=True)
+    """))
+    proc = subprocess.run([*LAUNCHER, "--timeout", str(JOB_SECONDS), "--num-replicas", "2", "--max-restarts", "1",
+                           sys.executable, str(prog)],
+                          capture_output=True, text=True, timeout=JOB_SECONDS + 60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["half a line from attempt 0", "attempt 1 starts a line"], proc.stdout
