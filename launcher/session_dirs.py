@@ -10,7 +10,9 @@ point and the job fails at once with "The PMIx server's listener thread failed t
 start" (exit code 213), whatever the job was.
 
 :func:`remove_stale` removes such leftovers before a job starts; :func:`remove` removes
-the directory of a prterun that has just ended, the launcher's own child. Only
+the directory of a prterun that has just ended, the launcher's own child. Both act on
+the launcher's host: the daemons (``prted``) on other hosts keep theirs in those hosts'
+temporary directories, out of the launcher's reach. Only
 directories of the caller's user are touched, and never one whose PID is a running
 prterun (or another program of Open MPI's runtime).
 """
@@ -22,8 +24,10 @@ import re
 import shutil
 from collections.abc import Mapping
 
-#: Session directory names: ``ompi.<pid>`` (Open MPI 5; PRRTE's ``prte.<pid>`` too).
-NAME = re.compile(r"(?:ompi|prte)\.([0-9]{1,10})")
+#: Session directory names, ``<prefix>.<pid>``: Open MPI 5.0's mpirun uses ``ompi``; PRRTE
+#: documents ``prte``, ``prtrn`` (prterun) and ``prted`` (its daemons) as the prefixes.
+PREFIXES = ("ompi", "prte", "prtrn", "prted")
+NAME = re.compile(rf"(?:{'|'.join(PREFIXES)})\.([0-9]{{1,10}})")
 #: Programs whose session directory is live while they run (``/proc/<pid>/comm``).
 RUNTIME_PROGRAMS = frozenset({"prterun", "prte", "prted", "mpirun", "mpiexec", "orterun", "orted"})
 
@@ -53,14 +57,17 @@ def _running_runtime(pid: int) -> bool:
 def remove(pid: int, environ: Mapping[str, str] | None = None) -> bool:
     """Remove the session directory of prterun ``pid``, which has ended (the caller's own
     child, reaped). Returns whether there was one."""
-    path = os.path.join(base(environ), f"ompi.{pid}")
-    try:
-        if os.lstat(path).st_uid != os.getuid():
-            return False
-    except OSError:
-        return False
-    shutil.rmtree(path, ignore_errors=True)
-    return True
+    found = False
+    for prefix in PREFIXES:
+        path = os.path.join(base(environ), f"{prefix}.{pid}")
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        found = True
+    return found
 
 
 def remove_stale(environ: Mapping[str, str] | None = None) -> list[str]:

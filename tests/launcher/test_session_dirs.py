@@ -46,6 +46,7 @@ def test_removes_the_directories_of_dead_prteruns_only(tmp_path):
     (tmp_path / f"ompi.{dead}" / "1" / "0").mkdir(parents=True)
     (tmp_path / f"ompi.{dead}" / "pmix.vm.tool").write_text("stale")
     (tmp_path / f"prte.{dead}").mkdir()
+    (tmp_path / f"prted.{dead}").mkdir()
     # a live process that is not Open MPI's runtime: its PID's directory is stale too
     (tmp_path / f"ompi.{os.getpid()}").mkdir()
     # names that are not a session directory, and a file with a session directory's name
@@ -60,7 +61,7 @@ def test_removes_the_directories_of_dead_prteruns_only(tmp_path):
         (tmp_path / f"ompi.{live.pid}").mkdir()
         removed = session_dirs.remove_stale(env)
         assert sorted(removed) == sorted(str(tmp_path / n) for n in (f"ompi.{dead}", f"prte.{dead}",
-                                                                       f"ompi.{os.getpid()}"))
+                                                                       f"prted.{dead}", f"ompi.{os.getpid()}"))
         left = sorted(p.name for p in tmp_path.iterdir())
         assert left == sorted(["bin", "ompi.1", "ompi.", "ompi.12x", "ompi.vm.0", "other.1", f"ompi.{live.pid}"])
     finally:
@@ -83,6 +84,7 @@ def test_another_users_directory_is_left(tmp_path):
 def test_remove_takes_one_ended_prteruns_directory(tmp_path):
     dead = _dead_pid()
     (tmp_path / f"ompi.{dead}" / "0").mkdir(parents=True)
+    (tmp_path / f"prtrn.{dead}").mkdir()
     (tmp_path / f"ompi.{dead + 1}").mkdir()
     assert session_dirs.remove(dead, {"TMPDIR": str(tmp_path)}) is True
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"ompi.{dead + 1}"]
