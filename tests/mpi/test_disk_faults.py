@@ -129,7 +129,8 @@ def test_full_disk_when_rows_are_written_back(comm, shared, tmp_path):
     want = arrays(table)
     train([table, twin], comm, rng, 4)  # the cache (40 rows) is full of updated, dirty rows
     fresh = np.arange(2048, 2048 + IDS * r)  # 32 rows of every partition, mostly not cached
-    wrote = rf"replica {last}: File too large \(EFBIG\) writing rows \d+\.\.\d+ of the partition file: .*popdist-wb-r{last}-"
+    wrote = (rf"replica {last}: File too large \(EFBIG\) writing rows \d+\.\.\d+ of the partition file: "
+             rf".*popdist-wb-r{last}-")
     with file_size_limit(1, comm.rank == last):
         with pytest.raises(RuntimeError, match=rf"host embedding 'wb' \(disk storage\): {wrote}"):
             table.lookup(fresh)

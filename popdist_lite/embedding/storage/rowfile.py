@@ -116,7 +116,8 @@ class RowFile:
                 try:
                     done += os.pwrite(self.fd, view[done:], offset + done)
                 except OSError as exc:
-                    raise _explained(exc, f"writing rows {first}..{stop - 1} of the partition file", self.path) from None
+                    doing = f"writing rows {first}..{stop - 1} of the partition file"
+                    raise _explained(exc, doing, self.path) from None
         self._count("written", rows, start)
 
     def read_range(self, first: int, stop: int) -> np.ndarray:
