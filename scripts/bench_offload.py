@@ -47,9 +47,11 @@ machine's 23 GiB of RAM; a cache of ``--cache-mib`` per replica (256 MiB: 338,00
 full after about 400 steps, so most steps evict and write rows back); ``--large-steps``
 steps of the same workload. Reported per replica: the peak resident set size (``VmHWM`` of
 ``/proc/self/status``) before the table was made, after it was made, and after
-training; the cache's bytes; the overhead (peak minus cache) and what it holds (the
-process before the table, the row -> slot index of 4 bytes per partition row); the
-seconds to create the table, per step, hit rate and disk bytes per step. The driver
+training, and the resident set after training; the cache's bytes; the overhead (peak
+minus cache) and the parts of it that grow with the table (the cache's row -> slot
+index, 4 bytes per partition row; the sparse exchange's position array, 4 bytes per
+row of the whole table); the seconds to make the table, ms per step, hit rate and disk
+traffic per step as above. The driver
 refuses a ``--dir`` without room for the files (its free space is checked first).
 """
 
@@ -242,6 +244,7 @@ def large(opts, comm) -> None:
         "cache_bytes_per_replica": cache, "cache_rows_per_replica": stats1["cache_rows"],
         "cache_records_bytes_per_replica": cache_held,
         "index_bytes_per_replica": 4 * partition_rows,
+        "exchange_position_array_bytes_per_replica": 4 * rows,
         "create_seconds": round(created, 1), "train_seconds": round(trained, 1),
         "step_ms": across(comm, float(np.median(step_seconds)) * 1e3, 2),
         "step_ms_mean": across(comm, float(np.mean(step_seconds)) * 1e3, 2),
