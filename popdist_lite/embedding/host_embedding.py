@@ -424,9 +424,18 @@ class HostEmbedding:
         Args:
             master: return the master weights (``master_dtype``) instead of the values
                 lookups serve (``dtype``); the same unless ``master_weights`` was given.
+
+        Raises:
+            RuntimeError: on every replica, when a disk table's dirty rows cannot be
+                written back (a full disk) or its partition file was truncated.
         """
         if self._disk is not None:
-            self._disk.sync()
+            problem = None
+            try:
+                self._disk.sync()
+            except (OSError, RuntimeError) as exc:  # a full disk, a truncated file: raised on every replica
+                problem = Problem.of(exc)
+            agree_objects(f"host embedding {self.name!r}: get_embedding_tensor", None, self._comm, problem=problem)
             shard = np.array(self.local_shard, dtype=self.master_dtype if master else self.dtype)
         else:
             shard = self.local_shard if master else self._serving
@@ -542,7 +551,12 @@ def _open_disk(spec: TableSpec, shard_shape: tuple, storage: DiskStorage, comm) 
         disk = DiskRows(spec.name, comm.rank, shard_shape, spec.master_dtype, spec.optimizer_spec, storage)
     except (OSError, ValueError) as exc:
         problem = Problem.of(exc)
-    agree_objects(f"create_host_embedding({spec.name!r}, storage={storage})", None, comm, problem=problem)
+    try:
+        agree_objects(f"create_host_embedding({spec.name!r}, storage={storage})", None, comm, problem=problem)
+    except BaseException:
+        if disk is not None:
+            disk.close()  # another replica failed: this one's file goes now, not when collected
+        raise
     return disk
 
 

@@ -13,6 +13,7 @@ far more than the rows asked for (a step's misses spread over the file pulled al
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import tempfile
@@ -55,15 +56,21 @@ class RowFile:
 
     def __init__(self, directory, prefix: str, record: np.dtype, rows: int, stats: dict, label: str | None = None):
         directory = tempfile.gettempdir() if directory is None else os.fspath(directory)
-        os.makedirs(directory, exist_ok=True)
-        fd, self.path = tempfile.mkstemp(prefix=prefix, suffix=".rows", dir=directory)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, self.path = tempfile.mkstemp(prefix=prefix, suffix=".rows", dir=directory)
+        except OSError as exc:
+            raise _explained(exc, "creating the partition file", exc.filename or directory) from None
         self.fd, self.record, self.rows, self.stats = fd, np.dtype(record), int(rows), stats
         self.size = self.rows * self.record.itemsize
         self.label = label
         self.moved = 0  # bytes of the pages read or written since the last advice
         try:
             if self.size:
-                os.posix_fallocate(fd, 0, self.size)
+                try:
+                    os.posix_fallocate(fd, 0, self.size)
+                except OSError as exc:
+                    raise _explained(exc, f"reserving {self.size} bytes for the partition file", self.path) from None
             if _RANDOM is not None:
                 os.posix_fadvise(fd, 0, 0, _RANDOM)  # this descriptor's reads: no read-ahead
         except BaseException:
@@ -89,7 +96,10 @@ class RowFile:
         for first, stop, at in _runs(rows):
             want = (stop - first) * size
             view = memoryview(out[at:at + stop - first]).cast("B")
-            got = os.preadv(self.fd, [view], first * size)
+            try:
+                got = os.preadv(self.fd, [view], first * size)
+            except OSError as exc:
+                raise _explained(exc, f"reading rows {first}..{stop - 1} of the partition file", self.path) from None
             if got != want:
                 raise RowFileError(f"short read of rows {first}..{stop - 1} of the partition file {self.path}: "
                                    f"{got} of {want} bytes (the file was truncated)")
@@ -103,7 +113,11 @@ class RowFile:
             view = memoryview(np.ascontiguousarray(records[at:at + stop - first])).cast("B")
             offset, done = first * size, 0
             while done < len(view):
-                done += os.pwrite(self.fd, view[done:], offset + done)
+                try:
+                    done += os.pwrite(self.fd, view[done:], offset + done)
+                except OSError as exc:
+                    doing = f"writing rows {first}..{stop - 1} of the partition file"
+                    raise _explained(exc, doing, self.path) from None
         self._count("written", rows, start)
 
     def read_range(self, first: int, stop: int) -> np.ndarray:
@@ -140,6 +154,14 @@ class RowFile:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _explained(exc: OSError, doing: str, path) -> OSError:
+    """``exc`` again, saying what was being done, the errno's name and the file: its
+    message (``Problem.of``'s ``"strerror: filename"``) reads e.g. ``No space left on
+    device (ENOSPC) reserving 4096 bytes for the partition file: /var/tmp/popdist-t-r0-x.rows``."""
+    name = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
+    return type(exc)(exc.errno, f"{exc.strerror or os.strerror(exc.errno or 0)} ({name}) {doing}", path)
 
 
 def _pages(rows: np.ndarray, size: int) -> int:
