@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import counters, topology
+from .. import counters, progress, topology
 from ..collectives import Problem, agree_objects, all_gather
 from ..collectives.all_gather import gather_rows
 from . import combiners
@@ -33,9 +33,9 @@ from .table_spec import TableSpec
 from .token import TokenPartition
 
 PARTITIONS = {"TOKEN": TokenPartition, "ENCODING": EncodingPartition}
-#: A disk table's counters on the timeline (a counter event after each lookup and update).
-TIMELINE_COUNTERS = ("hits", "misses", "rows_read", "rows_written", "bytes_read", "bytes_written", "wait_seconds",
-                     "prefetched_rows")
+#: A disk table's counters on the timeline (a counter event after each lookup and
+#: update) and in the progress records (summed over the process's disk tables).
+TIMELINE_COUNTERS = progress.STORAGE_FIELDS
 _INIT_BLOCK_ROWS = 1 << 15
 
 
@@ -329,9 +329,13 @@ class HostEmbedding:
         return {**self._disk.stats, "cache_rows": self._disk.cache.capacity, "file_bytes": self._disk.file_bytes}
 
     def _sample_storage(self) -> None:
-        """The disk counters as a timeline counter event (only when the timeline is on)."""
+        """The disk counters as a timeline counter event (when the timeline is on) and
+        into the progress slot the poprun-lite agent sends with its ``progress`` records
+        (when the stall inspector records)."""
         if counters.events is not None:
             counters.sample(f"disk {self.name}", {k: self._disk.stats[k] for k in TIMELINE_COUNTERS})
+        if progress.recording():
+            progress.add_storage(self._disk.unpublished())
 
     # -- prefetch (disk tables) ----------------------------------------------------------
     def prefetch(self, indices, ahead: int = 1) -> Prefetch | None:

@@ -33,7 +33,7 @@ from time import perf_counter
 
 import numpy as np
 
-from ... import counters
+from ... import counters, progress
 from ...collectives import Problem
 from ...collectives.agreement import agree, register_op
 from .cache import SLOT_OVERHEAD, CacheTooSmall, RowCache
@@ -165,6 +165,7 @@ class DiskRows:
         self.cache = RowCache(self.file, min(self.capacity, rows), storage.cache_policy, self.stats)
         self.uses = 0  # updates (a trainable table) or lookups (else) so far: what a Prefetch's due counts
         self.jobs: collections.deque[Prefetch] = collections.deque()  # prefetches not yet let go, by due
+        self._published: dict = {}  # the stats last added to the progress slot
         self._map = np.memmap(self.file.path, dtype=self.record, mode="r+", shape=(rows,))
         self.weights = self._map["weights"]
         self.slots = {slot: (self._map[f"s/{slot}"] if f"s/{slot}" in self.record.names else array)
@@ -302,6 +303,13 @@ class DiskRows:
             if len(job.slots):
                 self.cache.release(job.slots)
             self._record(job)
+
+    def unpublished(self) -> dict:
+        """What :attr:`stats` gained since the last call (the counters of
+        :data:`popdist_lite.progress.STORAGE_FIELDS`), for the progress slot's sums."""
+        now = {name: self.stats[name] for name in progress.STORAGE_FIELDS}
+        last, self._published = self._published, now
+        return {name: now[name] - last.get(name, 0) for name in now}
 
     def wait_prefetches(self, timeout: float | None = None) -> bool:
         """Wait until every prefetch's reads are in the cache; False if ``timeout``
