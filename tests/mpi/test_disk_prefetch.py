@@ -50,8 +50,9 @@ def recommender(dtype, steps=STEPS):
                                                             ("ENCODING", "adam", "fp32")])
 def test_feed_prefetch_is_bit_identical(strategy, spec_name, precision, comm, tmp_path):
     """200 steps from a feed that prefetches the disk table's rows DEPTH batches ahead,
-    a cache of DEPTH + 1 batches' worst case (a fraction of the partition): every lookup,
-    the weights and the optimizer state equal the in-memory table's bit for bit."""
+    a cache of DEPTH + 1 batches' worst case (a fraction of the partition), the whole
+    table read (the cache written back and emptied) mid-way: every lookup, the weights
+    and the optimizer state equal the in-memory table's bit for bit."""
     r = comm.size
     kw = {"partition_strategy": strategy, **PRECISIONS[precision]}
     spec = SPECS[spec_name]()
@@ -69,6 +70,8 @@ def test_feed_prefetch_is_bit_identical(strategy, spec_name, precision, comm, tm
         memory.apply_gradients(batch["ids"], batch["grads"])
         disk.apply_gradients(batch["ids"], batch["grads"])
         steps += 1
+        if steps == STEPS // 2:  # a checkpoint's write-back mid-way empties the cache under the prefetches
+            assert memory.get_embedding_tensor().tobytes() == disk.get_embedding_tensor().tobytes()
     assert steps == STEPS
     stats = disk.storage_stats
     # the first step prefetches batches 1..DEPTH, every later one the batch DEPTH ahead
@@ -87,25 +90,29 @@ def test_feed_prefetch_is_bit_identical(strategy, spec_name, precision, comm, tm
 
 
 def cold_batch(step, r, k, per_owner):
-    """Replica ``k``'s IDs of a batch of rows no earlier batch touched: the global batch
-    is ``per_owner * r`` consecutive IDs, so each replica owns (TOKEN) ``per_owner`` of
-    them; replica ``k`` looks up its ``per_owner`` slice."""
-    first = step * per_owner * r
-    return np.arange(first + k * per_owner, first + (k + 1) * per_owner)
+    """Replica ``k``'s IDs of a batch of rows no earlier batch touched: TOKEN owner ``o``
+    gets ``per_owner`` IDs ``o + r * row`` whose local rows ``row`` are its own range,
+    apart from every other owner's (so an ID's ``id // r`` on a replica that does not
+    own it is no row of that replica's batch); each replica looks up ``per_owner`` of
+    the global batch, from every owner in turn."""
+    rows = step * per_owner * r + np.arange(r)[:, None] * per_owner + np.arange(per_owner)  # (owner, i)
+    ids = (np.arange(r)[:, None] + r * rows).T.reshape(-1)  # ordered (i, owner)
+    return ids[k * per_owner:(k + 1) * per_owner]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("strategy", ["TOKEN", "ENCODING"])
+@pytest.mark.parametrize("strategy", ["TOKEN", "TOKEN/dense", "ENCODING"])
 def test_completed_prefetch_means_no_misses(strategy, comm, tmp_path):
     """Cold batches: without prefetch every distinct row of the step misses; with the
     batch prefetched a step ahead and the prefetch waited for, its lookup and update
     hit every row and read nothing (the prefetch is made after a step's update, so the
     next update is its batch's: ahead=0)."""
     r, k = comm.size, comm.rank
-    kw = {"partition_strategy": strategy, "dtype": np.float32}
+    name, _, exchange = strategy.partition("/")
+    kw = {"partition_strategy": name, "dtype": np.float32, **({"exchange": exchange} if exchange else {})}
     spec = SPECS["adam"]()
     per_owner = 6
-    local = per_owner if strategy == "TOKEN" else per_owner * r  # rows of a batch on this replica
+    local = per_owner if name == "TOKEN" else per_owner * r  # rows of a batch on this replica
     memory = pl.create_host_embedding("n-m", [T, E], optimizer_spec=spec, seed=4, **kw)
     disk = pl.create_host_embedding("n-d", [T, E], optimizer_spec=spec, seed=4,
                                     storage=storage(kw, spec, r, 3 * local, tmp_path), **kw)
