@@ -360,7 +360,8 @@ class HostEmbedding:
             indices: integer array of any shape (the batch's IDs, as it will be looked
                 up); out-of-range IDs are ignored (the lookup reports them).
             ahead: updates of this table (``int >= 0``) that come before the one of this
-                batch: 0 for the batch about to be looked up, 1 (default) for the next.
+                batch: 1 (default) when called during the step before it (that step's
+                update comes first), 0 when its update is the next one.
 
         Returns:
             a :class:`~popdist_lite.embedding.storage.disk.Prefetch` (``wait(timeout)``,

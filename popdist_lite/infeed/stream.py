@@ -26,7 +26,6 @@ import numpy as np
 
 from .. import topology
 from ..calls import numbered_all_reduce
-from ..collectives import Problem
 from .position import session_start
 
 _NO_IDS = np.zeros(0, np.int64)
@@ -198,6 +197,8 @@ class Infeed:
     def _prefetch_batch(self, j: int) -> None:
         """Every table's prefetch of the batch ``j`` steps ahead of the one handed out
         (no IDs when this replica has none). Collective."""
+        from ..collectives import Problem  # not at import: importing popdist_lite starts no MPI
+
         batch = self._ahead[j - 1] if len(self._ahead) >= j else None
         for table, key in self._prefetch:
             ids, problem = _NO_IDS, None
