@@ -240,3 +240,30 @@ def test_counters_on_the_timeline(comm, tmp_path):
 
     chrome = [e for e in chrome_events(events, k, (0.0, 0.0)) if e.get("ph") == "C"]
     assert len(chrome) == 2 and chrome[-1]["args"]["prefetched_rows"] == 4
+
+
+@pytest.mark.mpi
+def test_failed_prefetch_read_is_met_by_the_lookup_on_every_replica(comm, tmp_path):
+    """Replica 0's partition file is cut short: its prefetch's background read fails
+    (the handle says so, the rows are not left in the cache as if read), and the lookup
+    that then reads them itself raises the short read on every replica."""
+    import os
+
+    r, k = comm.size, comm.rank
+    kw = {"partition_strategy": "TOKEN", "dtype": np.float32}
+    spec = SPECS["sgd"]()
+    disk = pl.create_host_embedding("f-d", [T, E], optimizer_spec=spec, seed=8,
+                                    storage=storage(kw, spec, r, 32, tmp_path), **kw)
+    if k == 0:
+        os.truncate(disk._disk.file.path, 100)
+    comm.Barrier()
+    ids = cold_batch(1, r, k, 4)
+    handle = disk.prefetch(ids, ahead=0)
+    assert handle.wait(timeout=120)
+    assert (handle.error is not None) == (k == 0)
+    if k == 0:
+        assert (disk._disk.cache.row_of == -1).all()  # nothing kept of the failed read
+    with pytest.raises(RuntimeError, match=r"replica 0: short read .* truncated"):
+        disk.lookup(ids)
+    disk.drop_prefetches()
+    assert not disk._disk.cache.held.any()  # each hold dropped once: none left, none negative

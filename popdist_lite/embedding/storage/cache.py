@@ -95,8 +95,12 @@ class RowCache:
                 start = perf_counter()
                 if n_miss:
                     slots[missing] = self._fill(rows[missing], slots[~missing])
-                while n_late and self.loading[slots[late]].any():
-                    self.loaded.wait()
+                if n_late:
+                    while self.loading[slots[late]].any():
+                        self.loaded.wait()
+                    gone = late & (self.slot_of[rows] != slots)  # unmapped: the prefetch's read failed
+                    if gone.any():
+                        slots[gone] = self._fill(rows[gone], slots[~gone])
                 self.stats["wait_seconds"] += perf_counter() - start
             self.tick += 1
             if self.policy == "lru":
@@ -206,7 +210,8 @@ class RowCache:
 
         Returns:
             ``(the read's start (perf_counter), error or None)``; on an error the rows are
-            unmapped (and their hold dropped), so a lookup reads them itself and meets it.
+            unmapped (their slots stay held, empty, until the prefetch is let go), so a
+            lookup reads them itself and meets the error again or not.
         """
         block = np.empty(len(rows), self.file.record)
         start = perf_counter()
@@ -222,7 +227,6 @@ class RowCache:
                 self.stats["prefetched_rows"] += len(rows)
             else:
                 self._unmap(slots)
-                self.held[slots] -= 1
             self.loading[slots] = False
             self.loaded.notify_all()
         return start, error
