@@ -82,7 +82,8 @@ def test_feed_prefetch_is_bit_identical(strategy, spec_name, precision, comm, tm
     cache = disk._disk.cache
     assert not disk._disk.jobs and not cache.held.any() and not cache.loading.any()  # all let go at the end
     for master in (True, False):
-        assert memory.get_embedding_tensor(master=master).tobytes() == disk.get_embedding_tensor(master=master).tobytes()
+        want = memory.get_embedding_tensor(master=master)
+        assert want.tobytes() == disk.get_embedding_tensor(master=master).tobytes()
     a, b = memory.state().arrays, disk.state().arrays
     assert sorted(a) == sorted(b)
     for key in a:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import mmap
-import os
 import queue
 import threading
 import weakref
@@ -161,7 +160,8 @@ class DiskRows:
         self._reader: list = []  # the background reader, made at the first prefetch that reads
         self._closer = weakref.finalize(self, _close, self._reader, self.file)
         self._initial_state(optimizer_spec, probe, rows, cols)
-        self.stats.update({name: (0.0 if name in _SECONDS else 0) for name in STAT_NAMES})  # count from the first lookup
+        # count from the first lookup
+        self.stats.update({name: (0.0 if name in _SECONDS else 0) for name in STAT_NAMES})
         self.cache = RowCache(self.file, min(self.capacity, rows), storage.cache_policy, self.stats)
         self.uses = 0  # updates (a trainable table) or lookups (else) so far: what a Prefetch's due counts
         self.jobs: collections.deque[Prefetch] = collections.deque()  # prefetches not yet let go, by due

@@ -136,7 +136,8 @@ class RowFile:
         self.stats[f"bytes_{what}"] += n * self.record.itemsize
         self.stats["disk_seconds"] += perf_counter() - start
         if phase:
-            counters.record("disk.read" if what == "read" else "disk.write", start, kind=counters.PHASE, detail=self.label)
+            counters.record("disk.read" if what == "read" else "disk.write", start, kind=counters.PHASE,
+                            detail=self.label)
 
     def close(self) -> None:
         """Close and remove the file (idempotent)."""
