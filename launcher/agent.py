@@ -23,7 +23,8 @@ socket, that the launcher wants it to checkpoint and stop for a resize). The pro
 
 With ``POPRUN_LITE_STALL_INSPECTOR=1`` the agent also gives its program a progress slot
 and a stack file on this host (:mod:`popdist_lite_launcher.rank_progress`) and sends a
-``progress`` record whenever the program enters another collective call.
+``progress`` record whenever the program enters another collective call (with its
+disk tables' counters once it has any).
 
 The program reaches its agent through a host-local socket pair whose descriptor is in
 ``POPDIST_LITE_RECORD_FD`` (see :func:`popdist_lite.records.send`).
@@ -502,8 +503,10 @@ def run(program: list[str]) -> int:
         relay = threading.Thread(target=_relay, args=(stop["program"], link, ident), daemon=True)
         relay.start()
         if stop["progress"] is not None:
-            stop["progress"].watch(lambda lane, call, op, since: link.send(records.make(
-                "progress", {**ident, "time": time.time()}, lane=lane, call=call, op=op, since=since)))
+            watched = stop["progress"]
+            watched.watch(lambda lane, call, op, since: link.send(records.make(
+                "progress", {**ident, "time": time.time()}, lane=lane, call=call, op=op, since=since,
+                **watched.storage_fields())))
         if stop["signal"] is not None:  # told to stop while starting the child
             forward(stop["signal"], None)
 

@@ -62,6 +62,17 @@ class RankProgress:
         (:func:`popdist_lite.progress.read_lanes`), read as :meth:`read` does."""
         return self._read_stable(progress.read_lanes, [])
 
+    def read_storage(self) -> dict | None:
+        """The rank's disk-table counters (:func:`popdist_lite.progress.read_storage`),
+        None before it has any; read as :meth:`read` does."""
+        return self._read_stable(progress.read_storage, None)
+
+    def storage_fields(self) -> dict:
+        """``{"storage": counters}`` for a ``progress`` record, or ``{}`` before the rank
+        has any."""
+        storage = self.read_storage()
+        return {} if storage is None else {"storage": storage}
+
     def _read_stable(self, parse, default):
         """``parse`` of the slot's bytes once two reads agree (so a half-written slot is
         never parsed); ``default`` when they never do or the slot cannot be read."""

@@ -35,14 +35,16 @@ counted separately under ``"phases"``, with the bytes of the exchanges they cont
 
 Counters are always on: each record is a dict update and a clock read (well under a
 microsecond). When the timeline is on (:mod:`popdist_lite.timeline`) each record is
-also kept as an event.
+also kept as an event, and :func:`sample` keeps values of other counters (a disk
+table's cache hits, misses, rows and bytes read, ...) as counter events. Only the
+training loop's thread records (a background thread hands its spans to it).
 """
 
 from __future__ import annotations
 
 from time import perf_counter
 
-COLLECTIVE, PHASE = "collective", "phase"
+COLLECTIVE, PHASE, COUNTER = "collective", "phase", "counter"
 
 # name -> [calls, bytes sent, bytes received, seconds, kind]
 _table: dict[str, list] = {}
@@ -52,7 +54,7 @@ events: list | None = None
 
 
 def record(name: str, start: float, sent: int = 0, received: int = 0, kind: str = COLLECTIVE,
-           detail: str | None = None) -> None:
+           detail: str | None = None, end: float | None = None) -> None:
     """Count one call that began at ``start`` (a :func:`time.perf_counter` value) and ends now.
 
     Args:
@@ -61,8 +63,10 @@ def record(name: str, start: float, sent: int = 0, received: int = 0, kind: str 
         sent, received: payload bytes (see the module docstring).
         kind: ``"collective"`` or ``"phase"``.
         detail: shown on the timeline only (e.g. the table name).
+        end: ``perf_counter()`` at its end, when that was not now (a background
+            thread's span, recorded later by the training loop's thread).
     """
-    seconds = perf_counter() - start
+    seconds = (perf_counter() if end is None else end) - start
     row = _table.get(name)
     if row is None:
         row = _table[name] = [0, 0, 0, 0.0, kind]
@@ -72,6 +76,14 @@ def record(name: str, start: float, sent: int = 0, received: int = 0, kind: str 
     row[3] += seconds
     if events is not None:
         events.append((name, kind, start, seconds, int(sent), int(received), detail))
+
+
+def sample(name: str, values: dict) -> None:
+    """Keep the current ``values`` (``{series: int or float}``) of the counters ``name``
+    as one timeline counter event (a ``"ph": "C"`` event: Perfetto draws each series as
+    a track); nothing when the timeline is off. Not part of :func:`stats`."""
+    if events is not None:
+        events.append((name, COUNTER, perf_counter(), 0.0, 0, 0, dict(values)))
 
 
 def stats() -> dict:

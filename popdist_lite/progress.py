@@ -32,7 +32,10 @@ Slot layout (native byte order, :data:`SLOT_SIZE` bytes): :data:`MAX_LANES` lane
 (seconds since the epoch), ``int64`` process id (lane 0 only), then the lane's name,
 NUL-padded in :data:`LANE_NAME_SIZE` bytes (lane 0 is :data:`MAIN`; an unnamed lane is
 unused); from byte :data:`NAMES_OFFSET`, one NUL-padded name of :data:`NAME_SIZE` bytes
-per operation code, written the first time the operation is recorded.
+per operation code, written the first time the operation is recorded; from byte
+:data:`STORAGE_OFFSET`, the disk tables' counters of the process (:func:`add_storage`):
+an ``int64`` flag (1 once a disk table counted), ``int64`` sums of the counts of
+:data:`STORAGE_FIELDS` and the ``float64`` seconds the training loop waited for the disk.
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ PROGRESS_ENV = "POPDIST_LITE_PROGRESS_FD"
 STACK_ENV = "POPDIST_LITE_STACK_FD"
 #: The signal on which a rank dumps every thread's stack into the file of ``$POPDIST_LITE_STACK_FD``.
 STACK_SIGNAL = signal.SIGUSR2
-SLOT_SIZE = 4096
+#: The disk tables' counters in the slot (:func:`add_storage`): counts, then ``wait_seconds``.
+STORAGE_FIELDS = ("hits", "misses", "rows_read", "rows_written", "bytes_read", "bytes_written", "prefetched_rows",
+                  "wait_seconds")
+STORAGE_OFFSET = 4096
+SLOT_SIZE = STORAGE_OFFSET + 8 * (1 + len(STORAGE_FIELDS))
 #: Lanes in a slot, their size and the bytes of a lane's name (at most
 #: ``LANE_NAME_SIZE - 1`` characters of :data:`LANE_NAME`).
 MAX_LANES, LANE_SIZE, LANE_NAME_SIZE = 4, 64, 32
@@ -60,7 +67,7 @@ MAIN = "main"
 LANE_NAME = re.compile(r"[a-z][a-z0-9_]{0,15}")
 NAMES_OFFSET = MAX_LANES * LANE_SIZE
 NAME_SIZE = 48  # an operation name: up to 47 bytes (EmbeddingCollection.lookup_in_jit: 33)
-MAX_OPS = (SLOT_SIZE - NAMES_OFFSET) // NAME_SIZE
+MAX_OPS = (STORAGE_OFFSET - NAMES_OFFSET) // NAME_SIZE
 _CALL, _OP, _SINCE, _PID = range(4)  # 8-byte fields of a lane
 _LANE_WORDS = LANE_SIZE // 8
 _NAME_AT = 32  # the lane's name, from this byte of the lane
@@ -128,6 +135,42 @@ def _new_code(op: str) -> int:
         _state["map"][start:start + NAME_SIZE] = name
     _codes[op] = code
     return code
+
+
+def recording() -> bool:
+    """Whether calls are being recorded into a slot (:func:`enable`)."""
+    return record is _on
+
+
+def add_storage(deltas: dict) -> None:
+    """Add a disk table's new counts (``{field of STORAGE_FIELDS: int, "wait_seconds":
+    float}``, each >= 0) to the process's sums in the slot, which the agent sends with
+    each ``progress`` record; nothing when recording is off. Training loop's thread only."""
+    if record is _off:
+        return
+    base = STORAGE_OFFSET // 8
+    _words[base] = 1
+    for i, name in enumerate(STORAGE_FIELDS[:-1], start=1):
+        _words[base + i] += int(deltas.get(name, 0))
+    _floats[base + len(STORAGE_FIELDS)] += float(deltas.get("wait_seconds", 0.0))
+
+
+def read_storage(data: bytes) -> dict | None:
+    """The disk counters (``{field: value}`` of :data:`STORAGE_FIELDS`) from the bytes of
+    a slot file, or None when no disk table counted (or the slot is short, or a value is
+    not a count / a finite number >= 0)."""
+    if len(data) < SLOT_SIZE:
+        return None
+    words = memoryview(data[STORAGE_OFFSET:SLOT_SIZE]).cast("q")
+    floats = memoryview(data[STORAGE_OFFSET:SLOT_SIZE]).cast("d")
+    if words[0] != 1:
+        return None
+    out = {name: words[i] for i, name in enumerate(STORAGE_FIELDS[:-1], start=1)}
+    wait = floats[len(STORAGE_FIELDS)]
+    if min(out.values()) < 0 or not 0.0 <= wait < float("inf"):
+        return None
+    out["wait_seconds"] = wait
+    return out
 
 
 def _empty_slot() -> bytes:

@@ -52,8 +52,10 @@ receiver drops what does not match. Kinds (fields besides ``kind``):
     identity + ``lane`` (the sequence of calls: ``"main"``, or a communicator's own such
     as ``"jax"``; a :data:`popdist_lite.progress.LANE_NAME`), ``call`` (the collective
     call number the rank last entered on that lane), ``op`` (its operation, e.g.
-    ``"all_reduce"``), ``since`` (``time.time()`` when it entered it). The agent reads
-    these from the rank's progress slot (:mod:`popdist_lite.progress`).
+    ``"all_reduce"``), ``since`` (``time.time()`` when it entered it), and, once the
+    rank has a disk-backed table, ``storage`` (optional: the sums over its disk tables
+    of :data:`popdist_lite.progress.STORAGE_FIELDS`, counts and ``wait_seconds``). The
+    agent reads these from the rank's progress slot (:mod:`popdist_lite.progress`).
 ``stack_request`` (launcher -> agent)
     ``request``: an integer the answer repeats. The agent has its program dump the
     Python stack of every thread and answers with ``stack``.
@@ -90,7 +92,7 @@ import socket
 import threading
 import time
 
-from .progress import LANE_NAME
+from .progress import LANE_NAME, STORAGE_FIELDS
 
 #: The launcher's collector, ``host:port`` (set for every rank by poprun-lite).
 COLLECTOR_ENV = "POPRUN_LITE_COLLECTOR"
@@ -141,8 +143,12 @@ SCHEMA = {
     "resize_request": {"replicas": "count"},
     "resize_stop": {**IDENTITY},
 }
+#: Fields a kind may carry besides those of :data:`SCHEMA` (absent, or of this type):
+#: ``storage`` a dict of exactly :data:`popdist_lite.progress.STORAGE_FIELDS`, counts and
+#: a finite ``wait_seconds`` >= 0.
+OPTIONAL = {"progress": {"storage": "storage"}}
 IDENTITY_FIELDS = tuple(IDENTITY)
-FIELDS = {kind: tuple(fields) for kind, fields in SCHEMA.items()}
+FIELDS = {kind: tuple(fields) + tuple(OPTIONAL.get(kind, ())) for kind, fields in SCHEMA.items()}
 #: Kinds an agent may send the launcher after its ``hello``.
 FROM_AGENT = ("heartbeat", "error", "exit", "progress", "stack", "resize_stop")
 #: Kinds the launcher may send an agent after its ``welcome`` (requests).
@@ -189,6 +195,10 @@ def _conforms(value, kind: str) -> bool:
         return type(value) is str and value in REQUEST_SIGNALS
     if kind == "lane":
         return type(value) is str and LANE_NAME.fullmatch(value) is not None
+    if kind == "storage":
+        return (type(value) is dict and len(value) == len(STORAGE_FIELDS) and set(value) == set(STORAGE_FIELDS)
+                and all(_is_count(value[name]) for name in STORAGE_FIELDS[:-1])
+                and _conforms(value["wait_seconds"], "number") and value["wait_seconds"] >= 0)
     return _is_text(value, _LIMITS[kind])
 
 
@@ -212,9 +222,10 @@ def validate(record, kinds=None) -> dict:
     missing = [name for name in schema if name not in record]
     if missing:
         raise ValueError(f"{kind} record without field(s) {', '.join(missing)}")
-    if len(record) != len(schema) + 1:
-        raise ValueError(f"{kind} record with {len(record) - len(schema) - 1} unknown field(s)")
-    for name, expected in schema.items():
+    optional = {name: t for name, t in OPTIONAL.get(kind, {}).items() if name in record}
+    if len(record) != len(schema) + len(optional) + 1:
+        raise ValueError(f"{kind} record with {len(record) - len(schema) - len(optional) - 1} unknown field(s)")
+    for name, expected in {**schema, **optional}.items():
         if not _conforms(record[name], expected):
             raise ValueError(f"{kind} record: field {name!r} is not {expected} "
                              f"(got {type(record[name]).__name__})")

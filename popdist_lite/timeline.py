@@ -15,7 +15,9 @@ so the stall inspector names a replica that does not join them: no shared file s
 needed), and replica 0 writes the file: a JSON object whose ``traceEvents`` hold, per
 replica ``k``, a ``process_name`` metadata event ("replica k") and ``"ph": "X"``
 events with ``pid = tid = k``, ``ts``/``dur`` in microseconds, ``cat`` =
-``"collective"`` or ``"phase"`` and ``args = {"bytes_sent", "bytes_received"}``.
+``"collective"`` or ``"phase"`` and ``args = {"bytes_sent", "bytes_received"}``, and
+``"ph": "C"`` counter events (``cat`` ``"counter"``, ``args`` the series' values: a disk
+table's cache counters after each lookup and update, :func:`popdist_lite.counters.sample`).
 Timestamps come from each process's wall clock, anchored once at start-up and advanced
 with ``perf_counter``, and are shifted so that the earliest event is at 0.
 A job that aborts (an uncaught exception on any rank) writes no timeline.
@@ -63,6 +65,10 @@ def chrome_events(events, replica: int, anchor: tuple[float, float]) -> list[dic
            {"name": "thread_name", "ph": "M", "pid": replica, "tid": replica,
             "args": {"name": f"replica {replica}"}}]
     for name, kind, start, seconds, sent, received, detail in events:
+        if kind == counters.COUNTER:  # detail: the series' values (counters.sample)
+            out.append({"name": name, "cat": kind, "ph": "C", "pid": replica, "tid": replica,
+                        "ts": wall0 + (start - pc0) * 1e6, "args": detail})
+            continue
         args = {"bytes_sent": sent, "bytes_received": received}
         if detail:
             args["table"] = detail
@@ -79,7 +85,8 @@ def merge(parts: list[list[dict]]) -> dict:
     for e in events:
         if "ts" in e:
             e["ts"] = round(e["ts"] - t0, 3)
-            e["dur"] = round(e["dur"], 3)
+            if "dur" in e:
+                e["dur"] = round(e["dur"], 3)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"producer": "popdist-lite", "replicas": len(parts)}}
 

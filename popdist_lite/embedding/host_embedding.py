@@ -16,8 +16,9 @@ from typing import Callable
 
 import numpy as np
 
-from .. import counters, topology
+from .. import counters, progress, topology
 from ..collectives import Problem, agree_objects, all_gather
+from ..collectives.all_gather import gather_rows
 from . import combiners
 from .encoding import EncodingPartition
 from .exchange import DenseExchange, Exchange
@@ -26,12 +27,15 @@ from .optimizer_specs import EmbeddingOptimizerSpec, UpdateContext
 from .sparse import SparseTokenExchange
 from .state import TableState, check_arrays, layout_of
 from .storage import DiskStorage, as_storage
-from .storage.disk import DiskRows
+from .storage.disk import DiskRows, Prefetch
 from .storage.rowfile import DROP_BYTES
 from .table_spec import TableSpec
 from .token import TokenPartition
 
 PARTITIONS = {"TOKEN": TokenPartition, "ENCODING": EncodingPartition}
+#: A disk table's counters on the timeline (a counter event after each lookup and
+#: update) and in the progress records (summed over the process's disk tables).
+TIMELINE_COUNTERS = progress.STORAGE_FIELDS
 _INIT_BLOCK_ROWS = 1 << 15
 
 
@@ -149,8 +153,14 @@ class HostEmbedding:
     def _lookup_flat(self, flat: np.ndarray, problem) -> np.ndarray:
         """``(n, e)`` rows of ``flat`` under the table's ID limits (if any). Collective."""
         if self._limiter is None:
-            return self._lookup_once(flat, problem)
-        return self._limiter.lookup(flat, problem, self._lookup_once)
+            rows = self._lookup_once(flat, problem)
+        else:
+            rows = self._limiter.lookup(flat, problem, self._lookup_once)
+        if self._disk is not None:
+            if not self.spec.trainable:
+                self._disk.used()  # a table that is not updated lets its prefetches go at lookups
+            self._sample_storage()
+        return rows
 
     def _lookup_once(self, flat: np.ndarray, problem: Problem | None) -> np.ndarray:
         rows = self._exchange.lookup(self._serving, flat, problem)
@@ -197,6 +207,9 @@ class HostEmbedding:
             self._limiter.update(flat, grads, problem, update)
         if self._disk is not None:
             self._disk.unpin()  # the rows of the lookups before this update may go
+            if self.spec.trainable:
+                self._disk.used()  # and those of the prefetches due
+            self._sample_storage()
 
     def _update_once(self, flat: np.ndarray, grads, problem: Problem | None, loss_scale: float = 1.0) -> None:
         pairs = self._exchange.gradient_sums(flat, grads, problem, trainable=self.spec.trainable)
@@ -303,13 +316,106 @@ class HostEmbedding:
     @property
     def storage_stats(self) -> dict | None:
         """A disk table's counters on this replica since it was created, else ``None``:
-        ``hits``, ``misses`` (distinct rows a lookup or update found in the cache or
-        not), ``evictions``, ``rows_read``, ``rows_written``, ``bytes_read``,
-        ``bytes_written`` (the partition file), ``disk_seconds`` (time in reads and
-        writes of the file), ``cache_rows`` (capacity), ``file_bytes``."""
+        ``hits``, ``misses`` (distinct rows a lookup or update found in the cache, or
+        not: absent, or still being read by a prefetch), ``evictions``, ``rows_read``,
+        ``rows_written``, ``bytes_read``, ``bytes_written`` (the partition file,
+        prefetch reads included), ``disk_seconds`` (time in reads and writes of the
+        file, the prefetch thread's included), ``wait_seconds`` (the training loop's
+        own time in the file or waiting for a prefetch's read, inside lookups, updates
+        and :meth:`prefetch` calls), ``prefetches`` (calls), ``prefetched_rows`` (rows
+        the background reads brought in), ``cache_rows`` (capacity), ``file_bytes``."""
         if self._disk is None:
             return None
         return {**self._disk.stats, "cache_rows": self._disk.cache.capacity, "file_bytes": self._disk.file_bytes}
+
+    def _sample_storage(self) -> None:
+        """The disk counters as a timeline counter event (when the timeline is on) and
+        into the progress slot the poprun-lite agent sends with its ``progress`` records
+        (when the stall inspector records)."""
+        if counters.events is not None:
+            counters.sample(f"disk {self.name}", {k: self._disk.stats[k] for k in TIMELINE_COUNTERS})
+        if progress.recording():
+            progress.add_storage(self._disk.unpublished())
+
+    # -- prefetch (disk tables) ----------------------------------------------------------
+    def prefetch(self, indices, ahead: int = 1) -> Prefetch | None:
+        """Start reading the rows of a coming batch into a disk table's cache. Collective
+        on a disk table; on an in-memory table it returns ``None`` at once (no
+        communication, ``indices`` not looked at).
+
+        The replicas all-gather their ``indices``; each keeps the IDs whose rows it owns
+        (TOKEN: ``id % r`` is this replica, local row ``id // r``; ENCODING: every ID, its
+        columns of the row), reserves cache slots for the rows not cached (evicting as a
+        lookup would) and a background thread reads them while the training loop
+        computes. The batch's rows are held in the cache (never evicted) until the table
+        has been updated ``ahead + 1`` times from now (a table that is not trainable:
+        looked up), i.e. until the update of that batch. Results are bit-identical with
+        or without prefetch: only when rows are read changes. The idea is FBGEMM's
+        cache prefetch for its UVM/SSD table-batched embeddings and TorchRec's
+        ``PrefetchTrainPipelineSparseDist`` (the next batch's rows fetched while this
+        batch computes). :meth:`Infeed.prefetch_rows <popdist_lite.infeed.Infeed.prefetch_rows>`
+        makes the feed call this for its batches ahead.
+
+        Args:
+            indices: integer array of any shape (the batch's IDs, as it will be looked
+                up); out-of-range IDs are ignored (the lookup reports them).
+            ahead: updates of this table (``int >= 0``) that come before the one of this
+                batch: 1 (default) when called during the step before it (that step's
+                update comes first), 0 when its update is the next one.
+
+        Returns:
+            a :class:`~popdist_lite.embedding.storage.disk.Prefetch` (``wait(timeout)``,
+            ``done``: this replica's reads are in the cache; ``rows``, ``reads``), or
+            ``None`` for an in-memory table.
+
+        Raises:
+            TypeError, ValueError: on every replica, for non-integer ``indices`` or a bad
+                ``ahead`` on any replica.
+            ValueError: on every replica, when a replica's cache cannot hold the batch's
+                rows beside those pinned by lookups and held by the prefetches in flight
+                (the message says how many bytes it needs); nothing is held then.
+        """
+        return self._prefetch(indices, ahead)
+
+    def _prefetch(self, indices, ahead: int = 1, problem: Problem | None = None) -> Prefetch | None:
+        """:meth:`prefetch`, with the caller's own ``problem`` raised on every replica."""
+        if self._disk is None:
+            return None
+        start = perf_counter()
+        indices = np.asarray(indices)
+        flat = np.zeros(0, np.int64)
+        if problem is None and (isinstance(ahead, bool) or not isinstance(ahead, (int, np.integer)) or ahead < 0):
+            problem = Problem(ValueError, f"host embedding {self.name!r}: prefetch: argument ahead: expected an "
+                                          f"integer >= 0, got {ahead!r}")
+        if problem is None and indices.dtype.kind not in "iu":
+            problem = Problem(TypeError, f"host embedding {self.name!r}: prefetch: argument indices: expected an "
+                                         f"integer dtype, got {indices.dtype}")
+        if problem is None:
+            flat = indices.reshape(-1).astype(np.int64)
+        gathered, _ = gather_rows(flat, self._comm, problem=problem, name="indices")
+        t = self.shape[0]
+        gathered = gathered[(gathered >= 0) & (gathered < t)]
+        if self.partition_strategy == "TOKEN":
+            r = self._comm.size
+            gathered = gathered[gathered % r == self._comm.rank] // r
+        job = self._disk.prefetch(np.unique(gathered), int(ahead))
+        self._disk.agree(self._comm)  # a cache too small for the batches in flight: raised everywhere
+        counters.record("prefetch", start, kind=counters.PHASE, detail=self.name)
+        return job
+
+    def wait_prefetch(self, timeout: float | None = None) -> bool:
+        """Wait until this replica's reads of every prefetch not yet let go are in the
+        cache. Local. True at once for an in-memory table.
+
+        Returns:
+            False when ``timeout`` (seconds) passed first."""
+        return True if self._disk is None else self._disk.wait_prefetches(timeout)
+
+    def drop_prefetches(self) -> None:
+        """Let go of every prefetch's rows (their batches will not come: the feed ended
+        or was closed); waits for their reads. Local; nothing for an in-memory table."""
+        if self._disk is not None:
+            self._disk.drop_prefetches()
 
     def _update_context(self) -> UpdateContext:
         row_sum = getattr(self._partition, "row_sum", None)

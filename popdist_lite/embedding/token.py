@@ -4,9 +4,11 @@ Row ``i`` lives on replica ``i % r`` at local row ``i // r``; every replica hold
 ``ceil(t/r)`` rows (padding rows at the end are never read). Source: the TF-IPU
 host-embedding guide, section 15.3.1, "Token strategy" pseudo-code.
 
-Lookup (the guide's algorithm, step for step): all-gather the indices, gather
-``index // r`` from the local shard, zero the rows whose ``index % r`` is not this
-replica, reduce-scatter-sum so each replica gets its own positions back.
+Lookup (the guide's algorithm): all-gather the indices, gather ``index // r`` from the
+local shard for the indices whose ``index % r`` is this replica and zeros for the
+others (the guide gathers every index, then zeroes: the same rows, but a disk table
+would read rows it does not own), reduce-scatter-sum so each replica gets its own
+positions back.
 
 Update (our design, the transpose of the lookup): the reduce-scatter's adjoint is an
 all-gather, so every replica all-gathers the gradients (it already has the gathered
@@ -39,9 +41,12 @@ class TokenPartition:
         shard[local0:local0 + len(mine)] = mine
 
     def lookup(self, shard: np.ndarray, gathered: np.ndarray, counts: np.ndarray, comm) -> np.ndarray:
-        local = gathered // self.r
-        rows = np.take(shard, local, axis=0)
-        rows[(gathered % self.r) != self.k] = 0
+        if self.r == 1:
+            rows = np.take(shard, gathered, axis=0)
+        else:  # only the rows this replica owns are read (a disk table reads no others from its file)
+            mine = (gathered % self.r) == self.k
+            rows = np.zeros((len(gathered), shard.shape[1]), dtype=shard.dtype)
+            rows[mine] = np.take(shard, gathered[mine] // self.r, axis=0)
         return reduce_scatter_sum_v(rows, counts, comm=comm)
 
     def gradient_sums(self, gathered: np.ndarray, counts: np.ndarray, grads: np.ndarray, comm):

@@ -67,6 +67,8 @@ def infeed(make_dataset: Callable[[int, int], Iterable[Any]],
     Returns:
         On a replica, an :class:`Infeed` iterator (it starts at the first ``next()``);
         it stops on every replica at the same step, when any replica's data runs out.
+        :meth:`Infeed.prefetch_rows` has it prefetch a disk table's rows for the
+        batches ahead (``docs/offload.md``).
         On a feeder it does not return: the rank serves its replica, then finalizes MPI
         and exits with code 0 once the replica exits.
 

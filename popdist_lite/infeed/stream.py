@@ -7,10 +7,19 @@ stall inspector and counted as ``infeed``). If any replica's data has run out, e
 step (the batches others already hold are dropped), so all replicas run the same
 number of steps and none is left waiting in a collective. Then the feeders are told
 to stop.
+
+A feed told to prefetch table rows (:meth:`Infeed.prefetch_rows`) takes batches from
+its source up to ``prefetch_depth`` steps ahead of the one it hands out, and after each
+step's agreement calls :meth:`popdist_lite.HostEmbedding.prefetch` for the batch
+``prefetch_depth`` steps ahead (at the session's first step, for each of the
+``prefetch_depth`` batches ahead): the same calls on every replica, a replica whose
+data has run out passing no IDs. Closing the session lets the tables drop the
+prefetches of batches that will not come.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import numpy as np
@@ -18,6 +27,8 @@ import numpy as np
 from .. import topology
 from ..calls import numbered_all_reduce
 from .position import session_start
+
+_NO_IDS = np.zeros(0, np.int64)
 
 _active: "Infeed | None" = None  # the open session of this replica, if any
 
@@ -50,6 +61,9 @@ class Infeed:
         self._offset = 0 if exact else None  # what an exact dataset is opened at
         self._started = False
         self._closed = False
+        self._prefetch: list = []  # (table, key) pairs of prefetch_rows
+        self._ahead: collections.deque = collections.deque()  # batches taken from the source, not yet handed out
+        self._source_ended = False
         comm = topology.replica_comm()
         self._replicas = comm if comm.Get_size() > 1 else None  # None: nobody to agree with
         from mpi4py import MPI
@@ -65,6 +79,40 @@ class Infeed:
             self._started = True
             _active = self
             self._source.start(self._first_step, self._offset)
+        return self
+
+    def prefetch_rows(self, table, key=None) -> "Infeed":
+        """Have ``table`` (a :class:`popdist_lite.HostEmbedding` on disk storage) fetch
+        the rows of ``batch[key]`` of the batches ahead into its cache while the current
+        step computes (``docs/offload.md``, "Prefetch"). The feed then takes batches
+        :attr:`prefetch_depth` steps ahead of the one it hands out and, after each
+        step's agreement, calls ``table.prefetch(batch[key], ahead=j)`` (collective) for
+        the batch ``j = prefetch_depth`` steps ahead (at the first step, for ``j = 1 ..
+        prefetch_depth``). Each batch's rows stay in the cache until its update, so the
+        cache must hold ``prefetch_depth + 1`` batches' distinct rows per replica (else
+        a ``ValueError`` on every replica naming the bytes needed). Batches and results
+        are unchanged. Call before the first batch; may be called once per table and key.
+
+        Args:
+            table: the table (an in-memory table is accepted and does nothing).
+            key: which part of a batch holds the table's IDs: a ``str`` key of a dict
+                batch, an ``int`` index of a tuple batch, or ``None`` for a batch that is
+                one array. A batch without it is a ``KeyError`` on every replica at that step.
+
+        Returns:
+            the feed (calls chain).
+
+        Raises:
+            ValueError: the session has started.
+            TypeError: ``table`` has no ``prefetch`` method, or ``key`` is not a str, int or None.
+        """
+        if self._started:
+            raise ValueError("Infeed.prefetch_rows: the session has started; call it before the first batch")
+        if not callable(getattr(table, "_prefetch", None)) or not callable(getattr(table, "drop_prefetches", None)):
+            raise TypeError(f"Infeed.prefetch_rows: argument table: expected a HostEmbedding, got {table!r}")
+        if key is not None and (isinstance(key, bool) or not isinstance(key, (str, int))):
+            raise TypeError(f"Infeed.prefetch_rows: argument key: expected a str, an int or None, got {key!r}")
+        self._prefetch.append((table, key))
         return self
 
     @property
@@ -120,7 +168,7 @@ class Infeed:
         if self._closed:
             raise StopIteration
         self.start()
-        batch = self._source.fetch()
+        batch = self._take() if self._prefetch else self._source.fetch()
         have = batch is not None
         if self._replicas is not None:  # every replica has a batch, or all stop here
             flag = numbered_all_reduce(np.array([have], dtype=np.int32), self._minimum, self._replicas, "infeed")
@@ -128,8 +176,38 @@ class Infeed:
         if not have:
             self.close()
             raise StopIteration
+        first = self.steps == self._seeked
         self.steps += 1
+        if self._prefetch:
+            for j in range(1 if first else self.prefetch_depth, self.prefetch_depth + 1):
+                self._prefetch_batch(j)
         return batch
+
+    def _take(self) -> Any | None:
+        """The next batch from the batches ahead, after taking from the source until
+        :attr:`prefetch_depth` more are ahead of it (or the source ended). Local."""
+        while len(self._ahead) <= self.prefetch_depth and not self._source_ended:
+            batch = self._source.fetch()
+            if batch is None:
+                self._source_ended = True
+            else:
+                self._ahead.append(batch)
+        return self._ahead.popleft() if self._ahead else None
+
+    def _prefetch_batch(self, j: int) -> None:
+        """Every table's prefetch of the batch ``j`` steps ahead of the one handed out
+        (no IDs when this replica has none). Collective."""
+        from ..collectives import Problem  # not at import: importing popdist_lite starts no MPI
+
+        batch = self._ahead[j - 1] if len(self._ahead) >= j else None
+        for table, key in self._prefetch:
+            ids, problem = _NO_IDS, None
+            if batch is not None:
+                try:
+                    ids = batch if key is None else batch[key]
+                except (KeyError, IndexError, TypeError):
+                    problem = Problem(KeyError, f"infeed: prefetch_rows: the batch {j} step(s) ahead has no {key!r}")
+            table._prefetch(ids, j, problem)
 
     def close(self) -> None:
         """End the session (no collective): wait for batches already granted, stop the
@@ -138,6 +216,9 @@ class Infeed:
         if self._closed:
             return
         self._closed = True
+        self._ahead.clear()
+        for table, _ in self._prefetch:
+            table.drop_prefetches()  # their batches will not come
         if self._started:
             self._source.finish()
         if _active is self:

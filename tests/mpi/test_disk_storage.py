@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import popdist_lite as pl
+from popdist_lite.embedding.storage.cache import SLOT_OVERHEAD
 
 T, E, IDS = 240, 8, 16
 STRATEGIES = ["TOKEN", "TOKEN/dense", "ENCODING"]
@@ -38,7 +39,7 @@ def cache_bytes(table_kwargs, spec, r, rows=None):
     master = np.dtype(table_kwargs.get("master_weights") or table_kwargs["dtype"])
     state = spec.init_state((1, cols))
     record = master.itemsize * cols + sum(a.nbytes for a in state.values())
-    return (cache_rows(r) if rows is None else rows) * (record + 18)
+    return (cache_rows(r) if rows is None else rows) * (record + SLOT_OVERHEAD)
 
 
 def zipf_ids(rng, n):

@@ -29,9 +29,11 @@ class DiskStorage:
     file of its own in ``directory``; at most ``cache_bytes`` of records are held in RAM.
 
     Args:
-        cache_bytes: the cache's size in bytes (records plus 18 bytes of bookkeeping per
+        cache_bytes: the cache's size in bytes (records plus 23 bytes of bookkeeping per
             cached row); it must hold the distinct rows of the largest lookup or update
-            one replica serves (else :class:`CacheTooSmall` on every replica). Beyond it
+            one replica serves (else :class:`CacheTooSmall` on every replica), and with
+            prefetch (:meth:`popdist_lite.HostEmbedding.prefetch`) those of the batches in
+            flight, ``prefetch_depth + 1`` of them (``docs/offload.md``). Beyond it
             a replica keeps 4 bytes per row of its partition (the row -> cache slot index).
         cache_policy: ``"lru"`` (evict the least recently used rows) or ``"lfu"`` (the
             least frequently used while cached; ties by slot).

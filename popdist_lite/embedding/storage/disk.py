@@ -13,16 +13,26 @@ Errors inside an exchange (a cache too small, a short read) cannot be raised the
 without leaving the other replicas in the collective: :class:`DiskRows` keeps them as a
 :class:`~popdist_lite.collectives.Problem` and :meth:`DiskRows.agree` raises the first one on
 every replica after the exchange.
+
+Prefetch (:meth:`DiskRows.prefetch`): the rows of a coming batch are reserved in the
+cache now and read by one background thread per table (:class:`_Reader`), FIFO; each
+prefetch is a :class:`Prefetch` whose holds on its slots are dropped by
+:meth:`DiskRows.release` once the table has been used (updated, or looked up when it is
+not trainable) as many times as the prefetch said (its ``due``).
 """
 
 from __future__ import annotations
 
+import collections
 import mmap
-import os
+import queue
+import threading
 import weakref
+from time import perf_counter
 
 import numpy as np
 
+from ... import counters, progress
 from ...collectives import Problem
 from ...collectives.agreement import agree, register_op
 from .cache import SLOT_OVERHEAD, CacheTooSmall, RowCache
@@ -31,9 +41,74 @@ from .rowfile import RowFile, RowFileError
 _OP = register_op("disk_rows")
 _NOTHING = np.zeros(0, np.int64)
 _CHUNK_BYTES = 8 << 20
-#: Counters of :attr:`DiskRows.stats`.
+#: Counters of :attr:`DiskRows.stats`: ``wait_seconds`` is the training loop's time in
+#: the file or waiting for a prefetch's read (``disk_seconds`` adds the background
+#: reads), ``prefetched_rows`` the rows prefetches read into the cache.
 STAT_NAMES = ("hits", "misses", "evictions", "rows_read", "rows_written", "bytes_read", "bytes_written",
-              "disk_seconds")
+              "disk_seconds", "wait_seconds", "prefetched_rows", "prefetches")
+_SECONDS = ("disk_seconds", "wait_seconds")
+
+
+class Prefetch:
+    """One prefetch of a batch's rows on this replica (returned by
+    :meth:`popdist_lite.HostEmbedding.prefetch`).
+
+    Attributes:
+        rows: this replica's distinct partition rows of the batch (``int``).
+        reads: how many of them were not cached and are read by the background thread.
+        due: the table's use count (:attr:`DiskRows.uses`) after which its rows are let go.
+    """
+
+    def __init__(self, slots: np.ndarray, reads: int, due: int):
+        self.slots, self.rows, self.reads, self.due = slots, len(slots), reads, due
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.read_span: tuple[float, float] | None = None  # (start, end) of the background read
+        if not reads:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until this replica's reads for the batch are in the cache (or failed:
+        the lookup then reads the rows itself). Local.
+
+        Returns:
+            True when done, False when ``timeout`` (seconds) passed first."""
+        return self._done.wait(timeout)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+class _Reader:
+    """The background thread that reads prefetched rows into a cache, in order."""
+
+    def __init__(self, cache: RowCache, name: str):
+        self.cache, self.jobs = cache, queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"popdist-lite-prefetch-{name}"[:60])
+        self.thread.start()
+
+    def submit(self, job: Prefetch, slots: np.ndarray, rows: np.ndarray) -> None:
+        self.jobs.put((job, slots, rows))
+
+    def _run(self) -> None:
+        while (item := self.jobs.get()) is not None:
+            job, slots, rows = item
+            start, error = self.cache.load(slots, rows)
+            job.read_span, job.error = (start, perf_counter()), error
+            job._done.set()
+
+    def stop(self) -> None:
+        """Let the reader finish the reads queued and end (joined)."""
+        self.jobs.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+def _close(reader: list, file: RowFile) -> None:
+    if reader:
+        reader.pop().stop()
+    file.close()
 
 
 class DiskRows:
@@ -79,14 +154,18 @@ class DiskRows:
         if self.capacity < 1:
             raise CacheTooSmall(f"host embedding {name!r}: DiskStorage: cache_bytes={storage.cache_bytes} cannot "
                                 f"hold one row ({self.record.itemsize + SLOT_OVERHEAD} bytes)")
-        self.stats = dict.fromkeys(STAT_NAMES, 0)
-        self.stats["disk_seconds"] = 0.0
+        self.stats = {name: (0.0 if name in _SECONDS else 0) for name in STAT_NAMES}
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:64]
         self.file = RowFile(storage.directory, f"popdist-{safe}-r{replica}-", self.record, rows, self.stats, name)
-        self._closer = weakref.finalize(self, self.file.close)
+        self._reader: list = []  # the background reader, made at the first prefetch that reads
+        self._closer = weakref.finalize(self, _close, self._reader, self.file)
         self._initial_state(optimizer_spec, probe, rows, cols)
-        self.stats.update(dict.fromkeys(self.stats, 0), disk_seconds=0.0)  # count from the first lookup
+        # count from the first lookup
+        self.stats.update({name: (0.0 if name in _SECONDS else 0) for name in STAT_NAMES})
         self.cache = RowCache(self.file, min(self.capacity, rows), storage.cache_policy, self.stats)
+        self.uses = 0  # updates (a trainable table) or lookups (else) so far: what a Prefetch's due counts
+        self.jobs: collections.deque[Prefetch] = collections.deque()  # prefetches not yet let go, by due
+        self._published: dict = {}  # the stats last added to the progress slot
         self._map = np.memmap(self.file.path, dtype=self.record, mode="r+", shape=(rows,))
         self.weights = self._map["weights"]
         self.slots = {slot: (self._map[f"s/{slot}"] if f"s/{slot}" in self.record.names else array)
@@ -136,12 +215,14 @@ class DiskRows:
         np.copyto(out, self.cache.records["weights"][slots[inverse]], casting="unsafe")
         return out
 
-    def _keep(self, exc: BaseException) -> None:
+    def _keep(self, exc: BaseException, prefetch: bool = False) -> None:
         if self.problem is None:
             message = Problem.of(exc).message if isinstance(exc, OSError) else str(exc)
             if isinstance(exc, CacheTooSmall) and exc.rows:
+                fewer = ("prefetch fewer batches ahead (the feed's prefetch_depth) or send fewer distinct IDs per "
+                         "batch" if prefetch or self.jobs else "send fewer distinct IDs per call")
                 message = (f"{message}; raise DiskStorage(cache_bytes={self.storage.cache_bytes}) to at least "
-                           f"{exc.rows * (self.record.itemsize + SLOT_OVERHEAD)} or send fewer distinct IDs per call")
+                           f"{exc.rows * (self.record.itemsize + SLOT_OVERHEAD)} or {fewer}")
             self.problem = Problem(ValueError if isinstance(exc, CacheTooSmall) else RuntimeError, message)
 
     def agree(self, comm) -> None:
@@ -172,11 +253,76 @@ class DiskRows:
         if result is not None:
             written, values = result
             block["weights"][written] = values
-        self.cache.records[slots] = block
-        self.cache.dirty[slots] = True
+        with self.cache.lock:
+            self.cache.records[slots] = block
+            self.cache.dirty[slots] = True
 
     def unpin(self) -> None:
         self.cache.unpin()
+
+    # -- prefetch ------------------------------------------------------------------------
+    def prefetch(self, rows: np.ndarray, ahead: int) -> Prefetch:
+        """Reserve sorted unique local ``rows`` in the cache, held until :attr:`uses`
+        exceeds its value now by ``ahead``, and queue the read of the missing ones for
+        the background reader. Never raises: a problem (a cache too small for the rows
+        beside those pinned and held, a failed write-back) is kept for :meth:`agree`, and
+        the prefetch then holds nothing."""
+        self.stats["prefetches"] += 1
+        due = self.uses + ahead + 1
+        try:
+            if self.problem is not None:
+                raise CacheTooSmall(self.problem.message)
+            slots, new, new_rows = self.cache.reserve(np.asarray(rows, np.int64))
+        except (CacheTooSmall, RowFileError, OSError) as exc:
+            self._keep(exc, prefetch=True)
+            return Prefetch(_NOTHING, 0, due)
+        job = Prefetch(slots, len(new), due)
+        self.jobs.append(job)
+        if len(new):
+            if not self._reader:
+                self._reader.append(_Reader(self.cache, self.name))
+            self._reader[0].submit(job, new, new_rows)
+        return job
+
+    def used(self) -> None:
+        """One more use of the table (an update, or a lookup of a table that is not
+        trainable): let go of the prefetches now due."""
+        self.uses += 1
+        while self.jobs and self.jobs[0].due <= self.uses:
+            job = self.jobs.popleft()
+            if len(job.slots):
+                self.cache.release(job.slots)
+            self._record(job)
+
+    def drop_prefetches(self) -> None:
+        """Let go of every prefetch (their batches will not come: the feed ended):
+        waits for their reads."""
+        self.cache.wait_loaded()
+        while self.jobs:
+            job = self.jobs.popleft()
+            if len(job.slots):
+                self.cache.release(job.slots)
+            self._record(job)
+
+    def unpublished(self) -> dict:
+        """What :attr:`stats` gained since the last call (the counters of
+        :data:`popdist_lite.progress.STORAGE_FIELDS`), for the progress slot's sums."""
+        now = {name: self.stats[name] for name in progress.STORAGE_FIELDS}
+        last, self._published = self._published, now
+        return {name: now[name] - last.get(name, 0) for name in now}
+
+    def wait_prefetches(self, timeout: float | None = None) -> bool:
+        """Wait until every prefetch's reads are in the cache; False if ``timeout``
+        (seconds) passed first."""
+        return all(job.wait(timeout) for job in list(self.jobs))
+
+    def _record(self, job: Prefetch) -> None:
+        """The background read of ``job`` on the timeline (phase ``disk.prefetch``, from
+        this thread: :mod:`popdist_lite.counters` is not for other threads)."""
+        if job.read_span is not None and job.done:
+            start, end = job.read_span
+            counters.record("disk.prefetch", start, kind=counters.PHASE, detail=self.name, end=end)
+            job.read_span = None
 
     # -- the whole partition -------------------------------------------------------------
     def sync(self) -> None:
@@ -188,8 +334,11 @@ class DiskRows:
             RowFileError: the file was truncated or replaced.
         """
         self.file.check_size()
+        self.cache.wait_loaded()
         self.cache.flush()
         self.cache.clear()
+        for job in self.jobs:  # their holds are gone with the cache's rows
+            job.slots = _NOTHING
 
     def release_pages(self) -> None:
         """Write back and drop the file's pages in the page cache (after whole-partition
@@ -207,6 +356,7 @@ class DiskRows:
         """Remove the file (the table is unusable afterwards)."""
         self._map = self.weights = None
         self.slots = {}
+        self.jobs.clear()
         self._closer()
 
     @property

@@ -88,9 +88,10 @@ class RowFile:
             raise RowFileError(f"the partition file {self.path} has {size} bytes, expected {self.size} "
                                f"({self.rows} rows of {self.record.itemsize} bytes): it was truncated or replaced")
 
-    def read(self, rows: np.ndarray, out: np.ndarray) -> None:
+    def read(self, rows: np.ndarray, out: np.ndarray, count: bool = True) -> None:
         """``out[i] = record rows[i]`` for sorted unique ``rows`` (``out``: C-contiguous
-        records, ``len(rows)``)."""
+        records, ``len(rows)``). ``count=False``: the caller counts the read with
+        :meth:`count` (a background reader does so under its cache's lock)."""
         start = perf_counter()
         size = self.record.itemsize
         for first, stop, at in _runs(rows):
@@ -103,7 +104,8 @@ class RowFile:
             if got != want:
                 raise RowFileError(f"short read of rows {first}..{stop - 1} of the partition file {self.path}: "
                                    f"{got} of {want} bytes (the file was truncated)")
-        self._count("read", rows, start)
+        if count:
+            self.count("read", rows, start)
 
     def write(self, rows: np.ndarray, records: np.ndarray) -> None:
         """Write ``records[i]`` to row ``rows[i]`` for sorted unique ``rows``."""
@@ -118,7 +120,7 @@ class RowFile:
                 except OSError as exc:
                     doing = f"writing rows {first}..{stop - 1} of the partition file"
                     raise _explained(exc, doing, self.path) from None
-        self._count("written", rows, start)
+        self.count("written", rows, start)
 
     def read_range(self, first: int, stop: int) -> np.ndarray:
         """Records ``[first, stop)`` as a new array."""
@@ -135,7 +137,11 @@ class RowFile:
         if _DONTNEED is not None and self.size:
             os.posix_fadvise(self.fd, 0, 0, _DONTNEED)
 
-    def _count(self, what: str, rows: np.ndarray, start: float) -> None:
+    def count(self, what: str, rows: np.ndarray, start: float, phase: bool = True) -> None:
+        """Count a read (``what="read"``) or write (``"written"``) of ``rows`` that began
+        at ``start`` (``perf_counter``): :attr:`stats`, the page advice's tally, and
+        (``phase``) the phase ``disk.read``/``disk.write`` of :mod:`popdist_lite.counters`
+        (whose table only the training loop's thread may touch)."""
         n = len(rows)
         self.moved += _pages(rows, self.record.itemsize) * mmap.PAGESIZE
         if self.moved >= DROP_BYTES:
@@ -143,7 +149,9 @@ class RowFile:
         self.stats[f"rows_{what}"] += n
         self.stats[f"bytes_{what}"] += n * self.record.itemsize
         self.stats["disk_seconds"] += perf_counter() - start
-        counters.record("disk.read" if what == "read" else "disk.write", start, kind=counters.PHASE, detail=self.label)
+        if phase:
+            counters.record("disk.read" if what == "read" else "disk.write", start, kind=counters.PHASE,
+                            detail=self.label)
 
     def close(self) -> None:
         """Close and remove the file (idempotent)."""
