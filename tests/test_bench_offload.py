@@ -21,13 +21,15 @@ def run(tmp_path, *args):
 
 
 def test_bench_offload_variants(tmp_path):
-    got = run(tmp_path, "--rows", "20000", "--ids", "256", "--steps", "4", "--warmup", "2", "--blocks", "2")
+    # 128 IDs: a 5 % cache (500 rows) holds the two batches a prefetch keeps in flight
+    got = run(tmp_path, "--rows", "20000", "--ids", "128", "--steps", "4", "--warmup", "2", "--blocks", "2")
     variants = got["variants"]
-    assert sorted(variants) == ["lfu10", "lfu5", "lru10", "lru5", "memory"]
+    assert sorted(variants) == ["lfu10", "lfu5", "lfu5p", "lru10", "lru10p", "lru5", "lru5p", "memory"]
     assert variants["memory"]["storage"] == "memory" and "hit_rate" not in variants["memory"]
-    for name in ("lru10", "lfu10", "lru5", "lfu5"):
+    for name in ("lru10", "lfu10", "lru5", "lfu5", "lru10p", "lru5p", "lfu5p"):
         v = variants[name]
         assert v["policy"] == name[:3] and v["cache_fraction"] in (0.1, 0.05)
+        assert v["prefetch"] is name.endswith("p") and v["wait_ms_per_step"]["avg"] >= 0
         assert 0 < v["hit_rate"]["avg"] < 1 and v["disk_read_mib_per_step"]["avg"] > 0
         assert v["cache_rows"] == int(v["cache_fraction"] * 10000)  # of each replica's 10,000 rows
         assert v["file_bytes"] == 10000 * got["record_bytes"] and v["over_memory"] > 0
