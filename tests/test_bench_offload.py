@@ -30,7 +30,8 @@ def test_bench_offload_variants(tmp_path):
         v = variants[name]
         assert v["policy"] == name[:3] and v["cache_fraction"] in (0.1, 0.05)
         assert v["prefetch"] is name.endswith("p") and v["wait_ms_per_step"]["avg"] >= 0
-        assert 0 < v["hit_rate"]["avg"] < 1 and v["disk_read_mib_per_step"]["avg"] > 0
+        assert 0 < v["hit_rate"]["avg"] <= 1 and v["disk_read_mib_per_step"]["avg"] > 0
+        assert v["hit_rate"]["avg"] < 1 or v["prefetch"]  # without prefetch a cold Zipf tail misses
         assert v["cache_rows"] == int(v["cache_fraction"] * 10000)  # of each replica's 10,000 rows
         assert v["file_bytes"] == 10000 * got["record_bytes"] and v["over_memory"] > 0
     assert got["record_bytes"] == 776  # 64 float32 weights, Adam's m and v, the row's step count
