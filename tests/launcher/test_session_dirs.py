@@ -58,6 +58,12 @@ def test_removes_the_directories_of_dead_prteruns_only(tmp_path):
     shutil.copy("/bin/sleep", fake)
     live = subprocess.Popen([str(fake), "60"])
     try:
+        # the kernel names the process after its exec, which Popen may return before
+        comm = Path(f"/proc/{live.pid}/comm")
+        deadline = time.monotonic() + JOB_SECONDS
+        while comm.read_text().strip() != "prterun":
+            assert time.monotonic() < deadline, comm.read_text()
+            time.sleep(0.01)
         (tmp_path / f"ompi.{live.pid}").mkdir()
         removed = session_dirs.remove_stale(env)
         assert sorted(removed) == sorted(str(tmp_path / n) for n in (f"ompi.{dead}", f"prte.{dead}",
