@@ -48,7 +48,7 @@ def _running_runtime(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
             return f.read().strip() in RUNTIME_PROGRAMS
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # no such process, or it is being reaped
         return False
     except OSError:
         return True

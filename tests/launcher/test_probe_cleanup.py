@@ -98,7 +98,9 @@ def test_probe_with_the_wrong_key_is_refused(tmp_path):
 # ---------------------------------------------------------------- cleanup
 
 def spawn(env_extra: dict, *args) -> subprocess.Popen:
-    return subprocess.Popen(["bash", "-c", "sleep 300 & sleep 300", *args], env={**os.environ, **env_extra},
+    # exec: bash becomes the second sleep, so the two PIDs are all there will be (without
+    # it bash may fork a third process for the foreground sleep after a test counted two)
+    return subprocess.Popen(["bash", "-c", "sleep 300 & exec sleep 300", *args], env={**os.environ, **env_extra},
                             start_new_session=True)
 
 
