@@ -38,12 +38,13 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster):
         assert requeued.returncode == 0, requeued.stderr
         wait_for(lambda: state() == "PENDING", "pending job after the requeue", 60)
         # an administrator's nudge: a requeued job is held back for a while (BeginTime);
-        # only once the first run has left the nodes (a requeued job started while they
-        # still complete it fails at once: "Job credential revoked", test_slurm_preempt)
+        # only once the first run has left the nodes, and 2 s on (slurmd refuses the job's
+        # credentials issued up to the second it revoked the first run's: "Job credential
+        # revoked", test_slurm_preempt)
         wait_for(lambda: "start 1" in text() or set(cluster.run(
             ["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()) == {"idle"}, "idle nodes", 120)
         wait_for(lambda: "start 1" in text() or cluster.run(
-            ["scontrol", "update", f"JobId={job}", "StartTime=now"]).returncode == 0, "StartTime=now", 60)
+            ["scontrol", "update", f"JobId={job}", "StartTime=now+2"]).returncode == 0, "StartTime=now+2", 60)
         resumed = wait_for(lambda: re.search(r"^resumed from (\S+) \(step (\d+)\)$", text(), re.M),
                            "resumed second start", 150)
     finally:

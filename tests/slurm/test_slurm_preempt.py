@@ -10,7 +10,7 @@ and 4; ``--busy 0:5`` keeps them inside step 5 instead (no boundary in time).
 
 - SIGUSR1: the replicas checkpoint at step 6 and exit, poprun-lite runs ``scontrol
   requeue``, the job (submitted with ``--requeue``) starts again (an administrator's
-  ``scontrol update StartTime=now`` instead of Slurm's requeue delay), resumes from step
+  ``scontrol update StartTime=now+2`` instead of Slurm's requeue delay), resumes from step
   6 and finishes: every step taken once by every replica, every sample once, and the
   final checkpoint's arrays bit-identical to an uninterrupted job's on the same nodes.
   Under both MPIs: the ranks on pdls2 start through each MPI's own Slurm launch, and the
@@ -146,13 +146,13 @@ def test_usr1_checkpoints_requeues_and_resumes(cluster, mpi):
         job.signal("USR1")
         job.wait(lambda: "start 1" in job.text() or job.state() == "PENDING", "the requeued job", 120)
         if "start 1" not in job.text():  # an administrator's nudge past Slurm's requeue delay
-            # once the first run has left the nodes: a requeued job started while they still
-            # complete it fails at once ("Killing non-startable batch JobId=4: Job credential
-            # revoked", seen under MPICH)
+            # once the first run has left the nodes, and 2 s on: slurmd refuses the job's
+            # credentials issued up to the second it revoked the first run's ("Killing
+            # non-startable batch JobId=15: Job credential revoked", seen with StartTime=now)
             job.wait(lambda: "start 1" in job.text() or set(cluster.run(
                 ["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()) == {"idle"}, "idle nodes", 120)
             job.wait(lambda: "start 1" in job.text() or cluster.run(
-                ["scontrol", "update", f"JobId={job.id}", "StartTime=now"]).returncode == 0, "StartTime=now", 60)
+                ["scontrol", "update", f"JobId={job.id}", "StartTime=now+2"]).returncode == 0, "StartTime=now+2", 60)
         job.wait(lambda: f"DONE {STEPS}" in job.text(), "the end of the requeued job", 240)
         job.wait_gone()
     finally:
