@@ -48,7 +48,7 @@ def _command(cluster, mpi: str, name: str, *options: str) -> tuple[list[str], Pa
 
 def _lose_pdls2(cluster, mpi: str, name: str, *options: str) -> str:
     """Run the job with ``options`` in ``sbatch --no-kill -N 2``, kill pdls2 once the
-    checkpoint of step 2 is saved, wait for the job's end; its output."""
+    checkpoint of step 2 is saved, wait for the end of the batch script; its output."""
     command, ckpt = _command(cluster, mpi, name, *options)
     out = cluster.work / f"{name}.out"
     script = batch_script(cluster, name, command)
@@ -65,8 +65,10 @@ def _lose_pdls2(cluster, mpi: str, name: str, *options: str) -> str:
         wait_for(lambda: (ckpt / f"step-{SAVED:08d}" / "manifest.json").exists()
                  and f"Step {HOLD_AT - 1}, loss" in said(), "checkpoint of step 2", 180, said)
         cluster.kill_node("pdls2")
-        wait_for(lambda: not cluster.run(["squeue", "-h", "-j", job]).stdout.strip(),
-                 "end of the job", 240, said)
+        # the batch script's end (poprun-lite exec'd it): the job leaves RUNNING; it stays
+        # COMPLETING until pdls2 is back or marked down (SlurmdTimeout), which is not waited for
+        wait_for(lambda: cluster.run(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip()
+                 in ("", "COMPLETING"), "end of the job's batch script", 240, said)
     finally:
         cluster.run(["scancel", job])
         cluster.restart_node("pdls2")
