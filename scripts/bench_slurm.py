@@ -21,7 +21,17 @@ popdist_lite_launcher.testcluster (2 nodes, 2 tasks each):
 - ``ssh_to_first_step_s[MPI]``: the same job started from this machine over the test
   hosts' ssh stand-in (``launcher/netns-agent``, ``-H pdls1,pdls2 --launcher ssh``, on the
   cluster's network), from starting poprun-lite until ``Step 0, loss``: every replica
-  remote, no scheduler.
+  remote, no scheduler;
+- ``signal_to_requeued_first_step_s[MPI]``: ``examples/slurm/shakespeare.sbatch`` (4
+  replicas, a checkpoint every 2 steps, ``--requeue``) gets ``scancel --signal=USR1
+  --batch`` once it has a checkpoint; the time until the requeued job prints its first
+  step. It is the sum of ``signal_to_requeued_s`` (the replicas checkpoint at their next
+  step boundary and exit, poprun-lite runs ``scontrol requeue``: the job is pending
+  again), ``requeued_to_idle_s`` (Slurm finishes the first run on the nodes) and
+  ``idle_to_first_step_s`` (from ``scontrol update StartTime=now+1``, which lifts the
+  hold Slurm puts on a requeued job, to the resumed job's first step: the second slurmd
+  needs before it accepts the job's new credential, scheduling, the launch, the imports,
+  the checkpoint's load). Slurm's hold itself is a cluster's setting and is left out.
 
 The two first-step figures run one after the other in every run, on the same nodes.
 
@@ -38,6 +48,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -157,6 +168,62 @@ def sbatch_to_first_step(cluster, python: str, env: dict) -> float:
     return took
 
 
+REQUEUE_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "slurm" / "shakespeare.sbatch"
+
+
+def signal_to_requeued_first_step(cluster, python: str, env: dict) -> dict[str, float]:
+    out = cluster.work / "bench-requeue.out"
+    out.unlink(missing_ok=True)
+    checkpoints = cluster.work / "bench-requeue-checkpoints"
+    shutil.rmtree(checkpoints, ignore_errors=True)  # every run starts at step 0
+    data = cluster.work / "bench.txt"
+    data.write_text(TEXT)
+    env = {**env, "DATA": str(data), "STEPS": "100000", "CHECKPOINT_EVERY": "2",
+           "CHECKPOINTS": str(checkpoints)}
+    submitted = cluster.run(["sbatch", "--parsable", "-o", str(out), str(REQUEUE_SCRIPT), "--log-every", "1"],
+                            env=env, cwd=REQUEUE_SCRIPT.parents[2])
+    if submitted.returncode != 0:
+        raise RuntimeError(f"sbatch failed: {submitted.stderr}")
+    job = submitted.stdout.strip().split(";")[0]
+
+    def text() -> str:
+        return out.read_text(errors="replace") if out.exists() else ""
+
+    def until(predicate, what: str, poll: float = 0.02) -> float:
+        start = time.monotonic()
+        while not predicate():
+            if time.monotonic() > start + JOB_TIMEOUT:
+                raise RuntimeError(f"job {job}: no {what} within {JOB_TIMEOUT} s:\n{text()[-2000:]}")
+            time.sleep(poll)
+        return time.monotonic() - start
+
+    def state() -> str:
+        return cluster.run(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip()
+
+    def resumed_step() -> bool:
+        second = text().partition("start 1")[2]
+        return "resumed from" in second and "Step " in second.partition("resumed from")[2]
+
+    try:
+        until(lambda: any(checkpoints.glob("step-*")), "checkpoint", 0.2)
+        start = time.monotonic()
+        signalled = cluster.run(["scancel", "--signal=USR1", "--batch", job])
+        if signalled.returncode != 0:
+            raise RuntimeError(f"scancel --signal failed: {signalled.stderr}")
+        phases = {"signal_to_requeued_s": until(lambda: "start 1" in text() or state() == "PENDING",
+                                                "requeue", 0.05)}
+        phases["requeued_to_idle_s"] = until(lambda: "start 1" in text() or set(cluster.run(
+            ["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()) == {"idle"}, "idle nodes", 0.05)
+        nudged = time.monotonic()
+        cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now+1"])
+        until(resumed_step, "first step of the requeued job")
+        phases["idle_to_first_step_s"] = time.monotonic() - nudged
+        phases["signal_to_requeued_first_step_s"] = time.monotonic() - start
+    finally:
+        cluster.run(["scancel", job])
+    return phases
+
+
 def ssh_to_first_step(cluster, python: str, env: dict) -> float:
     out = cluster.work / "bench-ssh.out"
     command = [python, "-m", "popdist_lite_launcher", "--timeout", str(JOB_TIMEOUT),
@@ -210,6 +277,8 @@ def main() -> None:
                 run[f"scancel_to_empty_s[{mpi}]"] = scancel_to_empty(cluster, python, env)
                 run[f"sbatch_to_first_step_s[{mpi}]"] = sbatch_to_first_step(cluster, python, env)
                 run[f"ssh_to_first_step_s[{mpi}]"] = ssh_to_first_step(cluster, python, env)
+                for key, value in signal_to_requeued_first_step(cluster, python, env).items():
+                    run[f"{key}[{mpi}]"] = value
             down = time.monotonic()
         run["cluster_down_s"] = time.monotonic() - down
         runs.append(run)
