@@ -85,11 +85,16 @@ class Attempt:
 
 @dataclass
 class Outcome:
-    """What a :class:`Launcher` returns: the job's result and the ``resize_stop`` records
-    it got (identity fields: who sent each)."""
+    """What a :class:`Launcher` returns: the job's result, the ``resize_stop`` records
+    it got (identity fields: who sent each), and the hosts its launch agent did not reach
+    when it cleaned up after the attempt, each with a sentence naming it and what failed.
+    A policy leaves those out of the next attempt as if they had failed a probe, without
+    probing them again: on a dead node each contact costs the agent's own time-out
+    (Slurm's ``MessageTimeout``, ssh's ``ConnectTimeout``)."""
 
     result: job.JobResult
     resize_stops: list[dict] = field(default_factory=list)
+    unreachable: dict[str, str] = field(default_factory=dict)
 
 
 class AttemptError(Exception):
@@ -130,7 +135,7 @@ class FixedPolicy:
     def watch(self, membership: Membership, say) -> None:
         return None
 
-    def lost(self, membership: Membership, say) -> list[str]:
+    def lost(self, membership: Membership, say, unreachable: dict[str, str]) -> list[str]:
         return []
 
 
@@ -163,11 +168,12 @@ class ElasticPolicy:
     def watch(self, membership: Membership, say) -> Callable[[Send], Watcher]:
         return lambda send: ResizeMonitor(self.cluster, membership, send, self.opts.discovery_interval, say)
 
-    def lost(self, membership: Membership, say) -> list[str]:
+    def lost(self, membership: Membership, say, unreachable: dict[str, str]) -> list[str]:
         """After a failed attempt on ``membership``: its hosts that are gone now (and the
-        survey kept for the next attempt); [] when discovery fails."""
+        survey kept for the next attempt, in which the hosts of ``unreachable``, from
+        :attr:`Outcome.unreachable`, fail without a probe); [] when discovery fails."""
         try:
-            self._survey = self.cluster.survey()
+            self._survey = self.cluster.survey(unreachable=unreachable)
         except LauncherError as exc:
             say(f"host discovery failed after the attempt: {exc}")
             return []
@@ -327,14 +333,15 @@ class AttemptsLoop:
                 print(f"poprun-lite: job succeeded on attempt {record.number}{self._of()}; "
                       + format_attempts(self.history), file=sys.stderr, flush=True)
             return 0, ""
-        return self._failed(record, result, unasked if clean else [], [] if clean else unasked)
+        return self._failed(record, result, unasked if clean else [], [] if clean else unasked,
+                            outcome.unreachable)
 
     def _failed(self, record: AttemptRecord, result: job.JobResult, cause_stops: list[dict],
-                other_stops: list[dict]) -> tuple[int | None, str]:
+                other_stops: list[dict], unreachable: dict[str, str]) -> tuple[int | None, str]:
         """A failed attempt: its report, and whether the job goes on. ``cause_stops``:
         the ``resize_stop`` records no resize was asked for, when they are what failed
         (the ranks all exited 0); ``other_stops``: such records in an attempt that failed
-        anyway (named after its report)."""
+        anyway (named after its report); ``unreachable``: :attr:`Outcome.unreachable`."""
         opts, say = self.opts, self.say
         cause, stop_reason = result.stall, result.stop_reason
         if result.timed_out and opts.timeout:  # the attempt had what was left of --timeout
@@ -347,7 +354,7 @@ class AttemptsLoop:
             code = exit_code(result)
             summary = report.summary(result.failures, reason=stop_reason, stalled=result.stall is not None)
         final = result.stop_signal is not None or result.timed_out or result.internal_error is not None
-        lost = [] if final else self.policy.lost(record.membership, say)
+        lost = [] if final else self.policy.lost(record.membership, say, unreachable)
         if lost:
             record.outcome = f"{_hosts_text(lost)} lost: {summary} (exit code {code})"
         else:

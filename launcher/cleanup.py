@@ -14,7 +14,9 @@ When an attempt ends, however it ended, the launcher runs ``python -m
 popdist_lite_launcher.cleanup MARK`` on every remote host of the attempt through the
 launch agent, all at once and under :data:`CLEANUP_TIMEOUT_SECONDS` (and
 :func:`kill_marked` itself for ranks on its own host); a host where that fails is
-reported. :func:`kill_marked` SIGKILLs every process of the caller's user whose
+reported, and a host the launch agent did not reach at all (no word from the cleanup
+command) is one the next attempt leaves out without probing it again: the cleanup was
+the probe (:mod:`popdist_lite_launcher.attempts`). :func:`kill_marked` SIGKILLs every process of the caller's user whose
 environment holds the mark (read from ``/proc/PID/environ``), itself and its ancestors
 excepted, until none is left, and removes the attempt's key directory there
 (:func:`popdist_lite_launcher.channel.remove_keys`: the files of agents that never
@@ -42,6 +44,8 @@ LAUNCH_AGENT_ENV = "POPRUN_LITE_LAUNCH_AGENT"
 ATTEMPT_AGENT = str(Path(__file__).with_name("attempt-agent"))
 #: Seconds the cleanup of all hosts may take.
 CLEANUP_TIMEOUT_SECONDS = 20.0
+#: How every line the cleanup command (:func:`main`) prints begins.
+SAID = "poprun-lite cleanup"
 #: Rounds of :func:`kill_marked` (a daemon may start a process while it is killed).
 KILL_ROUNDS = 20
 _MARK = re.compile(r"[0-9a-f]{16,64}")
@@ -121,20 +125,29 @@ def remote_command(mark: str) -> list[str]:
 
 
 def clean_hosts(launch_agent: str, hosts: list[str], mark: str,
-                timeout: float = CLEANUP_TIMEOUT_SECONDS) -> dict[str, str]:
+                timeout: float = CLEANUP_TIMEOUT_SECONDS) -> tuple[dict[str, str], set[str]]:
     """Kill what is left of the attempt ``mark`` on every host of ``hosts`` (run with the
-    launch agent, all at once): for each host where that failed, why."""
+    launch agent, all at once).
+
+    Returns:
+        for each host where that failed, why; and the hosts among them that the launch
+        agent did not reach: no answer within ``timeout``, or no word (:data:`SAID`)
+        from the cleanup command, only the agent's own failure.
+    """
     from .network import run_on_hosts
 
-    problems = {}
+    problems, unreached = {}, set()
     outcomes = run_on_hosts(launch_agent, hosts, lambda host, index: remote_command(mark), timeout=timeout)
     for host, outcome in outcomes.items():
         if isinstance(outcome, str):
             problems[host] = outcome
+            unreached.add(host)
         elif outcome.returncode != 0:
             said = (outcome.stderr.strip() or outcome.stdout.strip()).splitlines()[-3:]
             problems[host] = f"exit code {outcome.returncode}" + (": " + " / ".join(said) if said else "")
-    return problems
+            if SAID not in outcome.stdout + outcome.stderr:
+                unreached.add(host)
+    return problems, unreached
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     killed, left = kill_marked(args[0])
     channel.remove_keys(args[0])  # key files of agents that never started (channel.write_keys)
     if left:
-        print(f"poprun-lite cleanup: {len(left)} process(es) of the attempt still running "
+        print(f"{SAID}: {len(left)} process(es) of the attempt still running "
               f"(pids {', '.join(map(str, left[:10]))})", file=sys.stderr)
         return 1
-    print(f"poprun-lite cleanup: killed {killed} process(es)")
+    print(f"{SAID}: killed {killed} process(es)")
     return 0
 
 

@@ -183,19 +183,21 @@ class Cluster:
             return [(host, opts.slots.get(host, share)) for host in opts.hosts]
         return [("localhost", opts.num_replicas * per_replica)]
 
-    def usable(self, available: list[tuple[str, int | None]],
-               trusted=()) -> tuple[list[tuple[str, int | None]], dict[str, str]]:
+    def usable(self, available: list[tuple[str, int | None]], trusted=(),
+               unreachable: dict[str, str] | None = None) -> tuple[list[tuple[str, int | None]], dict[str, str]]:
         """The ``available`` hosts, in order, that can hold a replica and are usable, up to
         the first ``--num-replicas`` replicas' worth, and why each host that failed its
         probe failed. Hosts are probed in discovery order, each batch just large enough
         to fill what is still missing (all at once), until the replicas are filled or
         the list ends: a long list costs only the probes the job needs. Hosts in
         ``trusted``, this machine, and every host with ``--no-host-check`` count
-        without a probe."""
+        without a probe; a host of ``unreachable`` (the launch agent did not reach it
+        just now: ``{host: why}``) fails without one."""
         opts = self.opts
         feeders, need = opts.feeders_per_replica, opts.num_replicas
         good: set[str] = set()
         problems: dict[str, str] = {}
+        unreachable = unreachable or {}
         batch: list[tuple[str, int]] = []
 
         def probe() -> None:
@@ -216,7 +218,9 @@ class Cluster:
             room = capacity(slots, feeders)
             if room == 0:
                 continue  # no room for a replica (and its feeders): never used
-            if is_local_host(host) or host in trusted or not opts.host_check:
+            if host in unreachable:
+                problems[host] = unreachable[host]
+            elif is_local_host(host) or host in trusted or not opts.host_check:
                 good.add(host)
                 need -= room
             else:
@@ -250,7 +254,7 @@ class Cluster:
                 error = error or exc
         raise error
 
-    def survey(self, trusted=()) -> Survey:
+    def survey(self, trusted=(), unreachable: dict[str, str] | None = None) -> Survey:
         """Discovery, the probes and the membership, now (see :meth:`discover`,
         :meth:`usable`, :meth:`size`).
 
@@ -258,7 +262,7 @@ class Cluster:
             DiscoveryError: as :meth:`discover`.
         """
         available = self.discover()
-        usable, problems = self.usable(available, trusted)
+        usable, problems = self.usable(available, trusted, unreachable)
         return Survey(self.size(usable), available, usable, problems)
 
     def size(self, usable: list[tuple[str, int | None]]) -> Membership:

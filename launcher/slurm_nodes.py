@@ -149,11 +149,15 @@ class Nodes:
                              + (f" ({problem})" if problem else ""))
         return [node for node in self.nodes if node not in why], why
 
-    def gone(self, used: list[str]) -> dict[str, str]:
+    def gone(self, used: list[str], unreachable: dict[str, str] | None = None) -> dict[str, str]:
         """Which of the nodes ``used`` by a failed attempt are lost, and why: not usable
-        in Slurm's eyes (:meth:`usable`), or failing a probe through Slurm."""
+        in Slurm's eyes (:meth:`usable`), not reached by the launch agent just now
+        (``unreachable``, ``{node: why}``: no probe again), or failing a probe through
+        Slurm."""
         _, why = self.usable()
         lost = {node: why[node] for node in used if node in why}
+        lost.update({node: (unreachable or {})[node] for node in used
+                     if node not in lost and node in (unreachable or {})})
         rest = [node for node in used if node not in lost]
         lost.update({node: problem for node, problem in self._probe(rest).items() if problem})
         return lost
@@ -192,11 +196,12 @@ class SlurmFixedPolicy(FixedPolicy):
         self.slots = dict(zip(opts.allocation.nodes, opts.allocation.tasks))
         self.left = list(opts.allocation.nodes)
 
-    def lost(self, membership: Membership, say) -> list[str]:
+    def lost(self, membership: Membership, say, unreachable: dict[str, str]) -> list[str]:
         """After a failed attempt on ``membership``: its nodes that are lost (each named,
-        with why, through ``say``); the next membership is set on the nodes left. []
-        without ``--max-restarts`` (the job fails) or when no node is left."""
-        gone = self.nodes.gone(membership.names())
+        with why, through ``say``; ``unreachable``: :attr:`Outcome.unreachable
+        <popdist_lite_launcher.attempts.Outcome>`); the next membership is set on the
+        nodes left. [] without ``--max-restarts`` (the job fails) or when no node is left."""
+        gone = self.nodes.gone(membership.names(), unreachable)
         for node, why in gone.items():
             say(f"Slurm node {node} lost: {why}")
         if not gone:

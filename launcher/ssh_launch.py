@@ -60,7 +60,7 @@ class SshLauncher:
         except (OSError, LauncherError) as exc:
             raise AttemptError(str(exc)) from None
         mark, key = cleanup.new_mark(), channel.new_key()
-        local_keys = None
+        local_keys, unreachable = None, {}
         try:  # the key files first: the collector's enrolment time starts with it
             local_keys = deposit_keys(ranks, remote, key, mark, opts.launch_agent)
             try:
@@ -72,11 +72,11 @@ class SshLauncher:
         finally:
             if local_keys is not None:
                 shutil.rmtree(local_keys, ignore_errors=True)
-            self._clean_up(ranks, remote, mark)
+            unreachable = self._clean_up(ranks, remote, mark)
         result.refused, result.dropped = collector.ignored()
         stops = collector.records("resize_stop")
         result.resize_stops = len(stops)
-        return Outcome(result, stops)
+        return Outcome(result, stops, unreachable)
 
     def _launch(self, attempt: Attempt, ranks: list[RankSpec], remote: list[str], address: str,
                 collector: Collector, mark: str) -> job.JobResult:
@@ -142,19 +142,24 @@ class SshLauncher:
         it (unchanged here)."""
         return env
 
-    def _clean_up(self, ranks: list[RankSpec], remote: list[str], mark: str) -> None:
+    def _clean_up(self, ranks: list[RankSpec], remote: list[str], mark: str) -> dict[str, str]:
         """Kill what is left of the attempt ``mark``: on this machine if it ran ranks here,
-        on every remote host through the launch agent; print every host where that failed."""
-        problems = {}
+        on every remote host through the launch agent; print every host where that
+        failed. Returns the remote hosts the launch agent did not reach, each with a
+        sentence naming it (:attr:`Outcome.unreachable <popdist_lite_launcher.attempts.Outcome>`)."""
+        problems, unreached = {}, set()
         if any(is_local_host(spec.host) for spec in ranks):
             _, left = cleanup.kill_marked(mark)
             if left:
                 problems["this host"] = f"{len(left)} process(es) still running (pids {left[:10]})"
         if remote:
-            problems.update(cleanup.clean_hosts(self.opts.launch_agent, remote, mark))
+            found, unreached = cleanup.clean_hosts(self.opts.launch_agent, remote, mark)
+            problems.update(found)
         for host, problem in problems.items():
             print(f"poprun-lite: cleanup after the attempt failed on {host}: {problem}",
                   file=sys.stderr, flush=True)
+        return {host: f"host {host} is not reachable with the launch agent {self.opts.launch_agent!r}: "
+                      f"the cleanup after the attempt: {problems[host]}" for host in remote if host in unreached}
 
 
 def deposit_keys(ranks: list[RankSpec], remote: list[str], key: bytes, mark: str,

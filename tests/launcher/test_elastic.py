@@ -137,7 +137,7 @@ class FakeCluster(Cluster):
             raise answer
         return answer
 
-    def usable(self, available, trusted=()):
+    def usable(self, available, trusted=(), unreachable=None):
         self.probed.append([h for h, _ in available if h not in trusted])
         problems = {h: f"host {h} cannot connect" for h, _ in available if h in self.down and h not in trusted}
         return [(h, s) for h, s in available if h not in problems], problems

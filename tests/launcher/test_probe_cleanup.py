@@ -143,12 +143,20 @@ def test_clean_hosts_through_the_launch_agent(tmp_path):
     ours = spawn({cleanup.MARK_ENV: mark})
     try:
         wait_for(lambda: len(cleanup.marked(mark)) >= 2, timeout=60, what="bash and its background sleep")
-        assert cleanup.clean_hosts(agent(tmp_path), ["node1"], mark, timeout=JOB_SECONDS) == {}
+        assert cleanup.clean_hosts(agent(tmp_path), ["node1"], mark, timeout=JOB_SECONDS) == ({}, set())
         ours.wait(timeout=60)
         failing = tmp_path / "failing"
         failing.write_text("#!/usr/bin/env bash\necho 'node2: host is down' >&2\nexit 255\n")
         failing.chmod(0o755)
-        assert cleanup.clean_hosts(str(failing), ["node2"], mark) == {"node2": "exit code 255: node2: host is down"}
+        assert cleanup.clean_hosts(str(failing), ["node2"], mark) == \
+            ({"node2": "exit code 255: node2: host is down"}, {"node2"})
+        # the cleanup ran there but failed: the host was reached
+        ran = tmp_path / "ran-but-failed"
+        ran.write_text("#!/usr/bin/env bash\necho 'poprun-lite cleanup: 1 process(es) of the attempt "
+                       "still running (pids 7)' >&2\nexit 1\n")
+        ran.chmod(0o755)
+        problems, unreached = cleanup.clean_hosts(str(ran), ["node3"], mark)
+        assert list(problems) == ["node3"] and "still running" in problems["node3"] and unreached == set()
     finally:
         try:
             os.killpg(ours.pid, 9)
@@ -211,3 +219,11 @@ def test_hosts_are_probed_in_order_only_until_the_replicas_are_filled(tmp_path, 
     assert len(ran) == 3, f"{len(ran)} launch-agent runs"
     assert usable == [("127.0.0.3", 1), ("127.0.0.4", 1)] and list(problems) == ["127.0.0.2"]
     assert "host 127.0.0.2 is not reachable with the launch agent" in problems["127.0.0.2"]
+
+    # a host the cleanup after an attempt did not reach fails without a probe
+    (tmp_path / "ran").unlink()
+    cluster = Cluster(dataclasses.replace(opts, launch_agent=str(failing)))
+    usable, problems = cluster.usable(available, unreachable={"127.0.0.2": "host 127.0.0.2: the cleanup"})
+    ran = (tmp_path / "ran").read_text().splitlines()
+    assert len(ran) == 2 and not any("127.0.0.2" in line for line in ran), ran
+    assert usable == [("127.0.0.3", 1), ("127.0.0.4", 1)] and problems == {"127.0.0.2": "host 127.0.0.2: the cleanup"}

@@ -109,6 +109,20 @@ def test_gone_asks_the_probe_only_for_nodes_slurm_still_counts():
     assert probed == [["n1", "n3"]]
 
 
+def test_gone_does_not_probe_again_a_node_the_cleanup_did_not_reach():
+    probed = []
+
+    def probe(nodes):
+        probed.append(list(nodes))
+        return {node: None for node in nodes}
+
+    nodes = fake_nodes("n[1-3]", "n1 mixed\nn2 down*\nn3 mixed\n", probe=probe)
+    unreached = {"n2": "host n2 is not reachable: the cleanup", "n3": "host n3 is not reachable: the cleanup"}
+    assert nodes.gone(["n1", "n2", "n3"], unreached) == {"n2": "node n2 of Slurm job 17 is down*",
+                                                         "n3": "host n3 is not reachable: the cleanup"}
+    assert probed == [["n1"]]
+
+
 # ------------------------------------------------------------------ the policies
 
 @pytest.fixture
@@ -135,7 +149,7 @@ class Gone:
     def __init__(self, *lost):
         self.lost = lost
 
-    def gone(self, used):
+    def gone(self, used, unreachable=None):
         return {node: f"node {node} is down*" for node in used if node in self.lost}
 
 
@@ -145,7 +159,7 @@ def test_fixed_policy_restarts_on_the_nodes_left(in_allocation):
     first = policy.next(None, print)
     assert first == Membership((("n1", 2), ("n2", 2), ("n3", 2)))
     said = []
-    assert policy.lost(first, said.append) == ["n2"]
+    assert policy.lost(first, said.append, {}) == ["n2"]
     assert said == ["Slurm node n2 lost: node n2 is down*"]
     assert policy.next(None, print) == Membership((("n1", 2), ("n3", 2)))
 
@@ -154,7 +168,7 @@ def test_fixed_policy_fills_the_nodes_left_up_to_the_replicas(in_allocation):
     opts = options("--max-restarts", "3", "--num-replicas", "3")
     policy = slurm_nodes.SlurmFixedPolicy(opts, Gone("n1"))
     assert policy.next(None, print) == Membership((("n1", 2), ("n2", 1)))
-    assert policy.lost(policy.next(None, print), print) == ["n1"]
+    assert policy.lost(policy.next(None, print), print, {}) == ["n1"]
     assert policy.next(None, print) == Membership((("n2", 2), ("n3", 1)))
 
 
@@ -163,7 +177,7 @@ def test_fixed_policy_without_restarts_names_the_node_and_fails(in_allocation):
     policy = slurm_nodes.SlurmFixedPolicy(opts, Gone("n3"))
     said = []
     first = policy.next(None, print)
-    assert policy.lost(first, said.append) == []
+    assert policy.lost(first, said.append, {}) == []
     assert said == ["Slurm node n3 lost: node n3 is down*",
                     "not restarting without node n3 (no --max-restarts or --min-replicas)"]
     assert policy.next(None, print) == first
@@ -173,9 +187,9 @@ def test_fixed_policy_with_no_node_left(in_allocation):
     opts = options("--max-restarts", "1", "--num-replicas", "2")
     policy = slurm_nodes.SlurmFixedPolicy(opts, Gone("n1"))
     said = []
-    assert policy.lost(policy.next(None, print), said.append) == ["n1"]
+    assert policy.lost(policy.next(None, print), said.append, {}) == ["n1"]
     policy = slurm_nodes.SlurmFixedPolicy(opts, Gone("n1", "n2", "n3"))
-    assert policy.lost(Membership((("n1", 2), ("n2", 2), ("n3", 2))), said.append) == []
+    assert policy.lost(Membership((("n1", 2), ("n2", 2), ("n3", 2))), said.append, {}) == []
     assert said[-1] == "no node of Slurm job 17 is left to restart on"
 
 
