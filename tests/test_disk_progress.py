@@ -1,6 +1,7 @@
 """A disk table's counters in the progress records: a real child process (one replica,
-no launcher) trains a disk-backed table with prefetch, its progress slot is read the way
-the poprun-lite agent reads it (popdist_lite_launcher.rank_progress), and the
+no launcher: tests/progs/disk_counters_prog.py) trains disk-backed tables with
+prefetch, its progress slot is read the way the poprun-lite agent reads it
+(popdist_lite_launcher.rank_progress), and the
 ``progress`` record the agent makes from it passes the records' checks; hostile
 ``storage`` fields do not."""
 
@@ -8,7 +9,7 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -17,32 +18,17 @@ from popdist_lite_launcher.rank_progress import RankProgress
 
 from helpers import JOB_SECONDS
 
-CHILD = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    import popdist_lite as pl
-    pl.init()
-    tables = [pl.create_host_embedding(name, [500, 8], optimizer_spec=pl.HostEmbeddingOptimizerSpec(0.1),
-                                       storage=pl.DiskStorage(40 * 60, directory=sys.argv[1]))
-              for name in ("a", "b")]
-    for step in range(6):
-        ids = np.arange(step * 20, step * 20 + 20) % 500
-        for table in tables:
-            table.prefetch(ids, ahead=0).wait(60)
-            table.lookup(ids)
-            table.apply_gradients(ids, np.ones((20, 8), np.float32))
-    stats = [t.storage_stats for t in tables]
-    print(json.dumps({k: sum(s[k] for s in stats) for k in stats[0]}), flush=True)
-    sys.stdin.readline()
-""")
+PROG = Path(__file__).parent / "progs" / "disk_counters_prog.py"
+STEPS = 5
 
 
 def test_disk_counters_reach_the_progress_record(tmp_path):
     rank = RankProgress()
     try:
         assert rank.read_storage() is None and rank.storage_fields() == {}  # nothing before a disk table
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], env={**os.environ, **rank.env()},
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=rank.fds())
+        child = subprocess.Popen([sys.executable, str(PROG), str(tmp_path), str(STEPS)],
+                                 env={**os.environ, **rank.env()}, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, text=True, pass_fds=rank.fds())
         try:
             line = child.stdout.readline()
             assert line, "the child ended without its counters"
@@ -52,14 +38,14 @@ def test_disk_counters_reach_the_progress_record(tmp_path):
             for name in progress.STORAGE_FIELDS[:-1]:
                 assert got[name] == want[name], name  # the sums over both tables
             assert got["wait_seconds"] == pytest.approx(want["wait_seconds"])
-            assert got["prefetched_rows"] == 2 * 6 * 20 and got["misses"] == 0 and got["hits"] > 0
+            assert got["prefetched_rows"] == 2 * STEPS * 20 and got["misses"] == 0 and got["hits"] > 0
             ident = records.identity(rank=0, replica=0, pid=child.pid)
             record = records.make("progress", ident, lane="main", call=5, op="all_reduce", since=1.0,
                                   **rank.storage_fields())
             decoded = json.loads(records.encode(record))
             assert records.validate(decoded, records.FROM_AGENT)["storage"] == got
         finally:
-            child.stdin.close()
+            (tmp_path / "go").write_text("")
             child.wait(JOB_SECONDS)
         assert child.returncode == 0
     finally:
