@@ -1,6 +1,18 @@
 """A file of fixed-size records, one per row of a replica's partition: positional
 reads and writes of sorted rows, one system call per run of consecutive rows.
 
+A row is a few hundred bytes at a random place in the file, so each transfer costs the
+device's latency, not its bandwidth: one after another, a step's misses wait for every
+latency in turn, while a device (an SSD, a virtual disk) serves a queue of them at once.
+So a call with at least :data:`PARALLEL_RUNS` runs reads them from :data:`IO_THREADS`
+threads (the system calls release the GIL). Writes cannot be spread that way: the
+kernel serializes buffered writes to one file (the inode's lock), and a write into a
+page not in the page cache first reads that page, under the lock. So such a write call
+first reads its rows' pages in parallel (into a scratch buffer, not counted as rows
+read), then writes into the cached pages one run after another. On the project's VM,
+650 random 776-byte rows: read 39-45 ms one after another, 16-19 ms in parallel;
+written 44-47 ms, 18 ms after the parallel read (``docs/offload.md``).
+
 The file's pages are not a second cache: once :data:`DROP_BYTES` of pages were read or
 written since the last time (whole pages: a 776-byte row read alone brings in a 4 KiB
 page, or two), the whole file is advised ``POSIX_FADV_DONTNEED``, which drops its
@@ -17,6 +29,8 @@ import errno
 import mmap
 import os
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 
 import numpy as np
@@ -28,6 +42,51 @@ _RANDOM = getattr(os, "POSIX_FADV_RANDOM", None)
 #: Bytes of the pages read or written between two advices (an advice walks the file's cached pages:
 #: about 10 ms per 8192-ID step for a 160 MB file when given after every batch).
 DROP_BYTES = 8 << 20
+#: Threads issuing one call's reads at once (the queue of transfers in flight).
+IO_THREADS = 16
+#: Runs of consecutive rows below which a call issues its transfers one after another.
+PARALLEL_RUNS = 32
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _io_pool() -> ThreadPoolExecutor:
+    """The process's I/O threads, made at first use (and again in a forked child)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="popdist-rowfile")
+        return _pool
+
+
+def _forget_pool() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # the parent's threads do not exist here
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _each(runs: list, transfer) -> None:
+    """``transfer(first, stop, at)`` for every run, from :data:`IO_THREADS` threads when
+    there are :data:`PARALLEL_RUNS` or more (each thread a share of the runs, in order);
+    the first error (in the threads' order) is raised once every thread has stopped."""
+    if len(runs) < PARALLEL_RUNS:
+        for run in runs:
+            transfer(*run)
+        return
+
+    def share(part):
+        for run in part:
+            transfer(*run)
+
+    futures = [_io_pool().submit(share, runs[i::IO_THREADS]) for i in range(IO_THREADS)]
+    errors = [f.exception() for f in futures]  # waits for every share
+    for error in errors:
+        if error is not None:
+            raise error
 
 
 class RowFileError(RuntimeError):
@@ -94,7 +153,8 @@ class RowFile:
         :meth:`count` (a background reader does so under its cache's lock)."""
         start = perf_counter()
         size = self.record.itemsize
-        for first, stop, at in _runs(rows):
+
+        def read_run(first: int, stop: int, at: int) -> None:
             want = (stop - first) * size
             view = memoryview(out[at:at + stop - first]).cast("B")
             try:
@@ -104,6 +164,8 @@ class RowFile:
             if got != want:
                 raise RowFileError(f"short read of rows {first}..{stop - 1} of the partition file {self.path}: "
                                    f"{got} of {want} bytes (the file was truncated)")
+
+        _each(list(_runs(rows)), read_run)
         if count:
             self.count("read", rows, start)
 
@@ -111,7 +173,8 @@ class RowFile:
         """Write ``records[i]`` to row ``rows[i]`` for sorted unique ``rows``."""
         start = perf_counter()
         size = self.record.itemsize
-        for first, stop, at in _runs(rows):
+
+        def write_run(first: int, stop: int, at: int) -> None:
             view = memoryview(np.ascontiguousarray(records[at:at + stop - first])).cast("B")
             offset, done = first * size, 0
             while done < len(view):
@@ -120,6 +183,12 @@ class RowFile:
                 except OSError as exc:
                     doing = f"writing rows {first}..{stop - 1} of the partition file"
                     raise _explained(exc, doing, self.path) from None
+
+        runs = list(_runs(rows))
+        if len(runs) >= PARALLEL_RUNS:  # the pages in first, in parallel (module docstring)
+            self.read(rows, np.empty(len(rows), self.record), count=False)
+        for run in runs:
+            write_run(*run)
         self.count("written", rows, start)
 
     def read_range(self, first: int, stop: int) -> np.ndarray:
