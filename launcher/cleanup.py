@@ -125,16 +125,18 @@ def remote_command(mark: str) -> list[str]:
 
 
 def clean_hosts(launch_agent: str, hosts: list[str], mark: str,
-                timeout: float = CLEANUP_TIMEOUT_SECONDS) -> tuple[dict[str, str], set[str]]:
+                timeout: float = CLEANUP_TIMEOUT_SECONDS) -> tuple[dict[str, str], dict[str, str]]:
     """Kill what is left of the attempt ``mark`` on every host of ``hosts`` (run with the
     launch agent, all at once).
 
     Returns:
-        for each host where that failed, why; and the hosts among them that the launch
-        agent did not reach: no answer within ``timeout``, or no word (:data:`SAID`)
-        from the cleanup command, only the agent's own failure.
+        for each host where that failed, why; and for the hosts among them that the
+        launch agent did not reach (no answer within ``timeout``, or no word
+        (:data:`SAID`) from the cleanup command, only the agent's own failure) the
+        sentence naming each (:func:`network.not_reachable
+        <popdist_lite_launcher.network.not_reachable>`).
     """
-    from .network import run_on_hosts
+    from .network import not_reachable, run_on_hosts
 
     problems, unreached = {}, set()
     outcomes = run_on_hosts(launch_agent, hosts, lambda host, index: remote_command(mark), timeout=timeout)
@@ -147,7 +149,8 @@ def clean_hosts(launch_agent: str, hosts: list[str], mark: str,
             problems[host] = f"exit code {outcome.returncode}" + (": " + " / ".join(said) if said else "")
             if SAID not in outcome.stdout + outcome.stderr:
                 unreached.add(host)
-    return problems, unreached
+    return problems, {host: not_reachable(launch_agent, host, f"the cleanup after the attempt: {problems[host]}")
+                      for host in hosts if host in unreached}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,6 +126,11 @@ def _agent_problem(launch_agent: str, host: str, outcome) -> str | None:
                    + (": " + " / ".join(said) if said else ""))
     else:
         return None
+    return not_reachable(launch_agent, host, problem)
+
+
+def not_reachable(launch_agent: str, host: str, problem: str) -> str:
+    """The sentence naming ``host`` that the launch agent did not reach, and ``problem``."""
     return f"host {host} is not reachable with the launch agent {launch_agent!r}: {problem}"
 
 

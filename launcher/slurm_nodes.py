@@ -154,10 +154,10 @@ class Nodes:
         in Slurm's eyes (:meth:`usable`), not reached by the launch agent just now
         (``unreachable``, ``{node: why}``: no probe again), or failing a probe through
         Slurm."""
+        unreachable = unreachable or {}
         _, why = self.usable()
         lost = {node: why[node] for node in used if node in why}
-        lost.update({node: (unreachable or {})[node] for node in used
-                     if node not in lost and node in (unreachable or {})})
+        lost.update({node: unreachable[node] for node in used if node not in lost and node in unreachable})
         rest = [node for node in used if node not in lost]
         lost.update({node: problem for node, problem in self._probe(rest).items() if problem})
         return lost

@@ -60,7 +60,7 @@ class SshLauncher:
         except (OSError, LauncherError) as exc:
             raise AttemptError(str(exc)) from None
         mark, key = cleanup.new_mark(), channel.new_key()
-        local_keys, unreachable = None, {}
+        local_keys = None
         try:  # the key files first: the collector's enrolment time starts with it
             local_keys = deposit_keys(ranks, remote, key, mark, opts.launch_agent)
             try:
@@ -147,19 +147,18 @@ class SshLauncher:
         on every remote host through the launch agent; print every host where that
         failed. Returns the remote hosts the launch agent did not reach, each with a
         sentence naming it (:attr:`Outcome.unreachable <popdist_lite_launcher.attempts.Outcome>`)."""
-        problems, unreached = {}, set()
+        problems, unreachable = {}, {}
         if any(is_local_host(spec.host) for spec in ranks):
             _, left = cleanup.kill_marked(mark)
             if left:
                 problems["this host"] = f"{len(left)} process(es) still running (pids {left[:10]})"
         if remote:
-            found, unreached = cleanup.clean_hosts(self.opts.launch_agent, remote, mark)
+            found, unreachable = cleanup.clean_hosts(self.opts.launch_agent, remote, mark)
             problems.update(found)
         for host, problem in problems.items():
             print(f"poprun-lite: cleanup after the attempt failed on {host}: {problem}",
                   file=sys.stderr, flush=True)
-        return {host: f"host {host} is not reachable with the launch agent {self.opts.launch_agent!r}: "
-                      f"the cleanup after the attempt: {problems[host]}" for host in remote if host in unreached}
+        return unreachable
 
 
 def deposit_keys(ranks: list[RankSpec], remote: list[str], key: bytes, mark: str,

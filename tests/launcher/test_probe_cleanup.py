@@ -143,20 +143,22 @@ def test_clean_hosts_through_the_launch_agent(tmp_path):
     ours = spawn({cleanup.MARK_ENV: mark})
     try:
         wait_for(lambda: len(cleanup.marked(mark)) >= 2, timeout=60, what="bash and its background sleep")
-        assert cleanup.clean_hosts(agent(tmp_path), ["node1"], mark, timeout=JOB_SECONDS) == ({}, set())
+        assert cleanup.clean_hosts(agent(tmp_path), ["node1"], mark, timeout=JOB_SECONDS) == ({}, {})
         ours.wait(timeout=60)
         failing = tmp_path / "failing"
         failing.write_text("#!/usr/bin/env bash\necho 'node2: host is down' >&2\nexit 255\n")
         failing.chmod(0o755)
         assert cleanup.clean_hosts(str(failing), ["node2"], mark) == \
-            ({"node2": "exit code 255: node2: host is down"}, {"node2"})
+            ({"node2": "exit code 255: node2: host is down"},
+             {"node2": f"host node2 is not reachable with the launch agent {str(failing)!r}: the cleanup after "
+                       f"the attempt: exit code 255: node2: host is down"})
         # the cleanup ran there but failed: the host was reached
         ran = tmp_path / "ran-but-failed"
         ran.write_text("#!/usr/bin/env bash\necho 'poprun-lite cleanup: 1 process(es) of the attempt "
                        "still running (pids 7)' >&2\nexit 1\n")
         ran.chmod(0o755)
         problems, unreached = cleanup.clean_hosts(str(ran), ["node3"], mark)
-        assert list(problems) == ["node3"] and "still running" in problems["node3"] and unreached == set()
+        assert list(problems) == ["node3"] and "still running" in problems["node3"] and unreached == {}
     finally:
         try:
             os.killpg(ours.pid, 9)
