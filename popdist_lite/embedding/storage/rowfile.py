@@ -10,8 +10,9 @@ kernel serializes buffered writes to one file (the inode's lock), and a write in
 page not in the page cache first reads that page, under the lock. So such a write call
 first reads its rows' pages in parallel (into a scratch buffer, not counted as rows
 read), then writes into the cached pages one run after another. On the project's VM,
-650 random 776-byte rows: read 39-45 ms one after another, 16-19 ms in parallel;
-written 44-47 ms, 18 ms after the parallel read (``docs/offload.md``).
+650 random 776-byte rows: read 39-45 ms one after another, 13-18 ms in parallel;
+written 44-50 ms one after another, 15-18 ms with the parallel read first
+(``docs/offload.md``).
 
 The file's pages are not a second cache: once :data:`DROP_BYTES` of pages were read or
 written since the last time (whole pages: a 776-byte row read alone brings in a 4 KiB
@@ -73,15 +74,13 @@ def _each(runs: list, transfer) -> None:
     """``transfer(first, stop, at)`` for every run, from :data:`IO_THREADS` threads when
     there are :data:`PARALLEL_RUNS` or more (each thread a share of the runs, in order);
     the first error (in the threads' order) is raised once every thread has stopped."""
-    if len(runs) < PARALLEL_RUNS:
-        for run in runs:
-            transfer(*run)
-        return
-
     def share(part):
         for run in part:
             transfer(*run)
 
+    if len(runs) < PARALLEL_RUNS:
+        share(runs)
+        return
     futures = [_io_pool().submit(share, runs[i::IO_THREADS]) for i in range(IO_THREADS)]
     errors = [f.exception() for f in futures]  # waits for every share
     for error in errors:
@@ -152,6 +151,12 @@ class RowFile:
         records, ``len(rows)``). ``count=False``: the caller counts the read with
         :meth:`count` (a background reader does so under its cache's lock)."""
         start = perf_counter()
+        self._read_runs(list(_runs(rows)), out)
+        if count:
+            self.count("read", rows, start)
+
+    def _read_runs(self, runs: list, out: np.ndarray) -> None:
+        """:meth:`read` of the runs ``runs`` (:func:`_runs`), uncounted."""
         size = self.record.itemsize
 
         def read_run(first: int, stop: int, at: int) -> None:
@@ -165,9 +170,7 @@ class RowFile:
                 raise RowFileError(f"short read of rows {first}..{stop - 1} of the partition file {self.path}: "
                                    f"{got} of {want} bytes (the file was truncated)")
 
-        _each(list(_runs(rows)), read_run)
-        if count:
-            self.count("read", rows, start)
+        _each(runs, read_run)
 
     def write(self, rows: np.ndarray, records: np.ndarray) -> None:
         """Write ``records[i]`` to row ``rows[i]`` for sorted unique ``rows``."""
@@ -186,7 +189,7 @@ class RowFile:
 
         runs = list(_runs(rows))
         if len(runs) >= PARALLEL_RUNS:  # the pages in first, in parallel (module docstring)
-            self.read(rows, np.empty(len(rows), self.record), count=False)
+            self._read_runs(runs, np.empty(len(rows), self.record))
         for run in runs:
             write_run(*run)
         self.count("written", rows, start)
