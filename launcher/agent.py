@@ -39,6 +39,12 @@ and a key the program could still find (a file whose agent never started) would 
 spent. An agent that cannot enrol does not start its program and exits with
 :data:`NOT_STARTED`.
 
+With ``POPRUN_LITE_HOLD_SIGTERM=1`` (preemption on, :mod:`popdist_lite_launcher.hold_sigterm`)
+the agent holds SIGTERM: one from its parent (the MPI daemon ending the job) stops the
+program with SIGKILL, one from anyone else (Slurm signalling the job's steps) becomes a
+``signalled`` record, on which the launcher asks every replica for a checkpoint; the
+program starts with SIGTERM ignored.
+
 The launcher's death ends the program: when the connection to the collector ends (end of
 file or an error, the launcher was killed or closed it) the agent SIGKILLs its program
 at once and exits. The program gets SIGKILL when the agent dies (``PR_SET_PDEATHSIG``).
@@ -47,6 +53,7 @@ Environment read here (set by the launcher):
     POPRUN_LITE_COLLECTOR                   the collector's host:port (no records if unset)
     POPRUN_LITE_KEY_FILE                    the file holding the job's key (hex), removed
     POPRUN_LITE_STALL_INSPECTOR             "1": record and forward the program's progress
+    POPRUN_LITE_HOLD_SIGTERM                "1": hold SIGTERM (see above)
     POPDIST_LITE_ROLE                       "replica" (default) or "feeder"
     POPDIST_LITE_FEEDER_OF / _FEEDER_INDEX  on a feeder: the replica it feeds, its index
     POPDIST_REPLICA_INDEX_OFFSET            this rank's replica (= instance) index
@@ -71,7 +78,7 @@ import time
 
 from popdist_lite import records
 
-from . import channel
+from . import channel, hold_sigterm
 from .rank_progress import RankProgress
 from .tee import Tee
 
@@ -102,6 +109,21 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
     except Exception:  # noqa: BLE001 - best effort, never fail the exec
         pass
+
+
+def _program_preexec(held: bool):
+    """The program's ``preexec_fn``: :func:`die_with_parent` (Linux), and with SIGTERM
+    held, SIGTERM ignored (:func:`hold_sigterm.ignore_in_child
+    <popdist_lite_launcher.hold_sigterm.ignore_in_child>`)."""
+    linux = sys.platform.startswith("linux")
+    if not held:
+        return die_with_parent if linux else None
+
+    def preexec() -> None:
+        if linux:
+            die_with_parent()
+        hold_sigterm.ignore_in_child()
+    return preexec
 
 
 def _warn(text: str) -> None:
@@ -417,6 +439,9 @@ def run(program: list[str]) -> int:
     not raise for failures of the program.
     """
     environ = os.environ
+    held = environ.get(hold_sigterm.ENV) == "1"
+    if held:  # before any thread starts: every thread of the agent blocks SIGTERM
+        hold_sigterm.block()
     key = channel.take_key(environ)  # the key file is gone before anything is started
     ident = records.env_identity(environ)
     shown = _is_shown(environ)
@@ -444,8 +469,8 @@ def run(program: list[str]) -> int:
             stop["signal"], stop["time"] = signum, time.monotonic()
         proc = stop["child"]
         if proc is not None and proc.poll() is None:
-            try:
-                proc.send_signal(signum)
+            try:  # a held program ignores SIGTERM
+                proc.send_signal(signal.SIGKILL if held and signum == signal.SIGTERM else signum)
             except OSError:
                 pass
 
@@ -459,10 +484,15 @@ def run(program: list[str]) -> int:
         forward(signal.SIGKILL, None)
         _warn("lost the connection to the launcher; ended the program")
 
-    signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     link = Link(environ.get(records.COLLECTOR_ENV), key)
     stop["link"] = link
+    if held:
+        hold_sigterm.Watch(os.getppid(), lambda: forward(signal.SIGTERM, None),
+                           lambda _pid: link.send(records.make("signalled", {**ident, "time": time.time()},
+                                                               signal="SIGTERM"))).start()
+    else:
+        signal.signal(signal.SIGTERM, forward)
     held = not link.ready.is_set()  # a launcher to enrol with: hold the program until then
 
     read_fd, write_fd = os.pipe()
@@ -474,7 +504,7 @@ def run(program: list[str]) -> int:
         command = [*HOLD, str(theirs.fileno()), *program] if held else program
         child = subprocess.Popen(
             command, env=child_env, stdout=stdout, stderr=write_fd, pass_fds=pass_fds,
-            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+            preexec_fn=_program_preexec(held))
     except OSError as exc:
         os.close(read_fd)
         os.close(write_fd)

@@ -27,7 +27,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from . import report, session_dirs
+from . import hold_sigterm, report, session_dirs
 from .agent import die_with_parent
 from .tee import Tee
 
@@ -117,6 +117,8 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     its signals ask the replicas for a checkpoint instead of stopping mpirun, and it is
     polled every 0.1 s too: when it returns a reason (grace over, a second signal) the
     job is stopped with that reason; its first signal is :attr:`JobResult.stop_signal`.
+    With ``preemption``, mpirun starts with SIGTERM blocked and every stop sends it
+    SIGINT instead (:mod:`popdist_lite_launcher.hold_sigterm`).
     In every case the whole session is SIGKILLed if still
     alive ``SESSION_KILL_DELAY_SECONDS`` later. An exception while supervising (a bug
     in the launcher) SIGKILLs the session at once (in a ``finally``: the job is never
@@ -131,6 +133,8 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     state = {"proc": None, "stop_at": None}
 
     def stop(signum):
+        if preemption is not None and signum == signal.SIGTERM:
+            signum = hold_sigterm.STOP_SIGNAL  # mpirun holds SIGTERM
         if state["stop_at"] is None:
             state["stop_at"] = time.monotonic()
             collector.stopping()
@@ -162,7 +166,7 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
         session_dirs.remove_stale(env)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, env=env,
-                                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+                                preexec_fn=_mpirun_preexec(preemption is not None))
     except BaseException:
         _restore(previous)
         raise
@@ -199,6 +203,20 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     except Exception as exc:  # noqa: BLE001 - report what is known
         result.internal_error = result.internal_error or describe(exc)
     return result
+
+
+def _mpirun_preexec(hold: bool):
+    """mpirun's ``preexec_fn``: :func:`die_with_parent` (Linux), and SIGTERM blocked when
+    ``hold`` (:func:`hold_sigterm.block <popdist_lite_launcher.hold_sigterm.block>`)."""
+    linux = sys.platform.startswith("linux")
+    if not hold:
+        return die_with_parent if linux else None
+
+    def preexec() -> None:
+        if linux:
+            die_with_parent()
+        hold_sigterm.block()
+    return preexec
 
 
 def _supervise(proc, collector, timeout, inspector, result: JobResult, state: dict, stop,

@@ -13,7 +13,10 @@ outside one, where SIGTERM and SIGUSR1 do what they always did):
   with ``--requeue`` or under ``JobRequeue=1``) and ``--no-requeue`` was not given. The
   requeued job resumes from that checkpoint.
 * **SIGTERM** (``scancel --batch``, a preemption script): the same checkpoint at the next
-  step boundary, then the job ends without a requeue.
+  step boundary, then the job ends without a requeue. Slurm's SIGTERM to the job's steps
+  (``scancel --signal=TERM``, a preemption's ``GraceTime``, a cancel) is held by the
+  job's other processes and reaches poprun-lite as an agent's ``signalled`` record
+  (:mod:`popdist_lite_launcher.hold_sigterm`, :meth:`Preemption.on_signalled`).
 * the boundary must be reached within ``--grace-period`` seconds (default: Slurm's
   ``KillWait`` from ``scontrol show config``, else :data:`DEFAULT_GRACE_SECONDS`);
   otherwise the job is stopped at once and the report says so, naming the ranks that
@@ -224,6 +227,7 @@ class Preemption:
         self.say, self.scontrol = say, scontrol
         self.signum: int | None = None     # the first signal
         self.at: float | None = None       # when it came (monotonic)
+        self._relayed = False              # the first came from an agent (on_signalled)
         self._send: Callable[[int, dict], bool] | None = None
         self._replicas = 0
         self._sent: set[int] = set()
@@ -264,11 +268,26 @@ class Preemption:
         (the first of :attr:`signals`), else the reason to stop at once ("" for a signal
         that stops the job as without preemption)."""
         if self.signum is not None:
+            if self._relayed and signum == self.signum:  # the same cancel reached poprun-lite
+                self._relayed = False
+                return None
             return second_signal(signum, self.signum)
         if signum not in self.signals:
             return ""
         self.signum, self.at = signum, time.monotonic()
         return None
+
+    def on_signalled(self, record: dict) -> None:
+        """A ``signalled`` record (a collector callback): an agent got SIGTERM from Slurm,
+        which signalled the job's steps (:mod:`popdist_lite_launcher.hold_sigterm`). The
+        first asks the replicas for a checkpoint as poprun-lite's own SIGTERM does; the
+        next SIGTERM poprun-lite itself gets is taken for the same signal (a cancel
+        signals the batch step too), the one after it stops the job."""
+        if self.signum is not None or not self.settings.enabled or record.get("signal") != "SIGTERM":
+            return
+        self.signum, self.at, self._relayed = signal.SIGTERM, time.monotonic(), True
+        self.say(f"SIGTERM reached rank {record.get('rank')} on {record.get('host')} "
+                 f"(Slurm signalled the job's steps)")
 
     # per attempt -------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import sys
 
 from popdist_lite import records
 
-from . import channel, cleanup, job, network
+from . import channel, cleanup, hold_sigterm, job, network
 from .attempts import Attempt, AttemptError, Outcome
 from .collector import ENROLMENT_SECONDS, Collector
 from .inspector import StallInspector
@@ -101,7 +101,8 @@ class SshLauncher:
             tag_output=opts.tag_output,
             oversubscribe=not remote or len(ranks) > (os.cpu_count() or 1),
             allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
-            export=[*export, records.COLLECTOR_ENV, cleanup.MARK_ENV],
+            export=[*export, records.COLLECTOR_ENV, cleanup.MARK_ENV,
+                    *([hold_sigterm.ENV] if self.holds_sigterm else [])],
             launch_agent=mpirun_agent,
             network=opts.network_interface if remote else None,
             launcher_address=address if remote else None)
@@ -112,6 +113,9 @@ class SshLauncher:
             if self.preemption is not None and self.preemption.settings.enabled:
                 print(self.preemption.settings.describe(), flush=True)
         env = self.environment(job_environment(collector, mark, opts.launch_agent if remote else None))
+        if self.holds_sigterm:
+            env.update({hold_sigterm.ENV: "1", hold_sigterm.PYTHON_ENV: sys.executable})
+            collector.subscribe("signalled", self.preemption.on_signalled)
         if opts.verbose:
             shown = [f"{name}={env[name]}" for name in (cleanup.LAUNCH_AGENT_ENV, cleanup.MARK_ENV)
                      if remote and name in env]
@@ -130,6 +134,12 @@ class SshLauncher:
                 self.preemption.end()
             if watcher is not None:
                 watcher.stop()
+
+    @property
+    def holds_sigterm(self) -> bool:
+        """Whether the job's processes hold SIGTERM (preemption on:
+        :mod:`popdist_lite_launcher.hold_sigterm`)."""
+        return self.preemption is not None and self.preemption.settings.enabled
 
     def remote_launch(self) -> tuple[list[str], str | None]:
         """How mpirun starts the ranks on other hosts: its first global arguments and its

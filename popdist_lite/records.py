@@ -73,6 +73,10 @@ receiver drops what does not match. Kinds (fields besides ``kind``):
     the signal (sent by :func:`popdist_lite.should_checkpoint` when it first answers
     True), so the attempt's clean end is a resize or a preemption, not the end of the
     job's work.
+``signalled`` (agent -> launcher; preemption, launcher/hold_sigterm.py)
+    identity + ``signal`` (``"SIGTERM"``): the agent got that signal from another process
+    than its parent (Slurm signalling the job's steps); the launcher then asks the
+    replicas for a checkpoint, as on its own SIGTERM.
 
 Identity fields: ``rank`` (MPI rank or None), ``replica`` (the replica driven, or fed by a
 feeder), ``role`` (``"replica"`` or ``"feeder"``), ``feeder`` (a feeder's index, else
@@ -142,6 +146,7 @@ SCHEMA = {
     "stack": {**IDENTITY, "request": "count", "text": "text"},
     "resize_request": {"replicas": "count"},
     "resize_stop": {**IDENTITY},
+    "signalled": {**IDENTITY, "signal": "signal"},
 }
 #: Fields a kind may carry besides those of :data:`SCHEMA` (absent, or of this type):
 #: ``storage`` a dict of exactly :data:`popdist_lite.progress.STORAGE_FIELDS`, counts and
@@ -150,7 +155,7 @@ OPTIONAL = {"progress": {"storage": "storage"}}
 IDENTITY_FIELDS = tuple(IDENTITY)
 FIELDS = {kind: tuple(fields) + tuple(OPTIONAL.get(kind, ())) for kind, fields in SCHEMA.items()}
 #: Kinds an agent may send the launcher after its ``hello``.
-FROM_AGENT = ("heartbeat", "error", "exit", "progress", "stack", "resize_stop")
+FROM_AGENT = ("heartbeat", "error", "exit", "progress", "stack", "resize_stop", "signalled")
 #: Kinds the launcher may send an agent after its ``welcome`` (requests).
 TO_AGENT = ("signal", "stack_request", "resize_request")
 #: Kinds a program may send its agent.

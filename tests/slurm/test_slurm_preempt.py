@@ -54,7 +54,7 @@ class Job:
     ``out``; the batch script prints ``start N`` (Slurm's restart count) and ``exec``s
     poprun-lite."""
 
-    def __init__(self, cluster, mpi: str, name: str, *prog_args: str, sbatch=(), wait=False):
+    def __init__(self, cluster, mpi: str, name: str, *prog_args: str, sbatch=(), wait=False, nodes=2):
         self.cluster, self.ckpt = cluster, cluster.work / f"{name}-ckpt"
         self.out = cluster.work / f"{name}.out"
         assert not self.ckpt.exists(), f"left from an earlier run: {self.ckpt}"
@@ -65,8 +65,9 @@ class Job:
         script = cluster.work / f"{name}.sh"
         script.write_text(f"#!/bin/bash\ncd {shlex.quote(str(ROOT))}\n"
                           f"echo \"start ${{SLURM_RESTART_COUNT:-0}}\"\nexec {shlex.join(command)}\n")
-        submitted = cluster.run(["sbatch", "--parsable", *(["--wait"] if wait else []), "-N", "2",
-                                 "--ntasks-per-node", "2", "--open-mode=append", "-o", str(self.out),
+        submitted = cluster.run(["sbatch", "--parsable", *(["--wait"] if wait else []), "-N", str(nodes),
+                                 *(["--ntasks-per-node", "2"] if nodes == 2 else ["-n", "4", "--overcommit"]),
+                                 "--open-mode=append", "-o", str(self.out),
                                  *sbatch, str(script)], timeout=300,
                                 env=cluster.env({**os.environ, **mpi_env(mpi)}))
         self.submitted = submitted
@@ -79,8 +80,10 @@ class Job:
     def state(self) -> str:
         return self.cluster.run(["squeue", "-h", "-j", self.id, "-o", "%T"]).stdout.strip()
 
-    def signal(self, name: str) -> None:
-        sent = self.cluster.run(["scancel", f"--signal={name}", "--batch", self.id])
+    def signal(self, name: str, batch: bool = True) -> None:
+        """``scancel --signal=NAME --batch ID``: poprun-lite alone (the batch script's
+        process); without ``batch`` every process of every step but the batch step's."""
+        sent = self.cluster.run(["scancel", f"--signal={name}", *(["--batch"] if batch else []), self.id])
         assert sent.returncode == 0, sent.stderr
 
     def wait(self, predicate, what: str, timeout: float) -> None:
@@ -193,6 +196,48 @@ def test_sigterm_checkpoints_without_requeue(cluster):
     assert "poprun-lite: job stopped at a step boundary after SIGTERM (checkpoint saved); not requeued " \
            "(SIGTERM) (exit code 143)" in text, text
     assert "start 1" not in text, text
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mpi", MPIS)
+def test_sigterm_to_the_steps_checkpoints(cluster, mpi):
+    """``scancel --signal=TERM ID`` (what a preemption with a GraceTime sends): every
+    process of the steps gets SIGTERM, poprun-lite does not. The MPI daemons, agents
+    and programs hold it; the agents pass it on, and the replicas checkpoint as on
+    poprun-lite's own SIGTERM."""
+    job = Job(cluster, mpi, f"steps-term-{mpi}", "--hold", "0:5", sbatch=["--requeue"])
+    try:
+        job.wait_held()
+        job.signal("TERM", batch=False)
+        job.wait_gone()
+    finally:
+        job.cancel()
+    text = job.text()
+    assert re.search(r"poprun-lite: SIGTERM reached rank \d on pdls\d \(Slurm signalled the job's steps\)",
+                     text), text
+    assert "STOPPED 6" in text and job.checkpoints() == [2, 4, 6], text
+    assert "poprun-lite: job stopped at a step boundary after SIGTERM (checkpoint saved); not requeued " \
+           "(SIGTERM) (exit code 143)" in text, text
+    assert "start 1" not in text, text
+
+
+@pytest.mark.timeout(400)
+def test_cancel_of_a_one_node_job_checkpoints(cluster):
+    """A plain ``scancel ID`` (as a time limit): SIGTERM to every process of the job, the
+    batch step's too, then SIGKILL after KillWait (5 s). On one node (no srun step) the
+    replicas checkpoint within it."""
+    job = Job(cluster, "openmpi", "cancel-one", "--hold", "0:5", nodes=1)
+    try:
+        job.wait_held()
+        sent = cluster.run(["scancel", job.id])
+        assert sent.returncode == 0, sent.stderr
+        job.wait_gone()
+    finally:
+        job.cancel()
+    text = job.text()
+    assert "STOPPED 6" in text and job.checkpoints() == [2, 4, 6], text
+    assert "poprun-lite: job stopped at a step boundary after SIGTERM (checkpoint saved); not requeued " \
+           "(SIGTERM) (exit code 143)" in text, text
 
 
 @pytest.mark.timeout(400)
