@@ -40,10 +40,10 @@ spent. An agent that cannot enrol does not start its program and exits with
 :data:`NOT_STARTED`.
 
 With ``POPRUN_LITE_HOLD_SIGTERM=1`` (preemption on, :mod:`popdist_lite_launcher.hold_sigterm`)
-the agent holds SIGTERM: one from its parent (the MPI daemon ending the job) stops the
-program with SIGKILL, one from anyone else (Slurm signalling the job's steps) becomes a
+the agent holds SIGTERM: one from its parent (the MPI daemon ending the job), or a
+SIGINT, stops the program with SIGKILL, one from anyone else (Slurm signalling the job's steps) becomes a
 ``signalled`` record, on which the launcher asks every replica for a checkpoint; the
-program starts with SIGTERM ignored.
+program starts with SIGTERM and SIGINT ignored.
 
 The launcher's death ends the program: when the connection to the collector ends (end of
 file or an error, the launcher was killed or closed it) the agent SIGKILLs its program
@@ -113,7 +113,7 @@ def die_with_parent() -> None:
 
 def _program_preexec(held: bool):
     """The program's ``preexec_fn``: :func:`die_with_parent` (Linux), and with SIGTERM
-    held, SIGTERM ignored (:func:`hold_sigterm.ignore_in_child
+    held, SIGTERM and SIGINT ignored (:func:`hold_sigterm.ignore_in_child
     <popdist_lite_launcher.hold_sigterm.ignore_in_child>`)."""
     linux = sys.platform.startswith("linux")
     if not held:
@@ -469,8 +469,9 @@ def run(program: list[str]) -> int:
             stop["signal"], stop["time"] = signum, time.monotonic()
         proc = stop["child"]
         if proc is not None and proc.poll() is None:
-            try:  # a held program ignores SIGTERM
-                proc.send_signal(signal.SIGKILL if held and signum == signal.SIGTERM else signum)
+            try:  # a held program ignores SIGTERM; the MPI daemon's SIGINT means the same stop
+                proc.send_signal(signal.SIGKILL if held and signum in (signal.SIGTERM, signal.SIGINT)
+                                 else signum)
             except OSError:
                 pass
 

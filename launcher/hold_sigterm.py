@@ -18,16 +18,15 @@ it at once, and no checkpoint is saved. So with preemption on:
   its parent (the MPI daemon ending the job) it stops its program; from anyone else
   (Slurm) it tells poprun-lite with a ``signalled`` record, and poprun-lite asks every
   replica for a checkpoint at its next step boundary, as on its own SIGTERM;
-* the program starts with SIGTERM ignored (:func:`ignore_in_child`); its agent stops it
-  with SIGKILL, and Slurm's SIGKILL after ``KillWait`` ends everything in any case.
+* the program starts with SIGTERM and SIGINT ignored (:func:`ignore_in_child`); its agent
+  stops it with SIGKILL, and Slurm's SIGKILL after ``KillWait`` ends everything in any
+  case.
 
-What no process of the job can hold: ``srun`` itself answers SIGTERM by SIGKILLing
-its step ("srun: forcing job termination", Slurm's srun). A plain ``scancel JOBID`` or
-a time limit signals the batch step as well, where the srun that runs the MPI daemons
-of the other nodes lives, so their ranks end at once there. A job on one node (no
-srun) checkpoints in that case too; across nodes the checkpoint needs the signal before
-the cancel: ``sbatch --signal=B:USR1@SECONDS`` (requeue) or ``--signal=TERM@SECONDS``,
-or ``scancel --signal=TERM`` (docs/slurm.md).
+``srun`` (the one that runs the daemons, in the batch step) answers a SIGTERM with
+"forcing job termination"; for a job Slurm is already ending (a cancel, a time limit)
+that changes nothing before ``KillWait`` is over, as the Slurm tests show
+(tests/slurm/test_slurm_preempt.py), and ``scancel --signal=TERM`` does not signal the
+batch step at all.
 """
 
 from __future__ import annotations
@@ -56,10 +55,14 @@ def block() -> None:
 
 
 def ignore_in_child() -> None:
-    """In a child before its exec (``preexec_fn``): SIGTERM unblocked and ignored, as the
-    new program then starts (an ignored signal stays ignored across exec)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    """In a child before its exec (``preexec_fn``): SIGTERM and SIGINT unblocked and
+    ignored, as the new program then starts (an ignored signal stays ignored across exec,
+    and Python then installs no KeyboardInterrupt handler): Slurm's SIGTERM and the
+    SIGINT MPICH's hydra sends every process when it ends a job pass the program by; its
+    agent ends it with SIGKILL."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
 def daemon_command(command: str) -> str | None:

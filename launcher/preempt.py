@@ -18,7 +18,8 @@ outside one, where SIGTERM and SIGUSR1 do what they always did):
   job's other processes and reaches poprun-lite as an agent's ``signalled`` record
   (:mod:`popdist_lite_launcher.hold_sigterm`, :meth:`Preemption.on_signalled`).
 * the boundary must be reached within ``--grace-period`` seconds (default: Slurm's
-  ``KillWait`` from ``scontrol show config``, else :data:`DEFAULT_GRACE_SECONDS`);
+  ``KillWait`` from ``scontrol show config`` less :data:`REPORT_SECONDS`, else
+  :data:`DEFAULT_GRACE_SECONDS`);
   otherwise the job is stopped at once and the report says so, naming the ranks that
   did not reach it (:func:`grace_expired`). A second signal (SIGINT, SIGTERM or the
   requeue signal) while the replicas work towards the boundary stops the job at once,
@@ -51,6 +52,9 @@ MODES = (AUTO, ON, OFF)
 DEFAULT_SIGNAL = "USR1"
 #: Grace when Slurm's KillWait cannot be read (Slurm's own default KillWait).
 DEFAULT_GRACE_SECONDS = 30.0
+#: Seconds of Slurm's KillWait kept for stopping the job and printing the report
+#: (:func:`with_grace`).
+REPORT_SECONDS = 2.0
 #: Seconds ``scontrol`` may take.
 SCONTROL_TIMEOUT_SECONDS = 30.0
 #: Seconds between two sends of the stop request to agents that did not get it yet.
@@ -180,15 +184,20 @@ def settings(mode: str, signal_text: str, requeue: bool, grace: float | None,
 
 
 def with_grace(settings: Settings, read_kill_wait: Callable[[], float | None] = kill_wait) -> Settings:
-    """``settings`` with its grace known: Slurm's KillWait (``read_kill_wait()``) when it
-    was left to Slurm, :data:`DEFAULT_GRACE_SECONDS` when that cannot be read."""
+    """``settings`` with its grace known when it was left to Slurm: its KillWait
+    (``read_kill_wait()``) less :data:`REPORT_SECONDS` (at most half of it), so that a
+    job that misses its boundary after a cancel, whose processes Slurm SIGKILLs
+    ``KillWait`` seconds after its SIGTERM, is stopped and reported before that;
+    :data:`DEFAULT_GRACE_SECONDS` when KillWait cannot be read."""
     if settings.grace is not None:
         return settings
     found = read_kill_wait()
     if found is None:
         return replace(settings, grace=DEFAULT_GRACE_SECONDS,
                        grace_source="default; Slurm's KillWait unknown")
-    return replace(settings, grace=found)
+    grace = max(found - REPORT_SECONDS, found / 2)
+    return replace(settings, grace=grace,
+                   grace_source=f"Slurm's KillWait {found:g} s, less {found - grace:g} s to report")
 
 
 # ------------------------------------------------------------------ reports

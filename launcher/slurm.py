@@ -295,6 +295,13 @@ class SlurmLauncher(SshLauncher):
     def remote_launch(self) -> tuple[list[str], str | None]:
         return mpirun_args(self.implementation, self.holds_sigterm), None
 
+    def local_launch(self) -> list[str]:
+        """MPICH's hydra starts its proxy with srun on this node too (it finds the
+        allocation itself), so with SIGTERM held it gets :func:`mpirun_args` here as well."""
+        if self.implementation == OPENMPI or not self.holds_sigterm:
+            return []
+        return mpirun_args(self.implementation, True)
+
     def environment(self, env: dict[str, str]) -> dict[str, str]:
         """``env`` with ``SLURM_OVERLAP=1``: the steps mpirun starts with ``srun`` (its
         daemons) share the nodes with the job's other steps, as the agent's do, so that a

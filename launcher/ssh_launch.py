@@ -94,7 +94,7 @@ class SshLauncher:
             collector.subscribe("progress", inspector.on_progress)
             collector.subscribe("stack", inspector.on_stack)
         export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
-        first_args, mpirun_agent = self.remote_launch() if remote else ([], None)
+        first_args, mpirun_agent = self.remote_launch() if remote else (self.local_launch(), None)
         cmd = build_command(
             self.mpirun, self.implementation, ranks, [opts.program, *opts.args],
             global_args=[*first_args, *(a for text in opts.mpi_global_args for a in shlex.split(text))],
@@ -146,6 +146,10 @@ class SshLauncher:
         launch agent (:data:`cleanup.ATTEMPT_AGENT <popdist_lite_launcher.cleanup.ATTEMPT_AGENT>`,
         which runs ``--launch-agent`` and marks the attempt's processes; None: mpirun's own)."""
         return [], cleanup.ATTEMPT_AGENT
+
+    def local_launch(self) -> list[str]:
+        """mpirun's first global arguments when every rank runs on this host (none here)."""
+        return []
 
     def environment(self, env: dict[str, str]) -> dict[str, str]:
         """mpirun's environment ``env`` (:func:`job_environment`), as this launcher needs

@@ -70,8 +70,10 @@ def test_settings():
     with pytest.raises(ValueError, match="--preemption 'maybe'"):
         preempt.settings("maybe", "USR1", True, None, None)
     # the grace left to Slurm: its KillWait, else the default
-    assert preempt.with_grace(inside, lambda: 5.0).grace == 5.0
-    assert preempt.with_grace(inside, lambda: 5.0).grace_source == "Slurm's KillWait"
+    assert preempt.with_grace(inside, lambda: 5.0).grace == 3.0  # 2 s kept to report
+    assert preempt.with_grace(inside, lambda: 5.0).grace_source == "Slurm's KillWait 5 s, less 2 s to report"
+    assert preempt.with_grace(inside, lambda: 30.0).grace == 28.0
+    assert preempt.with_grace(inside, lambda: 3.0).grace == 1.5  # at most half of a short KillWait
     unknown = preempt.with_grace(inside, lambda: None)
     assert (unknown.grace, unknown.grace_source) == (30.0, "default; Slurm's KillWait unknown")
     assert preempt.with_grace(outside, lambda: 1 / 0) is outside  # never read when known

@@ -15,10 +15,15 @@ and 4; ``--busy 0:5`` keeps them inside step 5 instead (no boundary in time).
   final checkpoint's arrays bit-identical to an uninterrupted job's on the same nodes.
   Under both MPIs: the ranks on pdls2 start through each MPI's own Slurm launch, and the
   requeued job launches again through it.
-- SIGTERM: the same checkpoint, no requeue (the job leaves the queue).
+- SIGTERM: the same checkpoint, no requeue (the job leaves the queue); also when Slurm
+  signals the job's processes instead of poprun-lite (launcher/hold_sigterm.py):
+  ``scancel --signal=TERM ID`` (the steps, as a preemption's GraceTime does) under both
+  MPIs, and a plain ``scancel ID`` (every process, as a time limit), on one node and on
+  two, where it also reaches the srun that runs the MPI daemons; and without a boundary
+  in time, the report comes before Slurm's SIGKILL.
 - a second SIGTERM while the replicas are busy: stopped at once, no checkpoint, the
   report says so; SIGUSR1 while they are busy: stopped when the grace (the cluster's
-  KillWait, 5 s, read from ``scontrol show config``) is over, naming the ranks.
+  KillWait, 5 s, read from ``scontrol show config``, less 2 s) is over, naming the ranks.
   These three under Open MPI only: what differs between the MPIs is how the ranks
   start, which the SIGUSR1 test covers under both; the signal's path (poprun-lite, the
   collector, the agents) is the same, and the suite's time is kept down.
@@ -163,8 +168,8 @@ def test_usr1_checkpoints_requeues_and_resumes(cluster, mpi):
     text = job.text()
     first, _, second = text.partition("start 1")
     assert "start 0" in first and "STOPPED 6" in first, text
-    assert f"preemption on: SIGUSR1 -> checkpoint and requeue, SIGTERM -> checkpoint; grace 5 s " \
-           f"(Slurm's KillWait)" in first, text
+    assert f"preemption on: SIGUSR1 -> checkpoint and requeue, SIGTERM -> checkpoint; grace 3 s " \
+           f"(Slurm's KillWait 5 s, less 2 s to report)" in first, text
     assert "poprun-lite: SIGUSR1: asking the replicas to checkpoint at their next step boundary" in first, text
     assert f"poprun-lite: job stopped at a step boundary after SIGUSR1 (checkpoint saved); requeued " \
            f"(scontrol requeue {job.id}) (exit code 138)" in first, text
@@ -222,11 +227,13 @@ def test_sigterm_to_the_steps_checkpoints(cluster, mpi):
 
 
 @pytest.mark.timeout(400)
-def test_cancel_of_a_one_node_job_checkpoints(cluster):
-    """A plain ``scancel ID`` (as a time limit): SIGTERM to every process of the job, the
-    batch step's too, then SIGKILL after KillWait (5 s). On one node (no srun step) the
-    replicas checkpoint within it."""
-    job = Job(cluster, "openmpi", "cancel-one", "--hold", "0:5", nodes=1)
+@pytest.mark.parametrize("mpi, nodes", [("openmpi", 1), ("openmpi", 2),
+                                        pytest.param("mpich", 2, marks=MPIS[1].marks)])
+def test_cancel_checkpoints(cluster, mpi, nodes):
+    """A plain ``scancel ID`` (what a time limit does): SIGTERM to every process of the
+    job, the batch step's too (poprun-lite, mpirun, the srun of the daemons), SIGKILL
+    after KillWait (5 s). The replicas checkpoint at their boundary within it."""
+    job = Job(cluster, mpi, f"cancel-{mpi}-{nodes}", "--hold", "0:5", nodes=nodes)
     try:
         job.wait_held()
         sent = cluster.run(["scancel", job.id])
@@ -238,6 +245,25 @@ def test_cancel_of_a_one_node_job_checkpoints(cluster):
     assert "STOPPED 6" in text and job.checkpoints() == [2, 4, 6], text
     assert "poprun-lite: job stopped at a step boundary after SIGTERM (checkpoint saved); not requeued " \
            "(SIGTERM) (exit code 143)" in text, text
+    assert "second SIGTERM" not in text, text  # the steps' SIGTERM and poprun-lite's are one
+
+
+@pytest.mark.timeout(400)
+def test_cancel_without_a_boundary_is_reported_before_the_kill(cluster):
+    """``scancel ID`` while the replicas are inside a step: the grace (KillWait less 2 s)
+    ends before Slurm's SIGKILL, so poprun-lite stops the job and says why."""
+    job = Job(cluster, "openmpi", "cancel-busy", "--busy", "0:5")
+    try:
+        job.wait(lambda: "BUSY 5" in job.text(), "busy replicas", 180)
+        sent = cluster.run(["scancel", job.id])
+        assert sent.returncode == 0, sent.stderr
+        job.wait_gone()
+    finally:
+        job.cancel()
+    text = job.text()
+    assert "no replica reached a step boundary within 3 s of SIGTERM: ranks 0, 1, 2, 3 did not " \
+           "(exit code 143)" in text, text
+    assert job.checkpoints() == [2, 4] and "STOPPED" not in text, text
 
 
 @pytest.mark.timeout(400)
@@ -267,6 +293,6 @@ def test_no_boundary_within_the_grace(cluster):
     finally:
         job.cancel()
     text = job.text()
-    assert "no replica reached a step boundary within 5 s of SIGUSR1: ranks 0, 1, 2, 3 did not " \
+    assert "no replica reached a step boundary within 3 s of SIGUSR1: ranks 0, 1, 2, 3 did not " \
            "(exit code 138)" in text, text
     assert job.checkpoints() == [2, 4] and "STOPPED" not in text and "start 1" not in text, text
