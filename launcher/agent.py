@@ -111,12 +111,12 @@ def die_with_parent() -> None:
         pass
 
 
-def _program_preexec(held: bool):
+def _program_preexec(holds_term: bool):
     """The program's ``preexec_fn``: :func:`die_with_parent` (Linux), and with SIGTERM
     held, SIGTERM and SIGINT ignored (:func:`hold_sigterm.ignore_in_child
     <popdist_lite_launcher.hold_sigterm.ignore_in_child>`)."""
     linux = sys.platform.startswith("linux")
-    if not held:
+    if not holds_term:
         return die_with_parent if linux else None
 
     def preexec() -> None:
@@ -439,8 +439,8 @@ def run(program: list[str]) -> int:
     not raise for failures of the program.
     """
     environ = os.environ
-    held = environ.get(hold_sigterm.ENV) == "1"
-    if held:  # before any thread starts: every thread of the agent blocks SIGTERM
+    holds_term = environ.get(hold_sigterm.ENV) == "1"
+    if holds_term:  # before any thread starts: every thread of the agent blocks SIGTERM
         hold_sigterm.block()
     key = channel.take_key(environ)  # the key file is gone before anything is started
     ident = records.env_identity(environ)
@@ -470,7 +470,7 @@ def run(program: list[str]) -> int:
         proc = stop["child"]
         if proc is not None and proc.poll() is None:
             try:  # a held program ignores SIGTERM; the MPI daemon's SIGINT means the same stop
-                proc.send_signal(signal.SIGKILL if held and signum in (signal.SIGTERM, signal.SIGINT)
+                proc.send_signal(signal.SIGKILL if holds_term and signum in (signal.SIGTERM, signal.SIGINT)
                                  else signum)
             except OSError:
                 pass
@@ -488,7 +488,7 @@ def run(program: list[str]) -> int:
     signal.signal(signal.SIGINT, forward)
     link = Link(environ.get(records.COLLECTOR_ENV), key)
     stop["link"] = link
-    if held:
+    if holds_term:
         hold_sigterm.Watch(os.getppid(), lambda: forward(signal.SIGTERM, None),
                            lambda _pid: link.send(records.make("signalled", {**ident, "time": time.time()},
                                                                signal="SIGTERM"))).start()
@@ -505,7 +505,7 @@ def run(program: list[str]) -> int:
         command = [*HOLD, str(theirs.fileno()), *program] if held else program
         child = subprocess.Popen(
             command, env=child_env, stdout=stdout, stderr=write_fd, pass_fds=pass_fds,
-            preexec_fn=_program_preexec(held))
+            preexec_fn=_program_preexec(holds_term))
     except OSError as exc:
         os.close(read_fd)
         os.close(write_fd)

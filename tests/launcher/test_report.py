@@ -3,6 +3,7 @@ collector, and of the record writers (``popdist_lite._excepthook`` and the agent
 without MPI."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import unittest.mock
 import pytest
 
 from popdist_lite import records
-from popdist_lite_launcher import agent, channel, report
+from popdist_lite_launcher import agent, channel, hold_sigterm, report
 from popdist_lite_launcher.collector import Collector
 from peers import AgentConnection, address, key_file, wait_for
 
@@ -437,6 +438,43 @@ def test_agent_forwards_sigterm_escalates_and_marks_terminated(tmp_path):
     assert agent.PROGRAM_KILL_DELAY_SECONDS <= elapsed  # SIGKILL came after the delay
     assert record["terminated"] is True and record["signal"] == "SIGKILL"
     assert record["exitcode"] is None
+
+
+def test_agent_holding_sigterm(tmp_path):
+    """With SIGTERM held (preemption on, launcher/hold_sigterm.py): the program starts
+    with SIGTERM and SIGINT ignored; a SIGTERM from another process than the agent's
+    parent (Slurm signalling the job's steps; here ``kill``) becomes a ``signalled``
+    record and the program runs on; one from the parent (the MPI daemon; here this test)
+    ends the program with SIGKILL at once, the exit record marked ``terminated``."""
+    ready = tmp_path / "ready"
+    code = ("import pathlib, time; status = pathlib.Path('/proc/self/status').read_text(); "
+            f"pathlib.Path({str(ready)!r}).write_text(status); time.sleep(60)")
+    with Collector() as collector:
+        proc = run_agent(collector, code, {"PMI_RANK": "1", "POPDIST_REPLICA_INDEX_OFFSET": "1",
+                                           hold_sigterm.ENV: "1"}, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 60
+            while not (ready.exists() and ready.read_text()):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+            ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", ready.read_text(), re.M)[1], 16)
+            assert ignored >> (signal.SIGTERM - 1) & 1 and ignored >> (signal.SIGINT - 1) & 1, hex(ignored)
+            subprocess.run(["kill", "-TERM", str(proc.pid)], check=True)
+            while not collector.records("signalled"):
+                assert time.monotonic() < deadline, "no signalled record"
+                time.sleep(0.05)
+            assert proc.poll() is None  # the program runs on
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+        assert collector.wait_closed(60)
+        signalled, exit_record = collector.records("signalled")[0], collector.records("exit")[0]
+    assert signalled["signal"] == "SIGTERM" and signalled["rank"] == 1
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert exit_record["terminated"] is True and exit_record["signal"] == "SIGKILL"
 
 
 def test_simultaneous_failures_prefer_the_primary_kind():
