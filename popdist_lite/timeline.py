@@ -13,7 +13,8 @@ While on, :func:`popdist_lite.counters.record` keeps one event per call. At exit
 ``timeline_gather`` and ``timeline_gatherv`` by :func:`popdist_lite.calls.numbered`,
 so the stall inspector names a replica that does not join them: no shared file system
 needed), and replica 0 writes the file: a JSON object whose ``traceEvents`` hold, per
-replica ``k``, a ``process_name`` metadata event ("replica k") and ``"ph": "X"``
+replica ``k``, a ``process_name`` metadata event ("replica k"), a ``process_labels``
+one (the host the replica ran on, ``socket.gethostname()``) and ``"ph": "X"``
 events with ``pid = tid = k``, ``ts``/``dur`` in microseconds, ``cat`` =
 ``"collective"`` or ``"phase"`` and ``args = {"bytes_sent", "bytes_received"}``, and
 ``"ph": "C"`` counter events (``cat`` ``"counter"``, ``args`` the series' values: a disk
@@ -28,6 +29,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import socket
 import tempfile
 import time
 
@@ -58,10 +60,13 @@ def enable(path: str, replica: int, comm) -> None:
 
 
 def chrome_events(events, replica: int, anchor: tuple[float, float]) -> list[dict]:
-    """Chrome-trace events (one track, ``pid = tid = replica``) from recorded events."""
+    """Chrome-trace events (one track, ``pid = tid = replica``, labelled with this host's
+    name) from recorded events."""
     wall0, pc0 = anchor
     out = [{"name": "process_name", "ph": "M", "pid": replica, "tid": replica,
             "args": {"name": f"replica {replica}"}},
+           {"name": "process_labels", "ph": "M", "pid": replica, "tid": replica,
+            "args": {"labels": socket.gethostname()}},
            {"name": "thread_name", "ph": "M", "pid": replica, "tid": replica,
             "args": {"name": f"replica {replica}"}}]
     for name, kind, start, seconds, sent, received, detail in events:

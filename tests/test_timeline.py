@@ -3,6 +3,7 @@ POPDIST_LITE_TIMELINE and through ``poprun-lite --timeline``; the counters in on
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -39,6 +40,8 @@ def check_trace(path, replicas):
     assert all(e["tid"] == e["pid"] for e in events)
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {k: f"replica {k}" for k in range(replicas)}
+    labels = {e["pid"]: e["args"]["labels"] for e in events if e["ph"] == "M" and e["name"] == "process_labels"}
+    assert labels == {k: socket.gethostname() for k in range(replicas)}  # the host each ran on
     for e in spans:
         assert e["dur"] >= 0 and e["ts"] >= 0 and e["cat"] in ("collective", "phase")
         assert isinstance(e["args"]["bytes_sent"], int) and isinstance(e["args"]["bytes_received"], int)

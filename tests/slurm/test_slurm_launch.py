@@ -7,6 +7,7 @@ a time."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -30,14 +31,20 @@ def check_run(output: str, mpi: str, replicas: int = 4) -> None:
 
 @pytest.mark.parametrize("mpi", MPIS)
 def test_sbatch(cluster, mpi):
-    """``sbatch -N 2``: poprun-lite in the batch script on pdls1."""
-    out = cluster.work / f"sbatch-{mpi}.out"
-    script = batch_script(cluster, f"sbatch-{mpi}", poprun_command(cluster, mpi, 3))
+    """``sbatch -N 2``: poprun-lite in the batch script on pdls1, with ``--timeline``."""
+    out, trace = cluster.work / f"sbatch-{mpi}.out", cluster.work / f"sbatch-{mpi}.json"
+    script = batch_script(cluster, f"sbatch-{mpi}", poprun_command(cluster, mpi, 3, "--timeline", str(trace)))
     done = cluster.run(["sbatch", "--wait", "-N", "2", "--ntasks-per-node", "2", "-o", str(out),
                         str(script)], timeout=240, env=cluster.env({**os.environ, **mpi_env(mpi)}))
     output = out.read_text() if out.exists() else ""
     assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{output}"
     check_run(output, mpi)
+    # the timeline (written by replica 0 on pdls1, gathered over MPI): each replica's
+    # track labelled with the node it ran on, as the replicas reported it
+    events = json.loads(trace.read_text())["traceEvents"]
+    labels = {e["pid"]: e["args"]["labels"] for e in events if e["name"] == "process_labels"}
+    assert labels == {int(r): host for r, host in REPORT.findall(output)}, labels
+    assert {e["pid"] for e in events if e["ph"] == "X" and e["name"] == "all_reduce"} == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize("mpi", MPIS)
