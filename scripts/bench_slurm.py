@@ -10,9 +10,13 @@ popdist_lite_launcher.testcluster (2 nodes, 2 tasks each):
   two on each node, the other node's through mpirun's Slurm launch; the host check and
   the cleanup are steps too), under Open MPI and, with POPDIST_LITE_MPICH_PYTHON,
   MPICH;
-- ``scancel_to_empty_s[MPI]``: a job running ``poprun-lite sleep 600`` is cancelled once
-  every replica's ``sleep`` runs; the time until no process of it is left on any node
-  (``ip netns pids``, polled every 20 ms);
+- ``scancel_to_empty_s[MPI]``: a job running ``poprun-lite --preemption off sleep 600``
+  is cancelled once every replica's ``sleep`` runs; the time until no process of it is
+  left on any node (``ip netns pids``, polled every 20 ms);
+- ``scancel_preempted_to_empty_s[MPI]``: the same with preemption on (the default in an
+  allocation): the job's processes hold Slurm's SIGTERM and poprun-lite asks the
+  replicas for a checkpoint; ``sleep`` reaches no step boundary, so the job ends when
+  the grace (Slurm's KillWait less 2 s: 3 s here) is over;
 - ``sbatch_to_first_step_s[MPI]``: from running ``sbatch -N 2 --ntasks-per-node 2`` (the
   batch script ``exec``s poprun-lite, 4 replicas of the Shakespeare example on a tiny
   text, the other node's through Slurm) until its output file holds ``Step 0, loss``
@@ -88,10 +92,10 @@ def timed_job(cluster, command: str, env: dict) -> float:
     return float(times[0][1]) - float(times[0][0])
 
 
-def scancel_to_empty(cluster, python: str, env: dict) -> float:
+def scancel_to_empty(cluster, python: str, env: dict, preemption: str) -> float:
     submitted = cluster.run(["sbatch", "--parsable", "-N", "2", "--ntasks-per-node", "2", "-o",
                              str(cluster.work / "bench.out"), "--wrap",
-                             f"exec {python} -m popdist_lite_launcher sleep 600"],
+                             f"exec {python} -m popdist_lite_launcher --preemption {preemption} sleep 600"],
                             env=env, cwd=cluster.work)
     job = submitted.stdout.strip().split(";")[0]
     deadline = time.monotonic() + JOB_TIMEOUT
@@ -274,7 +278,8 @@ def main() -> None:
                 env = mpi_env(cluster, python, mpi)
                 run[f"poprun_job_s[{mpi}]"] = timed_job(
                     cluster, f"{python} -m popdist_lite_launcher true", env)
-                run[f"scancel_to_empty_s[{mpi}]"] = scancel_to_empty(cluster, python, env)
+                run[f"scancel_to_empty_s[{mpi}]"] = scancel_to_empty(cluster, python, env, "off")
+                run[f"scancel_preempted_to_empty_s[{mpi}]"] = scancel_to_empty(cluster, python, env, "auto")
                 run[f"sbatch_to_first_step_s[{mpi}]"] = sbatch_to_first_step(cluster, python, env)
                 run[f"ssh_to_first_step_s[{mpi}]"] = ssh_to_first_step(cluster, python, env)
                 for key, value in signal_to_requeued_first_step(cluster, python, env).items():
