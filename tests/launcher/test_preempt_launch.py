@@ -7,6 +7,8 @@ runs under a timeout; the test waits for lines, never for a time."""
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,3 +71,54 @@ def test_sigterm_outside_slurm(tmp_path, monkeypatch, preemption):
     else:
         assert "STOPPED" not in text and steps == [2], text
         assert "poprun-lite: job interrupted by SIGTERM (exit code 143)" in text, text
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@timeout_for(1)
+@pytest.mark.parametrize("launcher_too", [False, True])
+def test_sigterm_to_every_process(tmp_path, monkeypatch, launcher_too):
+    """As Slurm signals a job's processes, without a cluster: SIGTERM to every process
+    below poprun-lite (mpirun, the agents, the programs: ``scancel --signal=TERM``), and
+    then to poprun-lite too when ``launcher_too`` (a cancel, a time limit). They hold
+    it, the agents pass it on (launcher/hold_sigterm.py), and the replicas checkpoint at
+    their boundary, as on poprun-lite's own SIGTERM."""
+    for name in [k for k in __import__("os").environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    proc, lines, reader = run_until_held(tmp_path, "--preemption", "on", "--grace-period", "60")
+    below = _descendants(proc.pid)
+    assert len(below) >= 5, below  # mpirun, 2 agents, 2 programs (and what they start)
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    if launcher_too:
+        proc.send_signal(signal.SIGTERM)  # the same cancel reaching poprun-lite: not a second signal
+    code = finish(proc, reader)
+    text = "\n".join(lines)
+    steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "ckpt").glob("step-*"))
+    assert code == 143, text
+    if not launcher_too:  # else whichever comes first asks; the agents' then change nothing
+        assert re.search(r"poprun-lite: SIGTERM reached rank [01] on \S+ \(Slurm signalled the job's steps\)",
+                         text), text
+    assert "STOPPED 4" in text and steps == [2, 4], text
+    assert "poprun-lite: job stopped at a step boundary after SIGTERM (checkpoint saved); not requeued " \
+           "(SIGTERM) (exit code 143)" in text, text
+    assert "second SIGTERM" not in text, text
