@@ -99,13 +99,14 @@ class Watch:
 def main(argv: list[str]) -> None:
     """``python -S hold_sigterm.py COMMAND [ARGS...]``: exec COMMAND with SIGTERM blocked;
     ``python -S hold_sigterm.py --srun ARGS...``: exec ``srun ARGS`` with this file put
-    before the argument that names ``hydra_pmi_proxy``."""
+    before the argument that names ``hydra_pmi_proxy`` (and the step named for the proxy,
+    not for python)."""
     if argv[:1] == ["--srun"]:
         args = argv[1:]
         at = next((i for i, arg in enumerate(args) if os.path.basename(arg) == "hydra_pmi_proxy"), None)
         if at is not None:
             args[at:at] = [sys.executable, "-S", _THIS]
-        argv = ["srun", *args]
+        argv = ["srun", "--job-name=hydra_pmi_proxy", *args]  # the step's name in sacct
     else:
         block()
     if not argv:

@@ -280,7 +280,8 @@ def mpirun_args(implementation: str, hold_sigterm: bool = False) -> list[str]:
         if agent is None:
             raise LauncherError("--preemption: the path of python or of poprun-lite has a space, "
                                 "which Open MPI's prte_launch_agent cannot hold; use --preemption off")
-        return ["--prtemca", "plm", "slurm", "--prtemca", "prte_launch_agent", agent]
+        return ["--prtemca", "plm", "slurm", "--prtemca", "prte_launch_agent", agent,
+                "--prtemca", "plm_slurm_args", "--job-name=prted"]  # the step's name, not python's
     if not hold_sigterm:
         return ["-launcher", "slurm"]
     return ["-launcher", "slurm", "-launcher-exec", held.SRUN_HELD]

@@ -11,7 +11,9 @@ the login node ``pdls(N+1)`` (:attr:`TestCluster.login`), where no slurmd runs: 
 started there (:meth:`TestCluster.on_node`, e.g. ``salloc``) is removed with the hosts. ``slurmctld`` and a
 ``munged`` run on this machine, on the bridge's address. Everything lives in
 :data:`DIRECTORY`: the munge key and socket, ``slurm.conf`` (clients find it through
-``SLURM_CONF``, :meth:`TestCluster.env`), state, spool, pid and log files, and
+``SLURM_CONF``, :meth:`TestCluster.env`), state, spool, pid and log files, the
+accounting's MariaDB and ``slurmdbd.conf`` (where Debian's ``slurmdbd`` and
+``mariadb-server`` are installed: :func:`accounting_unavailable`), and
 ``work/``, a directory every node sees (for job scripts and their output: /tmp is not
 shared). Nothing of the machine's own Slurm or munge configuration is read or changed.
 
@@ -49,10 +51,15 @@ DIRECTORY = Path("/run/popdist-lite-slurm")
 CONTROLLER_PORT = 6917
 NODE_PORT = 6918
 PARTITION = "test"
+#: Ports of the accounting, where it can run (:func:`accounting_unavailable`): MariaDB,
+#: on 127.0.0.1 only, and slurmdbd, on the bridge's address.
+DB_PORT = 6919
+DBD_PORT = 6920
 #: Seconds the nodes get to come up idle.
 READY_TIMEOUT_SECONDS = 60.0
 _TOOLS = ("slurmctld", "slurmd", "munged", "munge", "sinfo", "sbatch", "srun", "scancel",
           "scontrol", "squeue", "nsenter", "unshare", "ip")
+_ACCOUNTING_TOOLS = ("slurmdbd", "mariadbd", "mariadb-install-db", "mariadb", "sacctmgr", "sacct")
 
 
 def unavailable() -> str | None:
@@ -67,11 +74,44 @@ def unavailable() -> str | None:
     return testhosts.unavailable()
 
 
+def accounting_unavailable() -> str | None:
+    """Why the cluster runs without accounting here (None: with it): ``slurmdbd`` and
+    MariaDB (Debian's ``slurmdbd`` and ``mariadb-server``)."""
+    missing = [tool for tool in _ACCOUNTING_TOOLS if shutil.which(tool) is None
+               and not Path("/usr/sbin", tool).exists()]
+    if missing:
+        return (f"Slurm accounting needs {', '.join(missing)} (Debian: apt-get install slurmdbd "
+                f"mariadb-server; scripts/test installs them as root)")
+    return None
+
+
 def _which(tool: str) -> str:
     return shutil.which(tool) or str(Path("/usr/sbin", tool))
 
 
-def _config(hostname: str, nodes: dict[str, str], cpus: int) -> str:
+def _dbd_config(hostname: str, password: str) -> str:
+    """slurmdbd.conf: slurmdbd on the bridge's address, its database the private
+    MariaDB's on 127.0.0.1."""
+    d = DIRECTORY
+    return "\n".join([
+        "AuthType=auth/munge",
+        f"AuthInfo=socket={d / 'munge.socket'}",
+        f"DbdHost={hostname}",
+        f"DbdAddr={SUBNET}.1",
+        f"DbdPort={DBD_PORT}",
+        "SlurmUser=root",
+        f"PidFile={d / 'slurmdbd.pid'}",
+        f"LogFile={d / 'slurmdbd.log'}",
+        "StorageType=accounting_storage/mysql",
+        "StorageHost=127.0.0.1",
+        f"StoragePort={DB_PORT}",
+        "StorageUser=slurm",
+        f"StoragePass={password}",
+        "StorageLoc=slurm_acct_db",
+    ]) + "\n"
+
+
+def _config(hostname: str, nodes: dict[str, str], cpus: int, accounting: bool = False) -> str:
     d = DIRECTORY
     lines = [
         "ClusterName=popdistlite",
@@ -93,7 +133,11 @@ def _config(hostname: str, nodes: dict[str, str], cpus: int) -> str:
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",
         "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
+        # (AccountingStoragePass: the munge socket for connections to slurmdbd)
+        *(["AccountingStorageType=accounting_storage/slurmdbd", f"AccountingStorageHost={SUBNET}.1",
+           f"AccountingStoragePort={DBD_PORT}", f"AccountingStoragePass={d / 'munge.socket'}"]
+          if accounting else
+          ["AccountingStorageType=accounting_storage/none"]),
         "JobCompType=jobcomp/none",
         "SchedulerType=sched/backfill",
         "SelectType=select/cons_tres",
@@ -145,6 +189,9 @@ class TestCluster:
         self.nodes = list(self.hosts.names[:n])
         self.login = self.hosts.names[n]
         self.cpus = cpus
+        #: Whether the cluster keeps accounts (slurmdbd; ``sacct`` works): where
+        #: :func:`accounting_unavailable` says nothing.
+        self.accounting = accounting_unavailable() is None
         self.work = DIRECTORY / "work"
         self.conf = DIRECTORY / "slurm.conf"
         self._lock = None
@@ -197,11 +244,49 @@ class TestCluster:
         self._wait(lambda: (DIRECTORY / "munge.socket").exists(), "munged's socket",
                    DIRECTORY / "munged.log")
         nodes = {node: self.hosts.addresses[node] for node in self.nodes}
-        self.conf.write_text(_config(socket.gethostname(), nodes, self.cpus))
+        self.conf.write_text(_config(socket.gethostname(), nodes, self.cpus, self.accounting))
+        if self.accounting:
+            self._start_accounting()
         self._daemon([_which("slurmctld")], "slurmctld")
         for node in self.nodes:
             self._start_slurmd(node)
         self._wait(self._idle, "every node idle", DIRECTORY / "slurmctld.log")
+
+    def _start_accounting(self) -> None:
+        """A private MariaDB (data, socket, pid and log in :data:`DIRECTORY`, TCP on
+        127.0.0.1 only), its ``slurm_acct_db`` and user, slurmdbd, and this cluster
+        registered with it (``sacctmgr add cluster``)."""
+        d = DIRECTORY
+        done = subprocess.run([_which("mariadb-install-db"), "--no-defaults", f"--datadir={d / 'db'}",
+                               "--user=root", "--auth-root-authentication-method=socket", "--skip-test-db"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"test cluster: mariadb-install-db failed: {(done.stderr or done.stdout)[-800:]}")
+        socket_path = d / "mariadb.sock"
+        subprocess.run(["setsid", "-f", _which("mariadbd"), "--no-defaults", f"--datadir={d / 'db'}",
+                        f"--socket={socket_path}", f"--pid-file={d / 'mariadb.pid'}", "--bind-address=127.0.0.1",
+                        f"--port={DB_PORT}", "--skip-name-resolve", "--user=root", f"--log-error={d / 'mariadb.log'}",
+                        "--skip-log-bin", "--innodb-buffer-pool-size=32M"],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        self._wait(socket_path.exists, "MariaDB's socket", d / "mariadb.log")
+        password = secrets.token_hex(16)
+        sql = (f"CREATE DATABASE slurm_acct_db; CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}'; "
+               f"GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';")
+        done = subprocess.run([_which("mariadb"), "--no-defaults", f"--socket={socket_path}", "-u", "root",
+                               "-e", sql], capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"test cluster: MariaDB's accounting user: {(done.stderr or done.stdout)[-800:]}")
+        dbd_conf = d / "slurmdbd.conf"  # beside slurm.conf, where slurmdbd looks (SLURM_CONF)
+        dbd_conf.touch(mode=0o600)
+        dbd_conf.write_text(_dbd_config(socket.gethostname(), password))
+        self._daemon([_which("slurmdbd")], "slurmdbd")
+        self._wait(lambda: self.run([_which("sacctmgr"), "-i", "add", "cluster", "popdistlite"],
+                                    timeout=30).returncode == 0 or self._registered(),
+                   "the cluster registered with slurmdbd", d / "slurmdbd.log")
+
+    def _registered(self) -> bool:
+        shown = self.run([_which("sacctmgr"), "-n", "-P", "show", "cluster", "format=cluster"], timeout=30)
+        return "popdistlite" in shown.stdout.split()
 
     def _start_slurmd(self, node: str) -> None:
         self._daemon(["nsenter", f"--net=/run/netns/{node}", "unshare", "--uts", "--mount",
@@ -342,7 +427,7 @@ def _is_daemon(pid: int) -> bool:
         name = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return False
-    return name in ("slurmctld", "slurmd", "munged")
+    return name in ("slurmctld", "slurmd", "munged", "slurmdbd", "mariadbd")
 
 
 def _alive(pid: int) -> bool:

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from popdist_lite_launcher import testcluster
 from slurmjob import MPIS, REPORT, ROOT, batch_script, mpi_env, poprun_command, python_of, wait_for
 
 
@@ -45,6 +46,39 @@ def test_sbatch(cluster, mpi):
     labels = {e["pid"]: e["args"]["labels"] for e in events if e["name"] == "process_labels"}
     assert labels == {int(r): host for r, host in REPORT.findall(output)}, labels
     assert {e["pid"] for e in events if e["ph"] == "X" and e["name"] == "all_reduce"} == {0, 1, 2, 3}
+
+
+#: The step each MPI's Slurm launch makes for its daemons (named by poprun-lite: both
+#: start through launcher/hold_sigterm.py) and the nodes it spans.
+DAEMON_STEP = {"openmpi": ("prted", "pdls2"), "mpich": ("hydra_pmi_proxy", "pdls[1-2]")}
+
+
+@pytest.mark.parametrize("mpi", MPIS)
+def test_sacct_lists_the_steps(cluster, mpi):
+    """Slurm's accounting (slurmdbd, ``sacct``) of a poprun-lite job: the batch step, the
+    MPI daemons' step and poprun-lite's own steps on pdls2 (the host check before the
+    launch, the cleanup after it: ``srun --overlap`` steps named poprun-lite-agent),
+    each COMPLETED."""
+    if not cluster.accounting:
+        pytest.skip(testcluster.accounting_unavailable())
+    out = cluster.work / f"sacct-{mpi}.out"
+    script = batch_script(cluster, f"sacct-{mpi}", poprun_command(cluster, mpi, 1))
+    done = cluster.run(["sbatch", "--parsable", "--wait", "-N", "2", "--ntasks-per-node", "2", "-o", str(out),
+                        str(script)], timeout=240, env=cluster.env({**os.environ, **mpi_env(mpi)}))
+    assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{out.read_text() if out.exists() else ''}"
+    job = done.stdout.strip().split(";")[0]
+    daemon, nodes = DAEMON_STEP[mpi]
+
+    def steps():  # accounting records arrive after the job's end
+        shown = cluster.run(["sacct", "-j", job, "-P", "-n", "-o", "JobID,JobName,NodeList,State"])
+        rows = [line.split("|") for line in shown.stdout.splitlines() if line.count("|") == 3]
+        names = {(name, where, state) for step, name, where, state in rows if step.startswith(f"{job}.")}
+        return names if (daemon, nodes, "COMPLETED") in names else None
+
+    found = wait_for(steps, f"the {daemon} step in sacct", 60)
+    assert ("batch", "pdls1", "COMPLETED") in found, found
+    agents = [row for row in found if row[0] == "poprun-lite-agent"]
+    assert agents and all(row[1:] == ("pdls2", "COMPLETED") for row in agents), found
 
 
 @pytest.mark.parametrize("mpi", MPIS)
