@@ -70,6 +70,14 @@ class RowCache:
 
     Attributes:
         lock: held by every method; a background reader takes it only to publish.
+        loaded: the lock's condition, notified when a background write-back or read is
+            published.
+        pending: write-backs handed to the background thread (:meth:`reserve`) and not
+            yet done (:meth:`store`).
+        unwritten: ``(rows int64[k] sorted, records)`` of failed background
+            write-backs, or ``None``.
+        failure: the first failed background write-back's error, until
+            :meth:`take_failure`.
     """
 
     def __init__(self, file, capacity: int, policy: str, stats: dict):
