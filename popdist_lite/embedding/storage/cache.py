@@ -12,14 +12,29 @@ read from the file in one pass sorted by row (so by offset); the victims are the
 of lowest score outside the batch that are neither pinned, held nor loading, written
 back first when dirty, in one sorted pass.
 
-Prefetch (:meth:`RowCache.reserve`, :meth:`RowCache.load`) in two halves: the caller
-(the training loop's thread) reserves slots for the missing rows under the cache's
-lock (evicting, and writing dirty victims back, there), marks them ``loading`` and maps
-their rows to them; a background thread reads the records outside the lock (positional
-reads and numpy copies release the GIL) and publishes them under the lock. Every other
-method holds the lock too, and a lookup that meets a ``loading`` slot waits for it
-(``wait_seconds``). The file's bytes of a reserved row cannot change before it is read:
-a row is written back only from its slot, and a ``loading`` slot is never dirty.
+Prefetch (:meth:`RowCache.reserve`, :meth:`RowCache.store`, :meth:`RowCache.load`) in
+two halves: the caller (the training loop's thread) reserves slots for the missing rows
+under the cache's lock (evicting; the dirty victims' records and rows are copied out,
+not written), marks them ``loading`` and maps their rows to them; a background thread,
+one job after another, first writes the job's copied victims back, then reads the
+job's records, both outside the lock (positional reads and writes and numpy copies
+release the GIL), and publishes each under the lock (``loaded`` is notified). Every
+other method holds the lock too, and a lookup that meets a ``loading`` slot waits for
+it (``wait_seconds``).
+
+The file's bytes of a row are read only when they are its truth:
+
+- a reserved row: it is written back only from a slot, and a ``loading`` slot is never
+  dirty; a victim's write-back is queued before the read of any later job (FIFO), so a
+  row evicted by one prefetch and reserved by a later one is read after it was written;
+- every read on the caller's thread (a lookup's misses, :meth:`flush`, :meth:`clear`,
+  :meth:`wait_loaded`) first waits until no write-back is ``pending`` (all of them,
+  not only those of its rows: with prefetch a lookup rarely misses, and a row has at
+  most one write-back in flight, since it is not cached again before that is done);
+- a write-back that failed keeps its records (``unwritten``, sorted by row) and the
+  error (``failure``, taken by :meth:`take_failure`): a read of those rows, by a
+  lookup or a prefetch, takes their records from there (the slot is then dirty), and
+  :meth:`flush` writes the rest.
 """
 
 from __future__ import annotations
@@ -55,6 +70,14 @@ class RowCache:
 
     Attributes:
         lock: held by every method; a background reader takes it only to publish.
+        loaded: the lock's condition, notified when a background write-back or read is
+            published.
+        pending: write-backs handed to the background thread (:meth:`reserve`) and not
+            yet done (:meth:`store`).
+        unwritten: ``(rows int64[k] sorted, records)`` of failed background
+            write-backs, or ``None``.
+        failure: the first failed background write-back's error, until
+            :meth:`take_failure`.
     """
 
     def __init__(self, file, capacity: int, policy: str, stats: dict):
@@ -70,7 +93,10 @@ class RowCache:
         self.used = 0  # slots [0, used) have held a row
         self.tick = 0
         self.lock = threading.Lock()
-        self.loaded = threading.Condition(self.lock)  # notified when loading slots are published
+        self.loaded = threading.Condition(self.lock)  # notified when a job's write-back or read is published
+        self.pending = 0  # write-backs handed to the background thread, not yet done
+        self.unwritten: tuple[np.ndarray, np.ndarray] | None = None  # (rows, records) of failed write-backs
+        self.failure: BaseException | None = None  # the first failed write-back, until take_failure
 
     def slots(self, rows: np.ndarray, pin: bool) -> np.ndarray:
         """The slots holding sorted unique partition ``rows`` (``int64[n]``), reading the
@@ -130,21 +156,31 @@ class RowCache:
             return candidates[np.argpartition(self.score[candidates], need - 1)[:need]]
         return candidates
 
-    def _allocate(self, rows: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    def _allocate(self, rows: np.ndarray, keep: np.ndarray,
+                  defer: bool = False) -> tuple[np.ndarray, tuple | None]:
         """Slots for the missing sorted ``rows`` (free ones first, then victims, written
         back when dirty); ``keep``: the batch's hit slots (never evicted for it). The
-        rows are mapped to the slots (records not yet read).
+        rows are mapped to the slots (records not yet read). ``defer``: the dirty
+        victims are not written but returned, ``(rows int64[k] sorted, records)``
+        copies (``None`` when none), for the background thread's :meth:`store`.
+
+        Returns:
+            ``(slots, deferred write-back or None)``.
 
         Raises:
             CacheTooSmall: as :meth:`_victims` (nothing changed).
         """
+        back = None
         n = len(rows)
         fresh = min(n, self.capacity - self.used)
         new = np.arange(self.used, self.used + fresh, dtype=np.int64)
         if fresh < n:
             need = n - fresh
             victims = self._victims(need, keep, n + len(keep))
-            self._write_back(victims)
+            if defer:
+                back = self._copy_dirty(victims)
+            else:
+                self._write_back(victims)
             gone = self.row_of[victims]
             self.slot_of[gone[gone >= 0]] = -1
             self.stats["evictions"] += int(np.count_nonzero(gone >= 0))
@@ -154,18 +190,50 @@ class RowCache:
         self.slot_of[rows] = new
         self.dirty[new] = False
         self.score[new] = 0
-        return new
+        return new, back
+
+    def _copy_dirty(self, slots: np.ndarray) -> tuple | None:
+        """The rows and record copies of the dirty ones of ``slots``, sorted by row
+        (marked clean), or ``None``."""
+        slots = slots[self.dirty[slots]]
+        if not len(slots):
+            return None
+        slots = slots[np.argsort(self.row_of[slots], kind="stable")]
+        self.dirty[slots] = False
+        return self.row_of[slots].copy(), self.records[slots]
+
+    def _wait_written(self) -> None:
+        """Wait (under the lock) until no write-back is pending."""
+        while self.pending:
+            self.loaded.wait()
+
+    def _take_unwritten(self, rows: np.ndarray, block: np.ndarray, slots: np.ndarray) -> None:
+        """Put the kept records of failed write-backs among sorted ``rows`` into ``block``
+        (read from the file for ``slots``), mark those slots dirty and forget them there."""
+        if self.unwritten is None:
+            return
+        kept_rows, kept = self.unwritten
+        here = np.isin(kept_rows, rows, assume_unique=True)
+        if not here.any():
+            return
+        at = np.searchsorted(rows, kept_rows[here])
+        block[at] = kept[here]
+        self.dirty[slots[at]] = True
+        self.unwritten = None if here.all() else (kept_rows[~here], kept[~here])
 
     def _fill(self, rows: np.ndarray, keep: np.ndarray) -> np.ndarray:
         """Slots for the missing sorted ``rows``, read from the file now (see
-        :meth:`_allocate`). On a failed read the rows are unmapped again."""
-        new = self._allocate(rows, keep)
+        :meth:`_allocate`), after the pending write-backs. On a failed read the rows are
+        unmapped again."""
+        self._wait_written()
+        new, _ = self._allocate(rows, keep)
         block = np.empty(len(rows), self.file.record)
         try:
             self.file.read(rows, block)
         except BaseException:
             self._unmap(new)
             raise
+        self._take_unwritten(rows, block, new)
         self.records[new] = block
         return new
 
@@ -182,27 +250,72 @@ class RowCache:
         :meth:`load`). Every slot's ``held`` count goes up by one until :meth:`release`.
         Hits and misses are not counted (they are the lookups').
 
+        The dirty victims are not written here: their rows and record copies are
+        returned, and :attr:`pending` counts them until :meth:`store` is done.
+
         Returns:
-            ``(slots of all rows, reserved slots, their rows)``.
+            ``(slots of all rows, reserved slots, their rows, write-back)``; the
+            write-back is ``(rows int64[k] sorted, records)`` to hand to :meth:`store`
+            before the :meth:`load` of the reserved slots, or ``None``.
 
         Raises:
             CacheTooSmall: the missing rows do not fit beside the pinned and held ones
                 (nothing changed).
-            OSError: a dirty victim could not be written back.
         """
         with self.lock:
             start = perf_counter()
             slots = self.slot_of[rows].astype(np.int64)
             missing = slots < 0
             new_rows = rows[missing]
-            new = np.zeros(0, np.int64)
+            new, back = np.zeros(0, np.int64), None
             if len(new_rows):
-                new = self._allocate(new_rows, slots[~missing])
+                new, back = self._allocate(new_rows, slots[~missing], defer=True)
                 slots[missing] = new
                 self.loading[new] = True
+                if back is not None:
+                    self.pending += 1
             np.add.at(self.held, slots, 1)
             self.stats["wait_seconds"] += perf_counter() - start
-            return slots, new, new_rows
+            return slots, new, new_rows, back
+
+    def store(self, rows: np.ndarray, records: np.ndarray) -> tuple[float, BaseException | None]:
+        """Write the records of a reservation's dirty victims (``rows`` sorted, as
+        :meth:`reserve` returned them) to the file outside the lock, then count the
+        write (``rows_written``, ``bytes_written``, ``disk_seconds``) and end its
+        ``pending`` under the lock. Called by the background thread.
+
+        Returns:
+            ``(the write's start (perf_counter), error or None)``; on an error the
+            records are kept (``unwritten``: read from there, written by :meth:`flush`)
+            and the first such error in :attr:`failure`.
+        """
+        start = perf_counter()
+        error = None
+        try:
+            self.file.write(rows, records, count=False)
+        except BaseException as exc:  # noqa: BLE001 - kept, and raised by the table's next agreement
+            error = exc
+        with self.lock:
+            if error is None:
+                self.file.count("written", rows, start, phase=False)
+            else:
+                if self.unwritten is not None:  # a row is in at most one of them (module docstring)
+                    rows = np.concatenate((self.unwritten[0], rows))
+                    records = np.concatenate((self.unwritten[1], records))
+                    order = np.argsort(rows, kind="stable")
+                    rows, records = rows[order], records[order]
+                self.unwritten = (rows, records)
+                if self.failure is None:
+                    self.failure = error
+            self.pending -= 1
+            self.loaded.notify_all()
+        return start, error
+
+    def take_failure(self) -> BaseException | None:
+        """The first background write-back that failed since the last call, or ``None``."""
+        with self.lock:
+            failure, self.failure = self.failure, None
+            return failure
 
     def load(self, slots: np.ndarray, rows: np.ndarray) -> tuple[float, BaseException | None]:
         """Read the records of reserved ``slots`` (rows ``rows``, sorted) from the file,
@@ -222,6 +335,7 @@ class RowCache:
             error = exc
         with self.lock:
             if error is None:
+                self._take_unwritten(rows, block, slots)
                 self.records[slots] = block
                 self.file.count("read", rows, start, phase=False)
                 self.stats["prefetched_rows"] += len(rows)
@@ -237,9 +351,10 @@ class RowCache:
             np.subtract.at(self.held, slots, 1)
 
     def wait_loaded(self) -> None:
-        """Wait until no slot is loading (every prefetch read published)."""
+        """Wait until no slot is loading and no write-back is pending (every prefetch's
+        write-back and read published)."""
         with self.lock:
-            while self.loading.any():
+            while self.loading.any() or self.pending:
                 self.loaded.wait()
 
     def _write_back(self, slots: np.ndarray) -> None:
@@ -257,14 +372,25 @@ class RowCache:
             self.pinned[:] = False
 
     def flush(self) -> None:
-        """Write every dirty row back (the file is then the whole truth)."""
+        """Write every dirty row back, and the records of failed background write-backs,
+        after the pending ones (the file is then the whole truth).
+
+        Raises:
+            OSError: a write failed (the records not written are kept)."""
         with self.lock:
+            self._wait_written()
+            if self.unwritten is not None:
+                self.file.write(*self.unwritten)
+                self.unwritten = None
             self._write_back(np.arange(self.used, dtype=np.int64))
 
     def clear(self) -> None:
-        """Forget every cached row, pins and holds included (after :meth:`flush` and
-        :meth:`wait_loaded`, or to discard them)."""
+        """Forget every cached row, pins and holds included, and the records of failed
+        write-backs (after :meth:`flush` and :meth:`wait_loaded`, or to discard them;
+        it waits for the pending write-backs)."""
         with self.lock:
+            self._wait_written()
+            self.unwritten = None
             cached = self.row_of[:self.used]
             self.slot_of[cached[cached >= 0]] = -1
             self.row_of[:] = -1

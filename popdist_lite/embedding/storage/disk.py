@@ -15,7 +15,9 @@ without leaving the other replicas in the collective: :class:`DiskRows` keeps th
 every replica after the exchange.
 
 Prefetch (:meth:`DiskRows.prefetch`): the rows of a coming batch are reserved in the
-cache now and read by one background thread per table (:class:`_Reader`), FIFO; each
+cache now; one background thread per table (:class:`_Reader`), FIFO, writes the dirty
+rows the reservation evicted back and then reads the batch's missing rows (a failed
+write-back is kept by the cache and raised by the next :meth:`DiskRows.agree`); each
 prefetch is a :class:`Prefetch` whose holds on its slots are dropped by
 :meth:`DiskRows.release` once the table has been used (updated, or looked up when it is
 not trainable) as many times as the prefetch said (its ``due``).
@@ -42,8 +44,8 @@ _OP = register_op("disk_rows")
 _NOTHING = np.zeros(0, np.int64)
 _CHUNK_BYTES = 8 << 20
 #: Counters of :attr:`DiskRows.stats`: ``wait_seconds`` is the training loop's time in
-#: the file or waiting for a prefetch's read (``disk_seconds`` adds the background
-#: reads), ``prefetched_rows`` the rows prefetches read into the cache.
+#: the file or waiting for a prefetch's write-back or read (``disk_seconds`` adds the
+#: background writes and reads), ``prefetched_rows`` the rows prefetches read into the cache.
 STAT_NAMES = ("hits", "misses", "evictions", "rows_read", "rows_written", "bytes_read", "bytes_written",
               "disk_seconds", "wait_seconds", "prefetched_rows", "prefetches")
 _SECONDS = ("disk_seconds", "wait_seconds")
@@ -63,7 +65,7 @@ class Prefetch:
         self.slots, self.rows, self.reads, self.due = slots, len(slots), reads, due
         self._done = threading.Event()
         self.error: BaseException | None = None
-        self.read_span: tuple[float, float] | None = None  # (start, end) of the background read
+        self.read_span: tuple[float, float] | None = None  # (start, end) of the background write-back and read
         if not reads:
             self._done.set()
 
@@ -81,21 +83,25 @@ class Prefetch:
 
 
 class _Reader:
-    """The background thread that reads prefetched rows into a cache, in order."""
+    """The background thread that writes back each prefetch's evicted dirty rows, then
+    reads its rows into a cache, one prefetch after another."""
 
     def __init__(self, cache: RowCache, name: str):
         self.cache, self.jobs = cache, queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"popdist-lite-prefetch-{name}"[:60])
         self.thread.start()
 
-    def submit(self, job: Prefetch, slots: np.ndarray, rows: np.ndarray) -> None:
-        self.jobs.put((job, slots, rows))
+    def submit(self, job: Prefetch, slots: np.ndarray, rows: np.ndarray, back: tuple | None) -> None:
+        """Queue ``back`` (:meth:`RowCache.reserve`'s write-back or ``None``), then the
+        read of ``rows`` into ``slots``."""
+        self.jobs.put((job, slots, rows, back))
 
     def _run(self) -> None:
         while (item := self.jobs.get()) is not None:
-            job, slots, rows = item
+            job, slots, rows, back = item
+            first = self.cache.store(*back)[0] if back is not None else None  # an error is kept by the cache
             start, error = self.cache.load(slots, rows)
-            job.read_span, job.error = (start, perf_counter()), error
+            job.read_span, job.error = (start if first is None else first, perf_counter()), error
             job._done.set()
 
     def stop(self) -> None:
@@ -227,7 +233,12 @@ class DiskRows:
 
     def agree(self, comm) -> None:
         """Raise the first replica's kept problem on every replica (collective: one
-        small agreement); the problem is forgotten, the cache's pins released."""
+        small agreement); the problem is forgotten, the cache's pins released. A
+        background write-back that failed since the last agreement is such a problem
+        (its records stay in the cache: see :class:`RowCache`)."""
+        failure = self.cache.take_failure()
+        if failure is not None:
+            self._keep(failure)
         problem, self.problem = self.problem, None
         if problem is not None:
             self.cache.unpin()
@@ -264,15 +275,15 @@ class DiskRows:
     def prefetch(self, rows: np.ndarray, ahead: int) -> Prefetch:
         """Reserve sorted unique local ``rows`` in the cache, held until :attr:`uses`
         exceeds its value now by ``ahead``, and queue the read of the missing ones for
-        the background reader. Never raises: a problem (a cache too small for the rows
-        beside those pinned and held, a failed write-back) is kept for :meth:`agree`, and
-        the prefetch then holds nothing."""
+        the background reader, after the write-back of the dirty rows the reservation
+        evicted. Never raises: a problem (a cache too small for the rows beside those
+        pinned and held) is kept for :meth:`agree`, and the prefetch then holds nothing."""
         self.stats["prefetches"] += 1
         due = self.uses + ahead + 1
         try:
             if self.problem is not None:
                 raise CacheTooSmall(self.problem.message)
-            slots, new, new_rows = self.cache.reserve(np.asarray(rows, np.int64))
+            slots, new, new_rows, back = self.cache.reserve(np.asarray(rows, np.int64))
         except (CacheTooSmall, RowFileError, OSError) as exc:
             self._keep(exc, prefetch=True)
             return Prefetch(_NOTHING, 0, due)
@@ -281,7 +292,7 @@ class DiskRows:
         if len(new):
             if not self._reader:
                 self._reader.append(_Reader(self.cache, self.name))
-            self._reader[0].submit(job, new, new_rows)
+            self._reader[0].submit(job, new, new_rows, back)
         return job
 
     def used(self) -> None:
@@ -296,7 +307,7 @@ class DiskRows:
 
     def drop_prefetches(self) -> None:
         """Let go of every prefetch (their batches will not come: the feed ended):
-        waits for their reads."""
+        waits for their write-backs and reads."""
         self.cache.wait_loaded()
         while self.jobs:
             job = self.jobs.popleft()
@@ -317,8 +328,9 @@ class DiskRows:
         return all(job.wait(timeout) for job in list(self.jobs))
 
     def _record(self, job: Prefetch) -> None:
-        """The background read of ``job`` on the timeline (phase ``disk.prefetch``, from
-        this thread: :mod:`popdist_lite.counters` is not for other threads)."""
+        """The background write-back and read of ``job`` on the timeline (phase
+        ``disk.prefetch``, from this thread: :mod:`popdist_lite.counters` is not for
+        other threads)."""
         if job.read_span is not None and job.done:
             start, end = job.read_span
             counters.record("disk.prefetch", start, kind=counters.PHASE, detail=self.name, end=end)

@@ -172,8 +172,9 @@ class RowFile:
 
         _each(runs, read_run)
 
-    def write(self, rows: np.ndarray, records: np.ndarray) -> None:
-        """Write ``records[i]`` to row ``rows[i]`` for sorted unique ``rows``."""
+    def write(self, rows: np.ndarray, records: np.ndarray, count: bool = True) -> None:
+        """Write ``records[i]`` to row ``rows[i]`` for sorted unique ``rows``.
+        ``count=False``: the caller counts the write with :meth:`count` (as :meth:`read`)."""
         start = perf_counter()
         size = self.record.itemsize
 
@@ -192,7 +193,8 @@ class RowFile:
             self._read_runs(runs, np.empty(len(rows), self.record))
         for run in runs:
             write_run(*run)
-        self.count("written", rows, start)
+        if count:
+            self.count("written", rows, start)
 
     def read_range(self, first: int, stop: int) -> np.ndarray:
         """Records ``[first, stop)`` as a new array."""
