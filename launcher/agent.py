@@ -111,18 +111,20 @@ def die_with_parent() -> None:
         pass
 
 
-def _program_preexec(holds_term: bool):
-    """The program's ``preexec_fn``: :func:`die_with_parent` (Linux), and with SIGTERM
-    held, SIGTERM and SIGINT ignored (:func:`hold_sigterm.ignore_in_child
-    <popdist_lite_launcher.hold_sigterm.ignore_in_child>`)."""
+def child_preexec(then=None):
+    """A child's ``preexec_fn``: :func:`die_with_parent` (Linux), then ``then()`` when
+    given (e.g. the signal state the new program starts with:
+    :func:`hold_sigterm.block <popdist_lite_launcher.hold_sigterm.block>` for mpirun,
+    :func:`hold_sigterm.ignore_in_child <popdist_lite_launcher.hold_sigterm.ignore_in_child>`
+    for a program whose agent holds SIGTERM); None when there is nothing to do."""
     linux = sys.platform.startswith("linux")
-    if not holds_term:
+    if then is None:
         return die_with_parent if linux else None
 
     def preexec() -> None:
         if linux:
             die_with_parent()
-        hold_sigterm.ignore_in_child()
+        then()
     return preexec
 
 
@@ -505,7 +507,7 @@ def run(program: list[str]) -> int:
         command = [*HOLD, str(theirs.fileno()), *program] if held else program
         child = subprocess.Popen(
             command, env=child_env, stdout=stdout, stderr=write_fd, pass_fds=pass_fds,
-            preexec_fn=_program_preexec(holds_term))
+            preexec_fn=child_preexec(hold_sigterm.ignore_in_child if holds_term else None))
     except OSError as exc:
         os.close(read_fd)
         os.close(write_fd)

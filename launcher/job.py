@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from . import hold_sigterm, report, session_dirs
-from .agent import die_with_parent
+from .agent import child_preexec
 from .tee import Tee
 
 #: Seconds between asking mpirun to stop and SIGKILLing every process of its session.
@@ -166,7 +166,7 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
         session_dirs.remove_stale(env)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, env=env,
-                                preexec_fn=_mpirun_preexec(preemption is not None))
+                                preexec_fn=child_preexec(hold_sigterm.block if preemption is not None else None))
     except BaseException:
         _restore(previous)
         raise
@@ -203,20 +203,6 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     except Exception as exc:  # noqa: BLE001 - report what is known
         result.internal_error = result.internal_error or describe(exc)
     return result
-
-
-def _mpirun_preexec(hold: bool):
-    """mpirun's ``preexec_fn``: :func:`die_with_parent` (Linux), and SIGTERM blocked when
-    ``hold`` (:func:`hold_sigterm.block <popdist_lite_launcher.hold_sigterm.block>`)."""
-    linux = sys.platform.startswith("linux")
-    if not hold:
-        return die_with_parent if linux else None
-
-    def preexec() -> None:
-        if linux:
-            die_with_parent()
-        hold_sigterm.block()
-    return preexec
 
 
 def _supervise(proc, collector, timeout, inspector, result: JobResult, state: dict, stop,

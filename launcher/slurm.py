@@ -31,7 +31,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import hold_sigterm as held
+from . import hold_sigterm
 from .hosts import check_host
 from .mpirun import OPENMPI, LauncherError
 from .ssh_launch import SshLauncher
@@ -262,29 +262,29 @@ def place(nodes: list[str], slots: dict[str, int], replicas: int) -> list[tuple[
     return placed
 
 
-def mpirun_args(implementation: str, hold_sigterm: bool = False) -> list[str]:
+def mpirun_args(implementation: str, hold: bool = False) -> list[str]:
     """mpirun's arguments for a launch through Slurm: Open MPI's ``--prtemca plm slurm``
     (its daemons started with ``srun``), MPICH's ``-launcher slurm``. With
-    ``hold_sigterm`` the daemons on the other nodes start with SIGTERM blocked
+    ``hold`` the daemons on the other nodes start with SIGTERM blocked
     (:mod:`popdist_lite_launcher.hold_sigterm`): Open MPI's ``prte_launch_agent``, MPICH's
     ``-launcher-exec`` :data:`~popdist_lite_launcher.hold_sigterm.SRUN_HELD`.
 
     Raises:
-        LauncherError: ``hold_sigterm`` under Open MPI with a space in python's path or
+        LauncherError: ``hold`` under Open MPI with a space in python's path or
             this package's (``prte_launch_agent`` is split on spaces).
     """
     if implementation == OPENMPI:
-        if not hold_sigterm:
+        if not hold:
             return ["--prtemca", "plm", "slurm"]
-        agent = held.daemon_command("prted")
+        agent = hold_sigterm.daemon_command("prted")
         if agent is None:
             raise LauncherError("--preemption: the path of python or of poprun-lite has a space, "
                                 "which Open MPI's prte_launch_agent cannot hold; use --preemption off")
         return ["--prtemca", "plm", "slurm", "--prtemca", "prte_launch_agent", agent,
                 "--prtemca", "plm_slurm_args", "--job-name=prted"]  # the step's name, not python's
-    if not hold_sigterm:
+    if not hold:
         return ["-launcher", "slurm"]
-    return ["-launcher", "slurm", "-launcher-exec", held.SRUN_HELD]
+    return ["-launcher", "slurm", "-launcher-exec", hold_sigterm.SRUN_HELD]
 
 
 class SlurmLauncher(SshLauncher):
