@@ -333,6 +333,15 @@ def test_excepthook_without_agent(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def while_running(proc, condition, timeout: float = 60.0) -> None:
+    """Wait until ``condition()`` holds, polled every 0.05 s; AssertionError if the
+    agent ``proc`` ends first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline and proc.poll() is None, "the agent ended, or no event in time"
+        time.sleep(0.05)
+
+
 def run_agent(collector, code, env, **kw):
     """The agent supervising ``python -c code``, sending to ``collector``."""
     env = {**os.environ, records.COLLECTOR_ENV: collector.address,
@@ -395,10 +404,7 @@ def test_agent_signals_program_on_request(tmp_path):
     with Collector() as collector:
         proc = run_agent(collector, code, {"PMI_RANK": "1"}, stderr=subprocess.PIPE)
         try:
-            deadline = time.monotonic() + 60
-            while not (ready.exists() and collector.records("hello")):
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.05)
+            while_running(proc, lambda: ready.exists() and collector.records("hello"))
             assert collector.send(1, {"kind": "signal", "signal": "SIGUSR1"})
             proc.wait(timeout=60)
         finally:
@@ -420,10 +426,7 @@ def test_agent_forwards_sigterm_escalates_and_marks_terminated(tmp_path):
         proc = run_agent(collector, code, {"PMI_RANK": "1", "POPDIST_REPLICA_INDEX_OFFSET": "1"},
                          stderr=subprocess.PIPE)
         try:
-            deadline = time.monotonic() + 60
-            while not ready.exists():
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.05)
+            while_running(proc, ready.exists)
             start = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
@@ -453,16 +456,11 @@ def test_agent_holding_sigterm(tmp_path):
         proc = run_agent(collector, code, {"PMI_RANK": "1", "POPDIST_REPLICA_INDEX_OFFSET": "1",
                                            hold_sigterm.ENV: "1"}, stderr=subprocess.PIPE)
         try:
-            deadline = time.monotonic() + 60
-            while not (ready.exists() and ready.read_text()):
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.05)
+            while_running(proc, lambda: ready.exists() and ready.read_text())
             ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", ready.read_text(), re.M)[1], 16)
             assert ignored >> (signal.SIGTERM - 1) & 1 and ignored >> (signal.SIGINT - 1) & 1, hex(ignored)
             subprocess.run(["kill", "-TERM", str(proc.pid)], check=True)
-            while not collector.records("signalled"):
-                assert time.monotonic() < deadline, "no signalled record"
-                time.sleep(0.05)
+            while_running(proc, lambda: collector.records("signalled"))
             assert proc.poll() is None  # the program runs on
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)

@@ -109,6 +109,16 @@ class Job:
         self.wait(lambda: sorted(took(self.text()).get(step, {})) == [0, 1, 2, 3],
                   f"step {step} on every replica", 180)
 
+    def wait_busy(self, step: int = 5) -> None:
+        """Until a replica is busy inside step ``step`` (``--busy 0:STEP``)."""
+        self.wait(lambda: f"BUSY {step}" in self.text(), "busy replicas", 180)
+
+    def scancel(self) -> None:
+        """A plain ``scancel ID``, as a time limit: SIGTERM to every process of the job,
+        SIGKILL after KillWait."""
+        sent = self.cluster.run(["scancel", self.id])
+        assert sent.returncode == 0, sent.stderr
+
     def wait_gone(self, timeout: float = 120) -> None:
         self.wait(lambda: self.state() == "", "the job out of the queue", timeout)
 
@@ -236,8 +246,7 @@ def test_cancel_checkpoints(cluster, mpi, nodes):
     job = Job(cluster, mpi, f"cancel-{mpi}-{nodes}", "--hold", "0:5", nodes=nodes)
     try:
         job.wait_held()
-        sent = cluster.run(["scancel", job.id])
-        assert sent.returncode == 0, sent.stderr
+        job.scancel()
         job.wait_gone()
     finally:
         job.cancel()
@@ -254,9 +263,8 @@ def test_cancel_without_a_boundary_is_reported_before_the_kill(cluster):
     ends before Slurm's SIGKILL, so poprun-lite stops the job and says why."""
     job = Job(cluster, "openmpi", "cancel-busy", "--busy", "0:5")
     try:
-        job.wait(lambda: "BUSY 5" in job.text(), "busy replicas", 180)
-        sent = cluster.run(["scancel", job.id])
-        assert sent.returncode == 0, sent.stderr
+        job.wait_busy()
+        job.scancel()
         job.wait_gone()
     finally:
         job.cancel()
@@ -270,7 +278,7 @@ def test_cancel_without_a_boundary_is_reported_before_the_kill(cluster):
 def test_second_sigterm_stops_without_checkpoint(cluster):
     job = Job(cluster, "openmpi", "second", "--busy", "0:5")
     try:
-        job.wait(lambda: "BUSY 5" in job.text(), "busy replicas", 180)
+        job.wait_busy()
         job.signal("TERM")
         job.wait(lambda: "poprun-lite: SIGTERM: asking the replicas to checkpoint" in job.text(),
                  "the checkpoint request", 60)
@@ -287,7 +295,7 @@ def test_second_sigterm_stops_without_checkpoint(cluster):
 def test_no_boundary_within_the_grace(cluster):
     job = Job(cluster, "openmpi", "grace", "--busy", "0:5", sbatch=["--requeue"])
     try:
-        job.wait(lambda: "BUSY 5" in job.text(), "busy replicas", 180)
+        job.wait_busy()
         job.signal("USR1")
         job.wait_gone()
     finally:
