@@ -39,7 +39,8 @@ Summary ratios (of the maxima over replicas) and goals: char ``binding_over_ddp_
 alone); recsys ``gloo_over_binding`` (at least 3.5), ``binding_over_numpy`` (at
 most 1.1) and ``binding_bag_over_numpy_bag`` (at most 1.15); ``summary.goals.met``
 says which goal was met; ``*_paired`` are the median over rounds of the two variants'
-block ratios.
+block ratios. ``results.recsys_profile_ms_per_step`` splits the step of the binding and
+numpy variants into the table's phases and the time outside them (``phase_profile``).
 """
 
 from __future__ import annotations
@@ -203,8 +204,44 @@ def worker(opts) -> None:
                         ("binding_bag_over_numpy", "binding_bag", "numpy"),
                         ("binding_bag_over_numpy_bag", "binding_bag", "numpy_bag")]}[opts.workload]
     paired = {k: paired_ratio(comm, times[a], times[b]) for k, a, b in pairs if a in times and b in times}
+    profile = {name: phase_profile(comm, v, opts.steps) for name, v in variants.items()
+               if opts.workload == "recsys" and name in PROFILED}
     if comm.rank == 0:
-        print("JSON " + json.dumps({"variants": report, "paired": paired}), flush=True)
+        print("JSON " + json.dumps({"variants": report, "paired": paired, "profile": profile}), flush=True)
+
+
+#: The recsys variants whose step :func:`phase_profile` splits into the table's phases.
+PROFILED = ("binding", "binding_bag", "numpy", "numpy_bag")
+
+
+def phase_profile(comm, step, steps: int) -> dict:
+    """Where one variant's step goes: ms per step of each phase of
+    ``popdist_lite.stats()`` (``lookup.*``, ``update.*``; ``lookup`` and ``update`` are
+    the whole calls, bag calls included, ``*.rest`` their time outside the named
+    sub-phases: for bags, pooling and unpooling) and of the
+    step outside the table (``outside``: for the bindings, torch's module call,
+    ``Function.apply`` and autograd engine; for the numpy API, the loop), over ``steps``
+    steps right after the timed blocks, averaged over the replicas."""
+    import popdist_lite as pl
+
+    comm.Barrier()
+    pl.reset_stats()
+    start = time.perf_counter()
+    for s in range(steps):
+        step(s)
+    total = time.perf_counter() - start
+    phases = {name: x["seconds"] for name, x in pl.stats()["phases"].items()
+              if name.split(".")[0] in ("lookup", "update")}
+    for call in ("lookup", "update"):
+        # the bag calls are phases lookup_bags / update_bags, their parts lookup.* / update.*
+        phases[call] = phases.get(call, 0.0) + phases.pop(call + "_bags", 0.0)
+        parts = sum(x for name, x in phases.items() if name.startswith(call + "."))
+        phases[call + ".rest"] = phases[call] - parts
+    phases["outside"] = total - phases.get("lookup", 0.0) - phases.get("update", 0.0)
+    phases["step"] = total
+    names = sorted(phases)
+    mean = np.array(comm.allgather([phases[n] for n in names])).mean(axis=0)  # once per variant
+    return {n: round(float(x) / steps * 1e3, 4) for n, x in zip(names, mean)}
 
 
 def main() -> None:
@@ -231,6 +268,8 @@ def main() -> None:
                 "--blocks", str(opts.blocks)]
         got = run_ranks(os.path.abspath(__file__), args, opts.ranks, opts.timeout)[0]
         results[workload] = got["variants"]
+        if got.get("profile"):
+            results[workload + "_profile_ms_per_step"] = got["profile"]
         ms = {name: r["step_ms"]["max"] for name, r in got["variants"].items()}
         s = {}
         if workload == "char":

@@ -1,5 +1,5 @@
 """Segment sums and grouping: coalesce rows that share an index (sort, then sum each
-run of equal ids with padded block sums; never ``np.add.at``)."""
+run of equal ids as a sparse matrix product, scipy's CSR times dense; never ``np.add.at``)."""
 
 from __future__ import annotations
 
@@ -48,22 +48,25 @@ def inverse_of(perm: np.ndarray, starts: np.ndarray, out: np.ndarray | None = No
     return inverse
 
 
-def sum_groups(values: np.ndarray, perm: np.ndarray, starts: np.ndarray, dtype=None,
-               buffers=None) -> np.ndarray:
+def sum_groups(values: np.ndarray, perm: np.ndarray, starts: np.ndarray, dtype=None) -> np.ndarray:
     """Sum the rows of ``values`` by group (:func:`group`'s ``perm`` and ``starts``).
 
-    Groups are bucketed by length, rounded up to a power of two ``w``; each bucket is
-    one gather into a ``(groups, w, *row)`` block whose padding rows are zeroed, and one
-    ``sum(axis=1)``. Single-row groups are a plain gather. That is a Python loop over at
-    most ``log2(n) + 1`` length classes, never over indices, and several times faster
-    than ``np.add.reduceat`` on rows (strided inner loop) or ``np.add.at``.
+    The groups are the rows of a ``(u, n)`` CSR matrix of ones whose columns are
+    ``perm`` (indices) split at ``starts`` (row pointers), so the sums are one
+    ``scipy.sparse`` matrix product with ``values``: compiled code that adds each
+    group's rows in ``perm`` order, as a loop over them would (the same sums, bit for
+    bit, as numpy's sequential ``sum`` over a group's rows). On the recommender workload
+    (8,192 Zipf(1.1) gradient rows of 64 float32 into about 4,500 groups) it takes
+    0.14 ms where padded power-of-two block sums took 0.55 ms, ``np.add.at`` 4.6 ms and
+    ``np.add.reduceat`` on rows several ms (docs/performance.md). scipy is imported on
+    the first call, so a process that never sums groups never loads it.
 
     Args:
-        values: ``(n, *row)`` array.
-        perm, starts: from :func:`group` on the ``n`` ids.
-        dtype: accumulation and result dtype (default ``values.dtype``).
-        buffers: optional :class:`~._buffers.Buffers` for the scratch blocks (large
-            temporaries reused between steps instead of fresh pages every call).
+        values: ``(n, *row)`` array of a float or complex dtype.
+        perm, starts: from :func:`group` (or :func:`runs_of`) on the ``n`` ids.
+        dtype: accumulation and result dtype (default ``values.dtype``); a float16 one
+            accumulates in float32 and rounds the sums (scipy has no float16 products;
+            every caller passes float32 for float16 values).
 
     Returns:
         ``(u, *row)`` array of ``dtype``: row ``j`` sums the rows of group ``j``.
@@ -73,30 +76,12 @@ def sum_groups(values: np.ndarray, perm: np.ndarray, starts: np.ndarray, dtype=N
     row = values.shape[1:]
     if u == n:  # no duplicates: a permutation
         return np.take(values, perm, axis=0).astype(dtype, copy=False)
-    lengths = np.diff(starts, append=n)
-    classes = np.zeros(u, dtype=np.intp)
-    multi = lengths > 1
-    classes[multi] = np.ceil(np.log2(lengths[multi])).astype(np.intp)
-    order = np.argsort(classes, kind="stable")
-    bounds = np.searchsorted(classes[order], np.arange(int(classes.max()) + 2))
-    out = np.empty((u, *row), dtype=dtype)
-    for c in range(len(bounds) - 1):  # length classes 1, 2, 4, 8, ...: at most log2(n) + 1
-        groups = order[bounds[c]:bounds[c + 1]]
-        if groups.size == 0:
-            continue
-        if c == 0:
-            out[groups] = np.take(values, perm[starts[groups]], axis=0)
-            continue
-        offsets = np.arange(1 << c)
-        pad = offsets >= lengths[groups, None]
-        pos = starts[groups, None] + offsets
-        pos[pad] = starts[groups, None].repeat(offsets.size, axis=1)[pad]  # any valid row, zeroed below
-        shape = (groups.size, offsets.size, *row)
-        block = np.empty(shape, values.dtype) if buffers is None else buffers.get("sum_block", shape, values.dtype)
-        np.take(values, perm[pos.reshape(-1)], axis=0, out=block.reshape(-1, *row), mode="clip")
-        block[pad] = 0
-        out[groups] = block.sum(axis=1, dtype=dtype)
-    return out
+    from scipy.sparse import csr_array  # 0.17 s to import: only where groups are summed
+
+    acc = np.dtype(np.float32) if dtype == np.float16 else dtype
+    dense = values.reshape(n, -1).astype(acc, copy=False)
+    groups = csr_array((np.ones(n, acc), perm, np.append(starts, n)), shape=(u, n))
+    return (groups @ dense).astype(dtype, copy=False).reshape(u, *row)
 
 
 def segment_sum(ids: np.ndarray, values: np.ndarray, dtype=None) -> tuple[np.ndarray, np.ndarray]:

@@ -136,7 +136,7 @@ def pool(rows: np.ndarray, bags: Bags, overwrite_rows: bool = False) -> np.ndarr
     the rows are scaled (in place when ``overwrite_rows`` and they are already in the
     accumulation dtype) and each bag's run is summed in order: one ``sum`` over a
     ``(B, L, e)`` view when every bag holds ``L`` IDs, else
-    :func:`._segment.sum_groups`'s padded block sums. The result is a new array
+    :func:`._segment.sum_groups` (a sparse matrix product). The result is a new array
     aligned for zero-copy hand-over (:func:`._buffers.aligned_empty`), except for unit
     bags, which return the caller's rows.
     """

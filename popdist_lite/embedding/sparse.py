@@ -264,7 +264,7 @@ class SparseTokenExchange:
             return None
         acc = np.float32 if grads.dtype == np.float16 else grads.dtype
         start = perf_counter()
-        sums = sum_groups(grads, perm, starts, dtype=acc, buffers=self.buffers)
+        sums = sum_groups(grads, perm, starts, dtype=acc)
         counters.record("update.coalesce", start, kind=counters.PHASE, detail=self.name)
         start = perf_counter()
         b, e = self.buffers, self.e
@@ -274,7 +274,7 @@ class SparseTokenExchange:
         self._phase("update.exchange", start, send_counts, recv_counts, ids.itemsize + e * sums.itemsize)
         start = perf_counter()
         rows, perm, starts = group(their_ids)
-        total = sum_groups(their_sums, perm, starts, buffers=self.buffers)
+        total = sum_groups(their_sums, perm, starts)
         counters.record("update.sum", start, kind=counters.PHASE, detail=self.name)
         return rows.astype(np.intp), total
 
