@@ -2,7 +2,7 @@
 every replica count: the same lookups and the same weights and optimizer state, bit
 for bit, with a cache a fraction of the partition so rows are evicted and read back;
 the errors of a cache too small, a truncated partition file, a directory that cannot
-be written; checkpoints between disk and in-memory tables, resharded."""
+be written; a partition file removed under the table; checkpoints between disk and in-memory tables, resharded."""
 
 import os
 
@@ -153,6 +153,31 @@ def test_truncated_partition_file_fails_on_every_replica(comm, tmp_path):
     if comm.rank == 0:
         with pytest.raises(RuntimeError, match="truncated or replaced"):
             table.state()
+
+
+@pytest.mark.mpi
+def test_partition_file_removed_under_the_table_loses_nothing(comm, shared, tmp_path):
+    """The partition file is a working copy reached through the table's open descriptor
+    and memory map, never by its name again: a file removed under a running table (a
+    temporary-files cleaner, a user) loses no row. Training goes on bit for bit with the
+    in-memory table's, and the checkpoint saved afterwards holds every row."""
+    r, k = comm.size, comm.rank
+    memory, disk = make_pair("gone", "TOKEN", "adam", "fp32", comm, tmp_path)
+    rng = np.random.default_rng(13)
+    for step in range(16):
+        if step == 6 and k == 0:
+            os.unlink(disk._disk.file.path)
+        ids = zipf_ids(rng, (r, IDS))[k]
+        grads = rng.standard_normal((r, IDS, E)).astype(np.float32)[k]
+        assert memory.lookup(ids).tobytes() == disk.lookup(ids).tobytes(), f"step {step}"
+        memory.apply_gradients(ids, grads)
+        disk.apply_gradients(ids, grads)
+    assert disk.storage_stats["rows_written"] > 0  # rows went to the removed file and back
+    assert_same_state(memory, disk)
+    path = pl.save_checkpoint(shared, {"emb": disk}, step=1)
+    restored = pl.create_host_embedding("gone-m", [T, E], optimizer_spec=SPECS["adam"](), seed=9)
+    pl.load_checkpoint(path, {"emb": restored})
+    assert_same_state(memory, restored)
 
 
 @pytest.mark.mpi
