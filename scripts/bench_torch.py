@@ -231,7 +231,7 @@ def phase_profile(comm, step, steps: int) -> dict:
         step(s)
     total = time.perf_counter() - start
     phases = {name: x["seconds"] for name, x in pl.stats()["phases"].items()
-              if name.split(".")[0] in ("lookup", "update")}
+              if name.split(".")[0] in ("lookup", "update", "lookup_bags", "update_bags")}
     for call in ("lookup", "update"):
         # the bag calls are phases lookup_bags / update_bags, their parts lookup.* / update.*
         phases[call] = phases.get(call, 0.0) + phases.pop(call + "_bags", 0.0)
