@@ -19,7 +19,10 @@ share a table). Differences from SparseCore, all from the tables living on the h
 - ``max_ids_per_partition`` / ``max_unique_ids_per_partition`` default to no limit:
   the host exchange has no fixed buffers. Beyond a limit a call raises
   :class:`popdist_lite.IdLimitError`, drops IDs (``allow_id_dropping``) or runs in
-  minibatches (``enable_minibatching``); docs/minibatching.md.
+  minibatches (``enable_minibatching``); docs/minibatching.md;
+- ``storage`` is ``None`` (the table in memory) or a :class:`popdist_lite.DiskStorage`:
+  each replica's partition and its optimizer state in a file on local disk behind a
+  bounded cache of hot rows (docs/offload.md), for tables larger than host memory.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class TableSpec:
     exchange: str | None = None
     dtype: Any = np.float32
     seed: int = 0
+    storage: Any = None
 
     def __post_init__(self):
         if self.combiner not in pl.COMBINERS:
@@ -82,7 +86,7 @@ class TableSpec:
             partition_strategy=self.partition_strategy, optimizer_spec=self.optimizer, initializer=self.initializer,
             seed=self.seed, exchange=self.exchange, max_ids_per_partition=self.max_ids_per_partition,
             max_unique_ids_per_partition=self.max_unique_ids_per_partition, allow_id_dropping=self.allow_id_dropping,
-            enable_minibatching=self.enable_minibatching, comm=comm)
+            enable_minibatching=self.enable_minibatching, storage=self.storage, comm=comm)
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,9 @@ class HostEmbedding(_HostTableModule):
             ``stochastic_rounding``, ``exchange`` (``"sparse"``/``"dense"``),
             ``max_ids_per_partition``, ``max_unique_ids_per_partition``,
             ``allow_id_dropping``, ``enable_minibatching``, ``track_id_stats``,
-            ``initializer``, ``comm``.
+            ``initializer``, ``storage`` (a :class:`popdist_lite.DiskStorage`: the
+            table's partition on local disk behind a cache of hot rows,
+            docs/offload.md), ``comm``.
 
     Forward: ``input`` an integer tensor of any shape (CPU); returns
     ``input.shape + (embedding_dim,)`` of ``dtype``. Collective.

@@ -463,3 +463,79 @@ def test_pooled_bags_reach_jax_without_a_copy(comm, rng):
         want = np.array([full[values[s:s + n]].mean(axis=0) if n else np.zeros(E) for s, n in zip(starts, lengths)])
         np.testing.assert_allclose(np.asarray(emb.lookup_bags(values, lengths, combiner="mean")), want,
                                    rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("path", ["split", "in-jit"])
+def test_disk_table_trains_as_the_in_memory_one(comm, rng, tmp_path, strategy, path):
+    """A collection whose table is on local disk (``TableSpec(storage=DiskStorage)``, a
+    cache that holds one call's rows and no more: rows are evicted and read back) gives the
+    in-memory collection's activations, losses and, after the steps, table and Adam
+    state, bit for bit, on the split path and through ``lookup_in_jit``."""
+    from popdist_lite.embedding.storage.cache import SLOT_OVERHEAD
+
+    r, k = comm.size, comm.rank
+    full = rng.standard_normal((T, E)).astype(np.float32)
+    cols = E if strategy == "TOKEN" else -(-E // r)
+    spec = pl.HostEmbeddingAdamOptimizerSpec(0.05)
+    record = 4 * cols + sum(a.nbytes for a in spec.init_state((1, cols)).values())
+    trace = [(per_replica_ids(rng, r, lambda k: (2, 3)), *ragged_bags(rng, r, 2, 3)) for _ in range(10)]
+
+    def owned(ids, j):  # the rows of replica j's partition that a call of these IDs reads
+        ids = np.unique(ids)
+        return ids[ids % r == j] if strategy == "TOKEN" else ids
+
+    calls = [np.concatenate([x.reshape(-1) for x in seq] + [b for bag in bags for b in bag]).astype(np.int64)
+             for seq, bags, _ in trace]
+    rows = max(owned(ids, j).size for ids in calls for j in range(r))  # the cache holds one call, no more
+    storage = pl.DiskStorage(rows * (record + SLOT_OVERHEAD), directory=str(tmp_path))
+
+    def specs(table):
+        return [plj.FeatureSpec("seq", table, (2, 3), (2, 3, E)), plj.FeatureSpec("bag", table, (2, 3), (2, E))]
+
+    def make(name, storage):
+        table = plj.TableSpec(name, T, E, optimizer=spec, combiner="mean", initializer=full,
+                              partition_strategy=strategy, storage=storage)
+        return plj.EmbeddingCollection(specs(table))
+
+    memory, disk = make("mem", None), make("disk", storage)
+    params = {"w_seq": jnp.asarray(rng.standard_normal((3 * E, 2)), jnp.float32),
+              "w_bag": jnp.asarray(rng.standard_normal((E, 2)), jnp.float32)}
+    split_grads = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1)))
+
+    def in_jit_step(coll):
+        @jax.jit
+        def grads(params, ids, weights, labels):
+            def loss(params):
+                return dense_loss(params["dense"], coll.lookup_in_jit(params["handle"], ids, weights, loss_scale=r),
+                                  labels)
+
+            return jax.value_and_grad(loss)(params)
+        return grads
+
+    jitted = {"mem": in_jit_step(memory), "disk": in_jit_step(disk)}
+    for step, (seq, bags, weights) in enumerate(trace):
+        labels = rng.standard_normal((r, 2, 2)).astype(np.float32)[k]
+        features, w = {"seq": seq[k], "bag": bags[k]}, {"bag": weights[k]}
+        got = []
+        for name, coll in (("mem", memory), ("disk", disk)):
+            if path == "split":
+                acts = coll.lookup(features, w)
+                loss, (_, g_acts) = split_grads(params, acts, labels)
+                coll.apply_gradients(features, g_acts, w, loss_scale=r)
+                got.append((np.asarray(loss), *(np.asarray(acts[f]) for f in sorted(acts))))
+            else:
+                ids, padded_w = coll.prepare(features, w)
+                loss, g = jitted[name]({"dense": params, "handle": coll.handle()}, ids, padded_w, labels)
+                got.append((np.asarray(loss), np.asarray(g["dense"]["w_seq"])))
+        for a, b in zip(*got):
+            assert a.tobytes() == b.tobytes(), f"step {step}"
+    stats = disk.tables["disk"].table.storage_stats
+    assert stats["rows_read"] > 0 and stats["hits"] > 0
+    if owned(np.concatenate(calls), k).size > rows:  # this replica touched more rows than its cache holds
+        assert stats["evictions"] > 0 and stats["rows_written"] > 0
+    a, b = memory.tables["mem"].table.state().arrays, disk.tables["disk"].table.state().arrays
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].tobytes() == np.asarray(b[key]).tobytes(), key

@@ -377,3 +377,46 @@ def test_bad_bag_argument_raises_everywhere_through_the_tables_agreement(comm, o
     want = torch.nn.EmbeddingBag.from_pretrained(weight, mode="mean")(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
     torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
     assert not torch.equal(bag.get_embedding_tensor(), before)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["TOKEN", "ENCODING"])
+@pytest.mark.parametrize("bags", [False, True], ids=["embedding", "bag"])
+def test_disk_table_trains_as_the_in_memory_one(comm, rng, tmp_path, strategy, bags):
+    """A module whose table is on local disk (``storage=DiskStorage``, a cache of fewer
+    rows than the partition, so rows are evicted and read back) gives the in-memory
+    module's outputs and, after the steps, its table and Adam state, bit for bit."""
+    from popdist_lite.embedding.storage.cache import SLOT_OVERHEAD
+
+    r, t, e, n = comm.size, 40, 4, 7
+    spec = pl.HostEmbeddingAdamOptimizerSpec(0.05)
+    cols = e if strategy == "TOKEN" else -(-e // r)
+    record = 4 * cols + sum(a.nbytes for a in spec.init_state((1, cols)).values())
+    disk = pl.DiskStorage((n * r + 2) * (record + SLOT_OVERHEAD), directory=str(tmp_path))
+    kind, extra = (pt.HostEmbeddingBag, {"mode": "mean"}) if bags else (pt.HostEmbedding, {})
+    memory_module = kind(t, e, optimizer_spec=spec, partition_strategy=strategy, seed=5, name="m", **extra)
+    disk_module = kind(t, e, optimizer_spec=pl.HostEmbeddingAdamOptimizerSpec(0.05), partition_strategy=strategy,
+                       seed=5, name="d", storage=disk, **extra)
+    trace = [rng.integers(0, t, size=(r, n)) for _ in range(12)]
+    for step, all_ids in enumerate(trace):
+        ids = torch.from_numpy(all_ids[comm.rank])
+        scale = torch.from_numpy(rng.standard_normal((r, n, e))[comm.rank].astype(np.float32))
+        if bags:
+            ids, scale = ids.reshape(1, n), scale[0, :1]
+        outs = []
+        for module in (memory_module, disk_module):
+            out = module(ids)
+            (out * scale).sum().backward()
+            outs.append(out.detach())
+        assert outs[0].numpy().tobytes() == outs[1].numpy().tobytes(), f"step {step}"
+    stats = disk_module.table.storage_stats
+    assert stats["rows_read"] > 0 and stats["hits"] > 0
+    touched = np.unique(np.concatenate(trace, axis=None))
+    if strategy == "TOKEN":
+        touched = touched[touched % r == comm.rank]
+    if touched.size > stats["cache_rows"]:  # this replica touched more rows than its cache holds
+        assert stats["evictions"] > 0 and stats["rows_written"] > 0
+    a, b = memory_module.table.state().arrays, disk_module.table.state().arrays
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].tobytes() == np.asarray(b[key]).tobytes(), key
