@@ -363,6 +363,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--partition-strategy", choices=["TOKEN", "ENCODING"], default="TOKEN",
                    help="how the embedding table is split across replicas")
+    p.add_argument("--emb-cache-kib", type=float, default=None, metavar="KIB",
+                   help="keep each replica's partition of the embedding table and its optimizer "
+                        "state in a file on local disk (--emb-dir) behind a cache of this many KiB "
+                        "of hot rows (DiskStorage, docs/offload.md); default: in memory")
+    p.add_argument("--emb-dir", type=Path, default=None,
+                   help="directory of --emb-cache-kib's partition files (default: the system's "
+                        "temporary directory; give a local disk, not a tmpfs)")
     p.add_argument("--guide-config", action="store_true",
                    help="the guide example's set-up: label = last character, lr 1e-4, momentum 0.99")
     p.add_argument("--log-every", type=int, default=None,
@@ -491,6 +498,8 @@ def main(argv=None) -> int:
         partition_strategy=args.partition_strategy,
         optimizer_spec=(popdist_lite.HostEmbeddingAdamOptimizerSpec(args.emb_lr) if args.emb_optimizer == "adam"
                         else popdist_lite.HostEmbeddingOptimizerSpec(args.emb_lr)),
+        storage=(None if args.emb_cache_kib is None else popdist_lite.DiskStorage(
+            int(args.emb_cache_kib * 1024), directory=None if args.emb_dir is None else str(args.emb_dir))),
         seed=args.seed)
     scaler = {"static": lambda: popdist_lite.StaticLossScaler(2.0 ** 8),
               "dynamic": lambda: popdist_lite.DynamicLossScaler(2.0 ** 12, growth_interval=200),
@@ -590,6 +599,11 @@ def main(argv=None) -> int:
             f"ms/step) on {replicas} replica(s), precision {args.precision}"
             + (f", final loss scale {scaler.scale:g}, {skipped} step(s) skipped on overflow" if scaler else ""))
 
+    disk = embedding.storage_stats
+    if disk is not None and trained > 0:
+        log(f"embedding table on disk (replica 0): hit rate {disk['hits'] / max(disk['hits'] + disk['misses'], 1):.3f}, "
+            f"{disk['rows_read']} rows read, {disk['rows_written']} written, {disk['evictions']} evictions, "
+            f"cache of {disk['cache_rows']} rows")
     table = embedding.get_embedding_tensor()  # collective: every replica takes part
     if lead and args.sample_chars > 0:
         prompt = "\n"

@@ -8,7 +8,8 @@ count (gradient accumulation), so
 - grown from 2 to 4 replicas by the launcher (the discovery script offers 4 slots once
   the step-10 checkpoint exists, while the job waits at step 11 for the launcher's
   request: ``--test-hold-at``), the job stops at that step boundary, resumes there at 4
-  replicas and prints the losses of an uninterrupted 4-replica run.
+  replicas and prints the losses of an uninterrupted 4-replica run; so does the same job
+  with its embedding table on local disk (DiskStorage).
 
 No test depends on how fast a step runs: the grow happens at step 11 whatever the
 machine's speed. Every run is under a timeout."""
@@ -118,6 +119,22 @@ def test_grown_by_the_launcher_at_a_step_boundary(tmp_path, straight):
     proc = grow(tmp_path, example(tmp_path, tmp_path / "ckpt"))
     got = losses(proc.stdout)
     np.testing.assert_allclose([got[s] for s in range(20)], [want[s] for s in range(20)], atol=2e-4)
+
+
+def test_grown_with_the_table_on_disk(tmp_path, straight):
+    """The same grow with the embedding table on local disk (``--emb-cache-kib``,
+    DiskStorage): the 2-replica attempt's disk tables save the step-11 checkpoint, the
+    4-replica attempt loads it into four new partition files, and every loss is the
+    in-memory 4-replica run's."""
+    want, _ = straight
+    files = tmp_path / "rows"
+    files.mkdir()
+    proc = grow(tmp_path, [*example(tmp_path, tmp_path / "ckpt"), "--emb-cache-kib", "60", "--emb-dir", str(files)])
+    got = losses(proc.stdout)
+    np.testing.assert_allclose([got[s] for s in range(20)], [want[s] for s in range(20)], atol=2e-4)
+    read = re.findall(r"^embedding table on disk \(replica 0\): hit rate \S+, (\d+) rows read", proc.stdout, re.M)
+    assert read and int(read[-1]) > 0, proc.stdout  # the resumed attempt read its rows from its file
+    assert not list(files.iterdir())  # each attempt's partition files are gone with it
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
