@@ -23,7 +23,7 @@ from . import combiners
 from .encoding import EncodingPartition
 from .exchange import DenseExchange, Exchange
 from .id_limits.enforcer import IdLimitEnforcer
-from .optimizer_specs import EmbeddingOptimizerSpec, UpdateContext
+from .optimizer_specs import EmbeddingOptimizerSpec, HostEmbeddingSGDGAOptimizerSpec, UpdateContext
 from .sparse import SparseTokenExchange
 from .state import TableState, check_arrays, layout_of
 from .storage import DiskStorage, as_storage
@@ -37,6 +37,7 @@ PARTITIONS = {"TOKEN": TokenPartition, "ENCODING": EncodingPartition}
 #: update) and in the progress records (summed over the process's disk tables).
 TIMELINE_COUNTERS = progress.STORAGE_FIELDS
 _INIT_BLOCK_ROWS = 1 << 15
+_NO_ROWS = np.zeros(0, np.int64)
 
 
 class HostEmbedding:
@@ -100,6 +101,7 @@ class HostEmbedding:
             self._serving = self._disk.serving(self.dtype)
             self.optimizer_state = self._disk.slots
             self._registered = 0
+            self._accumulated = _NO_ROWS  # SGD-GA: local rows touched since the last application
             return
         _initialize(self.local_shard, self._partition, spec, initializer, comm)
         # Lookups read the serving copy: the master shard itself, or its float16 (lookup
@@ -295,7 +297,9 @@ class HostEmbedding:
         if loss_scale != 1.0:
             sums = sums / np.asarray(loss_scale, sums.dtype)
         if self._disk is not None:
+            rows, sums, accumulated = self._with_accumulated_rows(rows, sums)
             self._disk.update(rows, functools.partial(self._apply_rows, sums), self._comm)
+            self._accumulated = accumulated
             return
         result = self.optimizer_spec.apply(self.local_shard, rows, sums, self.optimizer_state, self._update_context())
         if result is not None:
@@ -303,6 +307,25 @@ class HostEmbedding:
             self.local_shard[written] = self.stochastic_rounding.cast(values, self.master_dtype, replicated=False)
             if self._serving is not self.local_shard:
                 self._serving[written] = self.local_shard[written].astype(self.dtype)
+
+    def _with_accumulated_rows(self, rows: np.ndarray, sums: np.ndarray):
+        """A disk table's update reads and writes only the rows it is given; SGD-GA's
+        application (every ``accumulation_factor``-th call) also changes the rows
+        accumulated by the calls before. So that call is given them too, with zero sums
+        (adding 0 to their accumulators changes nothing), and the spec's own ``apply``
+        runs unchanged on the compact partition: the same rows, in the same ascending
+        order, as the in-memory table's application (so the same stochastic rounding
+        draws). Returns ``(rows, sums, the rows accumulated after this call)``; the
+        cache must hold the distinct rows of ``accumulation_factor`` calls."""
+        spec = self.optimizer_spec
+        if not isinstance(spec, HostEmbeddingSGDGAOptimizerSpec):
+            return rows, sums, _NO_ROWS
+        due = np.union1d(self._accumulated, rows).astype(np.int64, copy=False)
+        if (int(self.optimizer_state["calls"][0]) + 1) % spec.accumulation_factor:
+            return rows, sums, due
+        full = np.zeros((due.size,) + sums.shape[1:], sums.dtype)
+        full[np.searchsorted(due, rows)] = sums
+        return due, full, _NO_ROWS
 
     def _apply_rows(self, sums: np.ndarray, shard: np.ndarray, state: dict):
         """A disk table's optimizer step on its touched rows read out as a compact
@@ -472,6 +495,8 @@ class HostEmbedding:
         if generators:
             self.stochastic_rounding.set_generator_states(generators)
         if self._disk is not None:
+            if isinstance(self.optimizer_spec, HostEmbeddingSGDGAOptimizerSpec):
+                self._accumulated = np.flatnonzero(self.optimizer_state["touched"]).astype(np.int64)
             self._disk.release_pages()
         elif self._serving is not self.local_shard:
             np.copyto(self._serving, self.local_shard, casting="unsafe")
@@ -612,8 +637,9 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
             are numpy arrays in RAM; a :class:`DiskStorage`: they live in a file on
             local disk behind a cache of hot rows of ``cache_bytes`` (LRU or LFU), with
             the same results (``docs/offload.md``). Every replica must pass the same kind
-            (cache sizes may differ). Not with :class:`HostEmbeddingSGDGAOptimizerSpec`
-            (its update is not row-local).
+            (cache sizes may differ). With :class:`HostEmbeddingSGDGAOptimizerSpec` the
+            cache must hold the distinct rows of ``accumulation_factor`` calls (its
+            application updates every row accumulated since the last one).
 
     Returns:
         :class:`HostEmbedding`.
@@ -633,7 +659,8 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
             stochastic_rounding=stochastic_rounding, exchange=exchange, max_ids_per_partition=max_ids_per_partition,
             max_unique_ids_per_partition=max_unique_ids_per_partition, allow_id_dropping=allow_id_dropping,
             enable_minibatching=enable_minibatching, track_id_stats=track_id_stats)
-        if disk is not None and spec.trainable and "replicated" in spec.optimizer_spec.state_layouts().values():
+        if disk is not None and spec.trainable and "replicated" in spec.optimizer_spec.state_layouts().values() \
+                and not isinstance(spec.optimizer_spec, HostEmbeddingSGDGAOptimizerSpec):
             raise TypeError(f"argument storage: a DiskStorage table cannot take {type(optimizer_spec).__name__} "
                             f"(its update reads state of rows it does not touch); use an in-memory table")
     except (ValueError, TypeError) as exc:
