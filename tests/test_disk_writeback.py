@@ -6,6 +6,9 @@ MPI.COMM_SELF, every value against a numpy reference of the table:
   write-back are served the updated values (the lookup waits for the write-back);
 - the prefetch call returns while its write-back is still held: the training loop
   wrote nothing, the background thread wrote and counted every evicted row;
+- the background thread reads a prefetch's rows before it writes back the rows the
+  prefetch evicted: with that write-back held, the batch is in the cache already and a
+  lookup of it waits for nothing;
 - a background write-back that fails (ENOSPC) keeps its records: the evicted rows read
   back updated (by a lookup and by a later prefetch), the error is raised by the next
   agreement, and the sync afterwards writes every row to the file.
@@ -141,6 +144,30 @@ def test_the_prefetch_returns_before_its_write_back_which_the_background_thread_
     assert table.stats["bytes_written"] == 6 * table.record.itemsize
     assert table.stats["prefetched_rows"] == 6
     np.testing.assert_array_equal(table.file.read_range(0, ROWS)["weights"][evicted], reference[evicted])
+
+
+def test_a_prefetch_reads_its_rows_before_it_writes_back_its_victims(table):
+    reference = np.zeros((ROWS, COLS), np.float32)
+    writing, gate = threading.Event(), threading.Event()
+
+    def hold(rows):
+        writing.set()
+        assert gate.wait(DEADLINE)
+
+    _background_writes(table, hold)
+    _train(table, reference, np.arange(CAPACITY), seed=4)
+    batch = np.arange(40, 46)
+    try:
+        table.prefetch(batch, ahead=1)  # evicts 6 dirty rows
+        assert writing.wait(DEADLINE), "the prefetch's write-back did not reach the background thread"
+        slots = table.cache.slot_of[batch]
+        assert (slots >= 0).all() and not table.cache.loading[slots].any()  # read before the write-back
+        table.cache.loaded.waited.clear()
+        np.testing.assert_array_equal(_lookup(table, batch), reference[batch])
+        assert not table.cache.loaded.waited.is_set()  # served from the cache, no wait
+    finally:
+        gate.set()
+    assert table.wait_prefetches(DEADLINE)
 
 
 def test_a_failed_background_write_back_is_kept_served_and_raised_by_the_next_agreement(table):

@@ -16,8 +16,8 @@ Prefetch (:meth:`RowCache.reserve`, :meth:`RowCache.store`, :meth:`RowCache.load
 two halves: the caller (the training loop's thread) reserves slots for the missing rows
 under the cache's lock (evicting; the dirty victims' records and rows are copied out,
 not written), marks them ``loading`` and maps their rows to them; a background thread,
-one job after another, first writes the job's copied victims back, then reads the
-job's records, both outside the lock (positional reads and writes and numpy copies
+one job after another, first reads the job's records, then writes the job's copied
+victims back (the two sets of rows are disjoint), both outside the lock (positional reads and writes and numpy copies
 release the GIL), and publishes each under the lock (``loaded`` is notified). Every
 other method holds the lock too, and a lookup that meets a ``loading`` slot waits for
 it (``wait_seconds``).

@@ -15,8 +15,8 @@ without leaving the other replicas in the collective: :class:`DiskRows` keeps th
 every replica after the exchange.
 
 Prefetch (:meth:`DiskRows.prefetch`): the rows of a coming batch are reserved in the
-cache now; one background thread per table (:class:`_Reader`), FIFO, writes the dirty
-rows the reservation evicted back and then reads the batch's missing rows (a failed
+cache now; one background thread per table (:class:`_Reader`), FIFO, reads the batch's
+missing rows and then writes back the dirty rows the reservation evicted (a failed
 write-back is kept by the cache and raised by the next :meth:`DiskRows.agree`); each
 prefetch is a :class:`Prefetch` whose holds on its slots are dropped by
 :meth:`DiskRows.release` once the table has been used (updated, or looked up when it is
@@ -65,7 +65,7 @@ class Prefetch:
         self.slots, self.rows, self.reads, self.due = slots, len(slots), reads, due
         self._done = threading.Event()
         self.error: BaseException | None = None
-        self.read_span: tuple[float, float] | None = None  # (start, end) of the background write-back and read
+        self.read_span: tuple[float, float] | None = None  # (start, end) of the background read and write-back
         if not reads:
             self._done.set()
 
@@ -83,8 +83,11 @@ class Prefetch:
 
 
 class _Reader:
-    """The background thread that writes back each prefetch's evicted dirty rows, then
-    reads its rows into a cache, one prefetch after another."""
+    """The background thread that reads each prefetch's rows into a cache, then writes
+    back the dirty rows its reservation evicted, one prefetch after another. Reading
+    first makes the batch's rows ready a write-back sooner; the two sets of rows are
+    disjoint (a reservation evicts cached rows for rows not cached), and the write-back
+    still comes before the next prefetch's read (FIFO)."""
 
     def __init__(self, cache: RowCache, name: str):
         self.cache, self.jobs = cache, queue.SimpleQueue()
@@ -92,16 +95,17 @@ class _Reader:
         self.thread.start()
 
     def submit(self, job: Prefetch, slots: np.ndarray, rows: np.ndarray, back: tuple | None) -> None:
-        """Queue ``back`` (:meth:`RowCache.reserve`'s write-back or ``None``), then the
-        read of ``rows`` into ``slots``."""
+        """Queue the read of ``rows`` into ``slots``, then ``back`` (:meth:`RowCache.reserve`'s
+        write-back or ``None``)."""
         self.jobs.put((job, slots, rows, back))
 
     def _run(self) -> None:
         while (item := self.jobs.get()) is not None:
             job, slots, rows, back = item
-            first = self.cache.store(*back)[0] if back is not None else None  # an error is kept by the cache
             start, error = self.cache.load(slots, rows)
-            job.read_span, job.error = (start if first is None else first, perf_counter()), error
+            if back is not None:
+                self.cache.store(*back)  # an error is kept by the cache
+            job.read_span, job.error = (start, perf_counter()), error
             job._done.set()
 
     def stop(self) -> None:
@@ -328,7 +332,7 @@ class DiskRows:
         return all(job.wait(timeout) for job in list(self.jobs))
 
     def _record(self, job: Prefetch) -> None:
-        """The background write-back and read of ``job`` on the timeline (phase
+        """The background read and write-back of ``job`` on the timeline (phase
         ``disk.prefetch``, from this thread: :mod:`popdist_lite.counters` is not for
         other threads)."""
         if job.read_span is not None and job.done:
