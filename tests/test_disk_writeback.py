@@ -70,6 +70,22 @@ def _background_writes(table, behave):
     table.file.write = routed
 
 
+def _hold_background_writes(table, written=None):
+    """Hold the background thread inside each of its writes until the returned ``gate``
+    is set; ``writing`` is set once it is held (``written``: a list the held writes'
+    row counts are appended to once let go). Returns ``(writing, gate)``."""
+    writing, gate = threading.Event(), threading.Event()
+
+    def hold(rows):
+        writing.set()
+        assert gate.wait(DEADLINE)
+        if written is not None:
+            written.append(len(rows))
+
+    _background_writes(table, hold)
+    return writing, gate
+
+
 def _train(table, reference, rows, seed):
     """One update of ``rows`` (adding random values) on the table and the reference."""
     rows = np.asarray(rows, np.int64)
@@ -90,13 +106,7 @@ def _lookup(table, rows):
 
 def test_rows_evicted_by_a_prefetch_read_back_updated_while_their_write_back_is_held(table):
     reference = np.zeros((ROWS, COLS), np.float32)
-    writing, gate = threading.Event(), threading.Event()
-
-    def hold(rows):
-        writing.set()
-        assert gate.wait(DEADLINE)
-
-    _background_writes(table, hold)
+    writing, gate = _hold_background_writes(table)
     _train(table, reference, np.arange(CAPACITY), seed=1)  # every slot dirty
     table.prefetch(np.arange(40, 46), ahead=1)  # evicts 6 dirty rows
     evicted = _evicted(table, np.arange(CAPACITY))
@@ -121,14 +131,8 @@ def test_rows_evicted_by_a_prefetch_read_back_updated_while_their_write_back_is_
 
 def test_the_prefetch_returns_before_its_write_back_which_the_background_thread_counts(table):
     reference = np.zeros((ROWS, COLS), np.float32)
-    writing, gate, written = threading.Event(), threading.Event(), []
-
-    def hold(rows):
-        writing.set()
-        assert gate.wait(DEADLINE)
-        written.append(len(rows))
-
-    _background_writes(table, hold)
+    written = []
+    writing, gate = _hold_background_writes(table, written)
     _train(table, reference, np.arange(CAPACITY), seed=2)
     try:
         job = table.prefetch(np.arange(40, 46), ahead=1)  # returns with the write-back held
@@ -148,13 +152,7 @@ def test_the_prefetch_returns_before_its_write_back_which_the_background_thread_
 
 def test_a_prefetch_reads_its_rows_before_it_writes_back_its_victims(table):
     reference = np.zeros((ROWS, COLS), np.float32)
-    writing, gate = threading.Event(), threading.Event()
-
-    def hold(rows):
-        writing.set()
-        assert gate.wait(DEADLINE)
-
-    _background_writes(table, hold)
+    writing, gate = _hold_background_writes(table)
     _train(table, reference, np.arange(CAPACITY), seed=4)
     batch = np.arange(40, 46)
     try:

@@ -10,7 +10,8 @@ import pytest
 
 import popdist_lite as pl
 from popdist_lite import counters
-from popdist_lite.embedding.storage.cache import SLOT_OVERHEAD
+
+from disk_cache import cache_bytes
 
 T, E, IDS, STEPS, DEPTH = 1200, 8, 16, 200, 3
 SPECS = {"sgd": lambda: pl.HostEmbeddingOptimizerSpec(0.3),
@@ -20,15 +21,9 @@ PRECISIONS = {"fp32": {"dtype": np.float32},
               "fp16/master32": {"dtype": np.float16, "master_weights": np.float32}}
 
 
-def record_bytes(kw, spec, r):
-    cols = E if kw["partition_strategy"] == "TOKEN" else -(-E // r)
-    master = np.dtype(kw.get("master_weights") or kw["dtype"])
-    return master.itemsize * cols + sum(a.nbytes for a in spec.init_state((1, cols)).values())
-
-
 def storage(kw, spec, r, rows, tmp_path):
     """A DiskStorage whose cache holds exactly ``rows`` records."""
-    return pl.DiskStorage(rows * (record_bytes(kw, spec, r) + SLOT_OVERHEAD), directory=str(tmp_path))
+    return pl.DiskStorage(cache_bytes(kw, spec, E, r, rows), directory=str(tmp_path))
 
 
 def recommender(dtype, steps=STEPS):

@@ -12,7 +12,8 @@ import pytest
 
 import popdist_lite as pl
 from popdist_lite.embedding.optimizer_specs import EmbeddingOptimizerSpec
-from popdist_lite.embedding.storage.cache import SLOT_OVERHEAD
+
+import disk_cache
 
 T, E, IDS = 240, 8, 16
 STRATEGIES = ["TOKEN", "TOKEN/dense", "ENCODING"]
@@ -36,12 +37,8 @@ def cache_rows(r):
 
 
 def cache_bytes(table_kwargs, spec, r, rows=None):
-    """``rows`` cache slots of a table's records (weights, optimizer state, bookkeeping)."""
-    cols = E if table_kwargs["partition_strategy"] == "TOKEN" else -(-E // r)
-    master = np.dtype(table_kwargs.get("master_weights") or table_kwargs["dtype"])
-    state = spec.init_state((1, cols))
-    record = master.itemsize * cols + sum(a.nbytes for a in state.values())
-    return (cache_rows(r) if rows is None else rows) * (record + SLOT_OVERHEAD)
+    """``rows`` cache slots (default :func:`cache_rows`) of a table's records."""
+    return disk_cache.cache_bytes(table_kwargs, spec, E, r, cache_rows(r) if rows is None else rows)
 
 
 def zipf_ids(rng, n):

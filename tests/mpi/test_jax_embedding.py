@@ -14,6 +14,8 @@ import jax.numpy as jnp  # noqa: E402
 import popdist_lite as pl  # noqa: E402
 import popdist_lite.jax as plj  # noqa: E402
 
+from disk_cache import cache_bytes  # noqa: E402
+
 STRATEGIES = ["TOKEN", "ENCODING"]
 T, E = 23, 6  # rows, columns: neither divides evenly over 2-4 replicas
 COMBINERS = ["sum", "mean", "sqrtn"]
@@ -473,13 +475,9 @@ def test_disk_table_trains_as_the_in_memory_one(comm, rng, tmp_path, strategy, p
     cache that holds one call's rows and no more: rows are evicted and read back) gives the
     in-memory collection's activations, losses and, after the steps, table and Adam
     state, bit for bit, on the split path and through ``lookup_in_jit``."""
-    from popdist_lite.embedding.storage.cache import SLOT_OVERHEAD
-
     r, k = comm.size, comm.rank
     full = rng.standard_normal((T, E)).astype(np.float32)
-    cols = E if strategy == "TOKEN" else -(-E // r)
     spec = pl.HostEmbeddingAdamOptimizerSpec(0.05)
-    record = 4 * cols + sum(a.nbytes for a in spec.init_state((1, cols)).values())
     trace = [(per_replica_ids(rng, r, lambda k: (2, 3)), *ragged_bags(rng, r, 2, 3)) for _ in range(10)]
 
     def owned(ids, j):  # the rows of replica j's partition that a call of these IDs reads
@@ -489,7 +487,7 @@ def test_disk_table_trains_as_the_in_memory_one(comm, rng, tmp_path, strategy, p
     calls = [np.concatenate([x.reshape(-1) for x in seq] + [b for bag in bags for b in bag]).astype(np.int64)
              for seq, bags, _ in trace]
     rows = max(owned(ids, j).size for ids in calls for j in range(r))  # the cache holds one call, no more
-    storage = pl.DiskStorage(rows * (record + SLOT_OVERHEAD), directory=str(tmp_path))
+    storage = pl.DiskStorage(cache_bytes({"partition_strategy": strategy}, spec, E, r, rows), directory=str(tmp_path))
 
     def specs(table):
         return [plj.FeatureSpec("seq", table, (2, 3), (2, 3, E)), plj.FeatureSpec("bag", table, (2, 3), (2, E))]

@@ -12,6 +12,8 @@ torch = pytest.importorskip("torch", reason="popdist_lite.torch needs PyTorch: p
 import popdist_lite as pl  # noqa: E402
 import popdist_lite.torch as pt  # noqa: E402
 
+from disk_cache import cache_bytes  # noqa: E402
+
 F = torch.nn.functional
 STRATEGIES = ["TOKEN", "TOKEN/dense", "ENCODING"]
 
@@ -383,16 +385,14 @@ def test_bad_bag_argument_raises_everywhere_through_the_tables_agreement(comm, o
 @pytest.mark.parametrize("strategy", ["TOKEN", "ENCODING"])
 @pytest.mark.parametrize("bags", [False, True], ids=["embedding", "bag"])
 def test_disk_table_trains_as_the_in_memory_one(comm, rng, tmp_path, strategy, bags):
-    """A module whose table is on local disk (``storage=DiskStorage``, a cache of fewer
-    rows than the partition, so rows are evicted and read back) gives the in-memory
-    module's outputs and, after the steps, its table and Adam state, bit for bit."""
-    from popdist_lite.embedding.storage.cache import SLOT_OVERHEAD
-
+    """A module whose table is on local disk (``storage=DiskStorage``, a cache of one
+    call's IDs and two rows more, so rows are evicted and read back wherever the steps
+    touch more rows of a partition) gives the in-memory module's outputs and, after the
+    steps, its table and Adam state, bit for bit."""
     r, t, e, n = comm.size, 40, 4, 7
     spec = pl.HostEmbeddingAdamOptimizerSpec(0.05)
-    cols = e if strategy == "TOKEN" else -(-e // r)
-    record = 4 * cols + sum(a.nbytes for a in spec.init_state((1, cols)).values())
-    disk = pl.DiskStorage((n * r + 2) * (record + SLOT_OVERHEAD), directory=str(tmp_path))
+    disk = pl.DiskStorage(cache_bytes({"partition_strategy": strategy}, spec, e, r, n * r + 2),
+                          directory=str(tmp_path))
     kind, extra = (pt.HostEmbeddingBag, {"mode": "mean"}) if bags else (pt.HostEmbedding, {})
     memory_module = kind(t, e, optimizer_spec=spec, partition_strategy=strategy, seed=5, name="m", **extra)
     disk_module = kind(t, e, optimizer_spec=pl.HostEmbeddingAdamOptimizerSpec(0.05), partition_strategy=strategy,
