@@ -601,7 +601,8 @@ def main(argv=None) -> int:
 
     disk = embedding.storage_stats
     if disk is not None and trained > 0:
-        log(f"embedding table on disk (replica 0): hit rate {disk['hits'] / max(disk['hits'] + disk['misses'], 1):.3f}, "
+        hit_rate = disk["hits"] / max(disk["hits"] + disk["misses"], 1)
+        log(f"embedding table on disk (replica 0): hit rate {hit_rate:.3f}, "
             f"{disk['rows_read']} rows read, {disk['rows_written']} written, {disk['evictions']} evictions, "
             f"cache of {disk['cache_rows']} rows")
     table = embedding.get_embedding_tensor()  # collective: every replica takes part

@@ -17,10 +17,10 @@ two halves: the caller (the training loop's thread) reserves slots for the missi
 under the cache's lock (evicting; the dirty victims' records and rows are copied out,
 not written), marks them ``loading`` and maps their rows to them; a background thread,
 one job after another, first reads the job's records, then writes the job's copied
-victims back (the two sets of rows are disjoint), both outside the lock (positional reads and writes and numpy copies
-release the GIL), and publishes each under the lock (``loaded`` is notified). Every
-other method holds the lock too, and a lookup that meets a ``loading`` slot waits for
-it (``wait_seconds``).
+victims back (the two sets of rows are disjoint), both outside the lock (positional
+reads and writes and numpy copies release the GIL), and publishes each under the lock
+(``loaded`` is notified). Every other method holds the lock too, and a lookup that
+meets a ``loading`` slot waits for it (``wait_seconds``).
 
 The file's bytes of a row are read only when they are its truth:
 
