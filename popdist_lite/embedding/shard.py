@@ -170,15 +170,16 @@ class Shard:
             layouts[f"optimizer/{slot}"] = declared.get(slot) or layout_of(array, self.shape)
         return arrays, layouts
 
-    def loaded(self) -> None:
-        """The weights or state were written from outside (a load): refresh the serving
-        copy (a disk shard: drop the file's pages, rebuild SGD-GA's accumulated rows)."""
+    def loaded(self, rows: slice = slice(None)) -> None:
+        """The weights or state of ``rows`` were written from outside (a load): refresh
+        the serving copy (a disk shard: drop the file's pages, rebuild SGD-GA's
+        accumulated rows)."""
         if self.disk is not None:
             if isinstance(self.optimizer_spec, HostEmbeddingSGDGAOptimizerSpec):
                 self._accumulated = np.flatnonzero(self.optimizer_state["touched"]).astype(np.int64)
             self.disk.release_pages()
         elif self.serving is not self.weights:
-            np.copyto(self.serving, self.weights, casting="unsafe")
+            np.copyto(self.serving[rows], self.weights[rows], casting="unsafe")
 
     @property
     def optimizer_state_bytes(self) -> int:
