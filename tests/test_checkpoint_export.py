@@ -71,3 +71,12 @@ def test_export_writes_the_array(checkpoint, tmp_path):
     assert result.returncode == 0, result.stderr
     np.testing.assert_array_equal(np.load(out, allow_pickle=False), np.arange(12, dtype=np.float32))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "w.npy"]
+
+
+@pytest.mark.parametrize("command", [[], ["inspect"], ["export"]])
+def test_help_is_plain_text(command):
+    """``--help`` is argparse's plain text: no reStructuredText markup from a docstring."""
+    r = subprocess.run([sys.executable, "-m", "popdist_lite.checkpoint", *command, "--help"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m popdist_lite.checkpoint"), r.stderr
+    assert "DIR" in r.stdout and "``" not in r.stdout and "::" not in r.stdout and ":func:" not in r.stdout, r.stdout
