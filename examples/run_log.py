@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import popdist_lite
+
 #: A bar's terminal size (columns, lines) when it is unknown and ``$COLUMNS``/``$LINES`` unset.
 DEFAULT_SIZE = (80, 24)
 #: The loss curve beside the log (``--log-dir``).
@@ -199,3 +201,35 @@ class RunLog:
         ax.grid(alpha=0.3)
         fig.savefig(path)
         return f"loss curve: {path}"
+
+
+class Checkpoints:
+    """``popdist_lite.save_checkpoint`` with a line for each checkpoint saved, on the
+    timeline as a ``checkpoint`` span: at once for a blocking save, once committed for a
+    background one (``background``; :meth:`committed` waits and says so).
+
+    Args:
+        run: the :class:`RunLog` that says it.
+        directory, keep, background: ``save_checkpoint``'s directory, ``keep`` and
+            ``not blocking``.
+    """
+
+    def __init__(self, run: RunLog, directory, keep: int, background: bool):
+        self.run, self.directory, self.keep, self.background = run, directory, keep, background
+        self._pending: list[tuple[int, Path, float]] = []  # background saves not yet reported
+
+    def save(self, state: dict, step: int) -> None:
+        """Save ``state`` as checkpoint ``step`` (collective)."""
+        begin = time.perf_counter()
+        with popdist_lite.timeline.span("checkpoint"):
+            path = popdist_lite.save_checkpoint(self.directory, state, step=step, keep=self.keep,
+                                                blocking=not self.background)
+        self._pending.append((step, path, time.perf_counter() - begin))
+        if not self.background:
+            self.run.checkpoint(*self._pending.pop())
+
+    def committed(self) -> None:
+        """Wait for a background save, if any, then say it is saved."""
+        popdist_lite.wait_checkpoint()
+        while self._pending:
+            self.run.checkpoint(*self._pending.pop(0), background=True)

@@ -527,23 +527,12 @@ def main(argv=None) -> int:
             log(f"resumed from {latest} (step {first})")
     skipped = state["skipped"]
 
+    checkpoints = run_log.Checkpoints(run, args.checkpoint_dir, args.checkpoint_keep, args.checkpoint_async)
+    committed = checkpoints.committed  # waits for a background save, then says it is saved
+
     def save(step: int) -> None:
         state.update(step=step, skipped=skipped)
-        begin = time.perf_counter()
-        with popdist_lite.timeline.span("checkpoint"):
-            path = popdist_lite.save_checkpoint(args.checkpoint_dir, state, step=step, keep=args.checkpoint_keep,
-                                                blocking=not args.checkpoint_async)
-        saved.append((step, path, time.perf_counter() - begin))
-        if not args.checkpoint_async:
-            run.checkpoint(*saved.pop())
-
-    def committed() -> None:
-        """Wait for a background save, then say it is saved."""
-        popdist_lite.wait_checkpoint()
-        while saved:
-            run.checkpoint(*saved.pop(0), background=True)
-
-    saved = []  # (step, path, seconds) of background saves not yet reported
+        checkpoints.save(state, step)
 
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x "
         f"batch {args.batch_size}" + (f" x {micro} micro-batches" if micro > 1 else "") +

@@ -343,24 +343,13 @@ def main(argv=None) -> int:
     def saves_after(step: int) -> bool:
         return bool(args.checkpoint_every) and (step + 1) % args.checkpoint_every == 0
 
+    checkpoints = run_log.Checkpoints(run, args.checkpoint_dir, args.checkpoint_keep, args.checkpoint_async)
+    committed = checkpoints.committed  # waits for a background save, then says it is saved
+
     def save(step: int) -> None:
         dense.tree = {"params": job.params, "opt_state": job.opt_state}
         state["step"] = step
-        begin = time.perf_counter()
-        with popdist_lite.timeline.span("checkpoint"):
-            path = popdist_lite.save_checkpoint(args.checkpoint_dir, state, step=step, keep=args.checkpoint_keep,
-                                                blocking=not args.checkpoint_async)
-        saved.append((step, path, time.perf_counter() - begin))
-        if not args.checkpoint_async:
-            run.checkpoint(*saved.pop())
-
-    def committed() -> None:
-        """Wait for a background save, then say it is saved."""
-        popdist_lite.wait_checkpoint()
-        while saved:
-            run.checkpoint(*saved.pop(0), background=True)
-
-    saved = []  # (step, path, seconds) of background saves not yet reported
+        checkpoints.save(state, step)
 
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x batch {args.batch_size}, "
         f"sequences of {model_len}, {args.partition_strategy} embedding, "

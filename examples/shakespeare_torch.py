@@ -230,23 +230,12 @@ def main(argv=None) -> int:
             first = state["step"]
             log(f"resumed from {latest} (step {first})")
 
+    checkpoints = run_log.Checkpoints(run, args.checkpoint_dir, args.checkpoint_keep, args.checkpoint_async)
+    committed = checkpoints.committed  # waits for a background save, then says it is saved
+
     def save(step: int) -> None:
         state["step"] = step
-        begin = time.perf_counter()
-        with pl.timeline.span("checkpoint"):
-            path = pl.save_checkpoint(args.checkpoint_dir, state, step=step, keep=args.checkpoint_keep,
-                                      blocking=not args.checkpoint_async)
-        saved.append((step, path, time.perf_counter() - begin))
-        if not args.checkpoint_async:
-            run.checkpoint(*saved.pop())
-
-    def committed() -> None:
-        """Wait for a background save, then say it is saved."""
-        pl.wait_checkpoint()
-        while saved:
-            run.checkpoint(*saved.pop(0), background=True)
-
-    saved = []  # (step, path, seconds) of background saves not yet reported
+        checkpoints.save(state, step)
 
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x batch "
         f"{args.batch_size}, sequences of {args.seq_len}, {args.partition_strategy} embedding (torch), "
