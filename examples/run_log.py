@@ -37,11 +37,11 @@ def first_replica_before_init(environ=None) -> bool:
     """Whether this process is replica 0, from the launcher's variables, before
     ``popdist_lite.init()`` (which takes a second or more: MPI starts there): poprun-lite's
     ``POPDIST_LITE_ROLE`` and ``POPDIST_REPLICA_INDEX_OFFSET``, else an MPI launcher's
-    rank (Open MPI, PMIx, MPICH's PMI), else a single process."""
+    rank (Open MPI, PMIx, MPICH's PMI, Slurm's srun), else a single process."""
     environ = os.environ if environ is None else environ
     if environ.get("POPDIST_LITE_ROLE", "replica") != "replica":
         return False  # a host feed process
-    for name in ("POPDIST_REPLICA_INDEX_OFFSET", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+    for name in ("POPDIST_REPLICA_INDEX_OFFSET", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
         value = environ.get(name, "")
         if value.isdigit():
             return int(value) == 0
