@@ -60,10 +60,9 @@ class CriteoFormatError(ValueError):
     1), the field and what was expected."""
 
 
-def _bad(where: str, index: int | None, what: str, got: bytes) -> CriteoFormatError:
-    shown = got[:_SHOWN] + (b"..." if len(got) > _SHOWN else b"")
-    field = f" field {index} ({FIELD_NAMES[index]})" if index is not None else ""
-    return CriteoFormatError(f"{where}:{field} expected {what}, got {shown!r}")
+def _bad(where: str, index: int, what: str, got: bytes) -> CriteoFormatError:
+    shown = repr(got[:_SHOWN]) + ("..." if len(got) > _SHOWN else "")
+    return CriteoFormatError(f"{where}: field {index} ({FIELD_NAMES[index]}) expected {what}, got {shown}")
 
 
 def _integer(x: bytes, where: str, index: int) -> int:
