@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import JOB_SECONDS, ROOT, clean_env, timeout_for
+from helpers import JOB_SECONDS, ROOT, clean_env, run_python, timeout_for
 
 pytestmark = timeout_for(3)
 
@@ -73,3 +73,59 @@ def test_trains_at_two_replicas_and_resumes_exactly(data, tmp_path):
     for name in names:
         np.testing.assert_array_equal(np.load(b / name, allow_pickle=False), np.load(a / name, allow_pickle=False),
                                       err_msg=name)
+
+
+MODEL_CHECK = """
+import sys
+sys.path.insert(0, {examples!r})
+import numpy as np, torch
+import popdist_lite as pl
+import dlrm
+from embedding_bags import EmbeddingBagCollection, EmbeddingBagConfig, features_from_ids
+
+torch.manual_seed(0)
+names, rows, B = ["a", "b", "c"], [5, 7, 11], 8
+ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t_" + f, embedding_dim=4, num_embeddings=n,
+                                                        feature_names=[f]) for f, n in zip(names, rows)],
+                             optimizer_spec=pl.HostEmbeddingOptimizerSpec(0.5), seed=3)
+model = dlrm.DLRM(ebc, dense_in_features=3, dense_arch_layer_sizes=[16, 4], over_arch_layer_sizes=[32, 1])
+rng = np.random.default_rng(1)
+dense = rng.random((B, 3)).astype(np.float32)
+ids = np.stack([rng.integers(0, n, B) for n in rows], axis=1)
+labels = rng.integers(0, 2, B).astype(np.float32)
+tables = [m.get_embedding_tensor().numpy().copy() for m in ebc.embedding_bags.values()]
+W = {{k: v.detach().numpy().astype(np.float64) for k, v in model.state_dict().items()}}
+
+# numpy: bottom MLP, the dot products of every pair of the 4 vectors (i < j, row-major), top MLP
+relu = lambda x: np.maximum(x, 0)
+def linear(x, name):
+    return x @ W[name + ".weight"].T + W[name + ".bias"]
+h = relu(linear(relu(linear(dense, "dense_arch.model.0")), "dense_arch.model.2"))
+vectors = [h] + [t[ids[:, j]].astype(np.float64) for j, t in enumerate(tables)]
+dots = [(vectors[i] * vectors[j]).sum(1) for i in range(4) for j in range(i + 1, 4)]
+want = linear(relu(linear(np.concatenate([h, np.stack(dots, 1)], 1), "over_arch.model.0")), "over_arch.model.2")
+logits = model(torch.from_numpy(dense), features_from_ids(names, torch.from_numpy(ids)))
+np.testing.assert_allclose(logits.detach().numpy(), want, rtol=1e-5, atol=1e-6)
+
+# one step: each table's looked-up rows move by -0.5 x the loss's gradient for them
+# (autograd through the same dense layers, over the rows as leaves)
+leaves = [torch.tensor(t, requires_grad=True) for t in tables]
+pooled = torch.stack([leaf[torch.from_numpy(ids[:, j])] for j, leaf in enumerate(leaves)], 1)
+ref = model.over_arch(model.inter_arch(model.dense_arch(torch.from_numpy(dense)), pooled)).squeeze(1)
+torch.nn.functional.binary_cross_entropy_with_logits(ref, torch.from_numpy(labels)).backward()
+torch.nn.functional.binary_cross_entropy_with_logits(logits.squeeze(1), torch.from_numpy(labels)).backward()
+for leaf, module, t in zip(leaves, ebc.embedding_bags.values(), tables):
+    assert leaf.grad.abs().sum() > 0
+    np.testing.assert_allclose(module.get_embedding_tensor().numpy(), t - 0.5 * leaf.grad.numpy(), rtol=1e-5, atol=1e-7)
+print("OK")
+"""
+
+
+def test_model_and_tables_against_a_numpy_reference():
+    """One process: DLRM's logits over the stand-in collection equal numpy's (bottom MLP,
+    pairwise dot products in triu order, top MLP, each feature's rows from its own
+    table), and a backward applies each table's SGD update to the rows its feature
+    looked up."""
+    pytest.importorskip("torch", reason="examples/dlrm.py needs PyTorch: pip install '.[dlrm]'")
+    r = run_python(MODEL_CHECK.format(examples=str(ROOT / "examples")))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
