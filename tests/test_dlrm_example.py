@@ -2,7 +2,6 @@
 well above 0.5) and a run resumed from a checkpoint continues exactly as the
 uninterrupted run; and its pieces against single-process references."""
 
-import importlib.util
 import re
 import shutil
 import subprocess
