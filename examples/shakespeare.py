@@ -20,8 +20,14 @@ What each replica does, as in the example of the TensorFlow-IPU host-embedding g
   through ``apply_gradients``;
 * runs a GRU(256) and a dense layer + softmax in numpy (``char_model.py``), dense weights
   broadcast from replica 0 at the start and trained with cross-replica momentum SGD;
-* replica 0 prints ``Step N, loss = X`` (X averaged over the replicas) and, at the end, a
-  sample of generated text;
+* replica 0 says what it is doing from the first second (``run_log.py``), prints
+  ``Step N, loss = X, R steps/s, ETA T`` (X averaged over the replicas; a tqdm bar on a
+  terminal), ``checkpoint step N saved (path, size, seconds)``, a sample of generated
+  text, and the final loss on the last line; with ``--log-dir DIR`` it writes those lines
+  to ``DIR/log.txt`` and the loss curve to ``DIR/loss.png`` (with matplotlib, the
+  ``[plot]`` extra);
+* marks every step and its data loading and model computation on the timeline
+  (``poprun-lite --timeline``: ``popdist_lite.timeline.step``/``span``);
 * with ``--checkpoint-dir DIR --checkpoint-every N`` saves everything (table and its
   optimizer state, dense weights and momentum, loss scaler, feed position, step) every N
   steps; ``--resume`` continues from the newest complete checkpoint in DIR, at any replica
@@ -70,6 +76,7 @@ UNDER_LAUNCHER = any(v in os.environ for v in _LAUNCHER_VARS)
 
 import char_model  # noqa: E402
 import popdist_lite  # noqa: E402
+import run_log  # noqa: E402
 
 DEFAULT_DATA = ROOT / "data" / "shakespeare.txt"
 FETCH_SCRIPT = ROOT / "scripts" / "fetch_shakespeare"
@@ -388,6 +395,7 @@ def parse_args(argv=None):
                    help="characters of text to generate at the end (0: none)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
     add_checkpoint_args(p)
+    run_log.add_log_dir_argument(p)
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="sequences per step over all replicas, kept at any replica count by "
                         "gradient accumulation: each replica takes G / (replicas x --batch-size) "
@@ -432,9 +440,11 @@ def stdout_is_terminal() -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    popdist_lite.init()
     chunk_len = args.seq_len if args.guide_config else args.seq_len + 1
     data = args.data if args.data is not None else DEFAULT_DATA
+    run_log.starting(__file__, f"starting MPI, then reading {data} and making the {TABLE_SHAPE[0]} x "
+                               f"{TABLE_SHAPE[1]} {args.partition_strategy} embedding table")
+    popdist_lite.init()
 
     # Before any collective: on a feeder this call serves its replica and never returns.
     dataset = popdist_lite.infeed(batch_loader(data, seq_len=chunk_len - 1, batch_size=args.batch_size,
@@ -448,9 +458,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"shakespeare.py: --global-batch-size {args.global_batch_size} is not a "
                              f"multiple of {replicas} replica(s) x --batch-size {args.batch_size}")
 
-    def log(msg: str) -> None:
-        if lead:
-            print(msg, flush=True)
+    run = run_log.RunLog(lead, bar=stdout_is_terminal(), log_dir=args.log_dir)
+    log = run.say
 
     ensure_data(data, is_default=args.data is None)
     text = data.read_bytes().decode("utf-8")
@@ -518,10 +527,12 @@ def main(argv=None) -> int:
             log(f"resumed from {latest} (step {first})")
     skipped = state["skipped"]
 
+    checkpoints = run_log.Checkpoints(run, args.checkpoint_dir, args.checkpoint_keep, args.checkpoint_async)
+    committed = checkpoints.committed  # waits for a background save, then says it is saved
+
     def save(step: int) -> None:
         state.update(step=step, skipped=skipped)
-        popdist_lite.save_checkpoint(args.checkpoint_dir, state, step=step, keep=args.checkpoint_keep,
-                                     blocking=not args.checkpoint_async)
+        checkpoints.save(state, step)
 
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x "
         f"batch {args.batch_size}" + (f" x {micro} micro-batches" if micro > 1 else "") +
@@ -530,28 +541,27 @@ def main(argv=None) -> int:
         f"lr {args.lr:g}, momentum {args.momentum:g}, embedding lr {args.emb_lr:g}, "
         f"clip norm {args.clip_norm:g}")
 
-    bar = None
-    if lead and args.steps > 0 and stdout_is_terminal():
-        from tqdm import tqdm
-        bar = tqdm(total=args.steps, initial=min(first, args.steps), unit="step", file=sys.stdout)
-    say = bar.write if bar is not None else log
-
+    run.start(min(first, args.steps), args.steps)
     window = []  # this replica's losses since the last print
     start = time.perf_counter()
     with embedding.register():
         for step in range(first, args.steps):
-            ids = np.concatenate([next(dataset)["ids"] for _ in range(micro)])
+            popdist_lite.timeline.step(step)
+            with popdist_lite.timeline.span("data"):
+                ids = np.concatenate([next(dataset)["ids"] for _ in range(micro)])
             inputs = ids[:, :-1]
             labels = ids[:, 1:] if mode == "next" else ids[:, -1]
             emb = embedding.lookup(inputs).astype(np.float32)  # the model computes in float32
-            compute = params if args.precision != "fp16" else {k: v.astype(np.float32) for k, v in params.items()}
-            scale = scaler.scale if scaler is not None else 1.0
-            loss, grads, d_emb = accumulate(compute, emb, labels, micro, scale)
-            if args.clip_norm > 0:
-                # Early on a GRU sees occasional gradient spikes (|g| ~ 5-10x the usual)
-                # that throw training off; clip_by_global_norm on each replica's own
-                # gradient (no extra communication) keeps the larger learning rate stable.
-                clip_by_global_norm(list(grads.values()) + [d_emb], args.clip_norm * scale)
+            with popdist_lite.timeline.span("model"):  # forward and backward of the GRU and dense layer
+                compute = params if args.precision != "fp16" else {k: v.astype(np.float32)
+                                                                   for k, v in params.items()}
+                scale = scaler.scale if scaler is not None else 1.0
+                loss, grads, d_emb = accumulate(compute, emb, labels, micro, scale)
+                if args.clip_norm > 0:
+                    # Early on a GRU sees occasional gradient spikes (|g| ~ 5-10x the usual)
+                    # that throw training off; clip_by_global_norm on each replica's own
+                    # gradient (no extra communication) keeps the larger learning rate stable.
+                    clip_by_global_norm(list(grads.values()) + [d_emb], args.clip_norm * scale)
             # Both updates follow the gradient of the mean loss over the replicas: the dense
             # optimizer averages the replicas' gradients, while apply_gradients *sums* every
             # replica's contribution to a row, so each replica scales its part by 1/r.
@@ -572,32 +582,25 @@ def main(argv=None) -> int:
                 if not np.isfinite(mean):
                     raise FloatingPointError(f"loss became {float(mean)} at step {step}; "
                                              "try a smaller --lr / --emb-lr")
-                if lead:
-                    say(f"Step {step}, loss = {float(mean):.4f}")
-            if bar is not None:
-                bar.update(1)
+                run.loss(step, float(mean))
+            run.advance()
             if args.checkpoint_dir is not None and resize_asked(args, step + 1, first):
                 # an elastic job's launcher asks for a resize: every replica stops at this step
                 save(step + 1)
-                popdist_lite.wait_checkpoint()
-                if bar is not None:
-                    bar.close()
+                committed()
+                run.close_bar()
                 log(f"stopping at step {step + 1} for a resize (checkpoint saved)")
                 return 0
             if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                committed()  # the previous background save, if any
                 save(step + 1)
     if args.checkpoint_dir is not None:
         if first < args.steps and (not args.checkpoint_every or args.steps % args.checkpoint_every):
             save(args.steps)
-        popdist_lite.wait_checkpoint()  # a background save, if any, is committed before we exit
+        committed()  # a background save, if any, is committed before we exit
     elapsed = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
+    run.close_bar()
     trained = args.steps - first
-    if trained > 0:
-        log(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} "
-            f"ms/step) on {replicas} replica(s), precision {args.precision}"
-            + (f", final loss scale {scaler.scale:g}, {skipped} step(s) skipped on overflow" if scaler else ""))
 
     disk = embedding.storage_stats
     if disk is not None and trained > 0:
@@ -618,8 +621,14 @@ def main(argv=None) -> int:
                                   table.astype(np.float32), [char2idx[c] for c in prompt],
                                   args.sample_chars, np.random.default_rng(args.seed),
                                   temperature=args.temperature, num_valid=len(vocab))
-        print("\n--- sample ---\n" + prompt + "".join(idx2char[ids]) + "\n--------------",
-              flush=True)
+        log("\n--- sample ---\n" + prompt + "".join(idx2char[ids]) + "\n--------------")
+    if trained > 0:
+        run.finish(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} "
+                   f"ms/step) on {replicas} replica(s), precision {args.precision}"
+                   + (f", final loss scale {scaler.scale:g}, {skipped} step(s) skipped on overflow" if scaler else ""),
+                   title=f"examples/shakespeare.py: {replicas} replica(s), {args.partition_strategy}")
+    else:
+        run.finish(f"nothing to train: the run was at step {first} of {args.steps}", title="")
     return 0
 
 

@@ -41,6 +41,11 @@ resize; ``--data-order global`` reads the text in one order at every replica cou
 
 Options of shakespeare.py that this job does not have: ``--precision``,
 ``--loss-scaling`` and ``--stochastic-rounding`` (float32 only).
+
+What replica 0 prints, and ``--log-dir``, are shakespeare.py's (run_log.py: a first line
+before the framework's import, a progress bar, rates and ETAs, checkpoint lines, the final
+loss last, the loss curve); steps, data loading and the model's computation are marked
+on the timeline (``popdist_lite.timeline``).
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ sys.path.insert(0, str(HERE))
 
 import shakespeare  # noqa: E402  (the numpy job: data, feed, defaults; it imports popdist_lite)
 import char_model  # noqa: E402
+import run_log  # noqa: E402
+
+if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv[1:]):
+    run_log.starting(__file__, "importing JAX and Flax")  # the first line, before an import of seconds
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -202,6 +211,7 @@ def parse_args(argv=None):
                    help="characters of text to generate at the end (0: none)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
     shakespeare.add_checkpoint_args(p)
+    run_log.add_log_dir_argument(p)
     args = p.parse_args(argv)
     if args.lr is None:
         args.lr = shakespeare.GUIDE_LR if args.guide_config else shakespeare.DEFAULT_LR
@@ -278,9 +288,11 @@ class Job:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    popdist_lite.init()
     chunk_len = args.seq_len if args.guide_config else args.seq_len + 1
     data = args.data if args.data is not None else shakespeare.DEFAULT_DATA
+    run_log.starting(__file__, f"starting MPI, then reading {data} and making the {shakespeare.TABLE_SHAPE[0]} x "
+                               f"{shakespeare.TABLE_SHAPE[1]} {args.partition_strategy} embedding table")
+    popdist_lite.init()
 
     # Before any collective: on a feeder this call serves its replica and never returns.
     dataset = popdist_lite.infeed(shakespeare.batch_loader(data, seq_len=chunk_len - 1, batch_size=args.batch_size,
@@ -289,9 +301,8 @@ def main(argv=None) -> int:
     rank, replicas = popdist_lite.replica_id(), popdist_lite.num_replicas()
     lead = rank == 0
 
-    def log(msg: str) -> None:
-        if lead:
-            print(msg, flush=True)
+    run = run_log.RunLog(lead, bar=shakespeare.stdout_is_terminal(), log_dir=args.log_dir)
+    log = run.say
 
     shakespeare.ensure_data(data, is_default=args.data is None)
     text = data.read_bytes().decode("utf-8")
@@ -332,11 +343,13 @@ def main(argv=None) -> int:
     def saves_after(step: int) -> bool:
         return bool(args.checkpoint_every) and (step + 1) % args.checkpoint_every == 0
 
+    checkpoints = run_log.Checkpoints(run, args.checkpoint_dir, args.checkpoint_keep, args.checkpoint_async)
+    committed = checkpoints.committed  # waits for a background save, then says it is saved
+
     def save(step: int) -> None:
         dense.tree = {"params": job.params, "opt_state": job.opt_state}
         state["step"] = step
-        popdist_lite.save_checkpoint(args.checkpoint_dir, state, step=step, keep=args.checkpoint_keep,
-                                     blocking=not args.checkpoint_async)
+        checkpoints.save(state, step)
 
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x batch {args.batch_size}, "
         f"sequences of {model_len}, {args.partition_strategy} embedding, "
@@ -344,11 +357,7 @@ def main(argv=None) -> int:
         f"momentum {args.momentum:g}, embedding lr {args.emb_lr:g}, clip norm {args.clip_norm:g}, "
         f"JAX {args.path} path")
 
-    bar = None
-    if lead and args.steps > 0 and shakespeare.stdout_is_terminal():
-        from tqdm import tqdm
-        bar = tqdm(total=args.steps, initial=min(first, args.steps), unit="step", file=sys.stdout)
-    say = bar.write if bar is not None else log
+    run.start(min(first, args.steps), args.steps)
 
     def split(batch):
         """``({FEATURE: inputs}, labels)``; the dict is the object TrainStep prefetches for."""
@@ -357,12 +366,16 @@ def main(argv=None) -> int:
 
     def take(step: int):
         """The batch of ``step``, or None past the last step."""
-        return split(next(dataset)) if step < args.steps else None
+        if step >= args.steps:
+            return None
+        with popdist_lite.timeline.span("data"):
+            return split(next(dataset))
 
     window = []  # this replica's losses since the last print (jax.Arrays: read when printed)
     start = time.perf_counter()
     upcoming = take(first)
     for step in range(first, args.steps):
+        popdist_lite.timeline.step(step)
         # An elastic job's launcher may ask for a resize (docs/elastic.md): asked before the
         # next batch is taken, so that every replica stops after this step with the feed
         # at the batches trained on.
@@ -371,38 +384,33 @@ def main(argv=None) -> int:
         # computes), except before a checkpoint: the feed position saved is then exactly
         # the batches trained on.
         current, upcoming = upcoming, None if resize or saves_after(step) else take(step + 1)
-        window.append(job.step(*current, next_features=upcoming and upcoming[0]))
+        with popdist_lite.timeline.span("model"):  # the jitted step, the lookups and updates around it
+            window.append(job.step(*current, next_features=upcoming and upcoming[0]))
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             local = np.array([np.mean([float(x) for x in window])], dtype=np.float32)
             mean = popdist_lite.all_reduce(local, op="mean")[0]
             window.clear()
             if not np.isfinite(mean):
                 raise FloatingPointError(f"loss became {float(mean)} at step {step}; try a smaller --lr / --emb-lr")
-            if lead:
-                say(f"Step {step}, loss = {float(mean):.4f}")
-        if bar is not None:
-            bar.update(1)
+            run.loss(step, float(mean))
+        run.advance()
         if resize:
             save(step + 1)
-            popdist_lite.wait_checkpoint()
-            if bar is not None:
-                bar.close()
+            committed()
+            run.close_bar()
             log(f"stopping at step {step + 1} for a resize (checkpoint saved)")
             return 0
         if saves_after(step):
+            committed()  # the previous background save, if any
             save(step + 1)
             upcoming = take(step + 1)
     if args.checkpoint_dir is not None:
         if first < args.steps and (not args.checkpoint_every or args.steps % args.checkpoint_every):
             save(args.steps)
-        popdist_lite.wait_checkpoint()  # a background save, if any, is committed before we exit
+        committed()  # a background save, if any, is committed before we exit
     elapsed = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
+    run.close_bar()
     trained = args.steps - first
-    if trained > 0:
-        log(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} ms/step) on "
-            f"{replicas} replica(s), JAX {args.path} path")
 
     full = np.asarray(embeddings.tables[table.name].get_embedding_tensor())  # collective
     if lead and args.sample_chars > 0:
@@ -411,7 +419,13 @@ def main(argv=None) -> int:
         ids = char_model.generate(to_char_model(job.model_params()), full, [char2idx[c] for c in prompt],
                                   args.sample_chars, np.random.default_rng(args.seed), temperature=args.temperature,
                                   num_valid=len(vocab))
-        print("\n--- sample ---\n" + prompt + "".join(np.array(vocab)[ids]) + "\n--------------", flush=True)
+        log("\n--- sample ---\n" + prompt + "".join(np.array(vocab)[ids]) + "\n--------------")
+    if trained > 0:
+        run.finish(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} ms/step) on "
+                   f"{replicas} replica(s), JAX {args.path} path",
+                   title=f"examples/shakespeare_jax.py: {replicas} replica(s), {args.partition_strategy}")
+    else:
+        run.finish(f"nothing to train: the run was at step {first} of {args.steps}", title="")
     return 0
 
 

@@ -45,6 +45,11 @@ exactly the losses of an uninterrupted run at the same replica count
 docs/elastic.md) it asks ``popdist_lite.should_checkpoint()`` at every step boundary and
 stops there for a resize; ``--data-order global`` reads the text in one order at every
 replica count, so a resize neither repeats nor skips a sample.
+
+What replica 0 prints, and ``--log-dir``, are shakespeare.py's (run_log.py: a first line
+before the framework's import, a progress bar, rates and ETAs, checkpoint lines, the final
+loss last, the loss curve); steps, data loading and the model's computation are marked
+on the timeline (``popdist_lite.timeline``).
 """
 
 from __future__ import annotations
@@ -60,7 +65,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import char_model  # noqa: E402
+import run_log  # noqa: E402
 import shakespeare  # noqa: E402  (the data, the feed, the numpy model's settings)
+
+if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv[1:]):
+    run_log.starting(__file__, "importing PyTorch")  # the first line, before an import of seconds
 
 import popdist_lite as pl  # noqa: E402
 import torch  # noqa: E402
@@ -136,6 +145,7 @@ def parse_args(argv=None):
     p.add_argument("--sample-chars", type=int, default=400, help="characters to generate at the end (0: none)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
     shakespeare.add_checkpoint_args(p)
+    run_log.add_log_dir_argument(p)
     args = p.parse_args(argv)
     if args.emb_lr is None:
         args.emb_lr = shakespeare.DEFAULT_EMB_ADAM_LR if args.emb_optimizer == "adam" else shakespeare.DEFAULT_EMB_LR
@@ -168,17 +178,18 @@ def generate(model: CharModel, table: torch.Tensor, prompt: list[int], n: int, r
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    pl.init()
     data = args.data if args.data is not None else shakespeare.DEFAULT_DATA
+    run_log.starting(__file__, f"starting MPI, then reading {data} and making the {shakespeare.TABLE_SHAPE[0]} x "
+                               f"{shakespeare.TABLE_SHAPE[1]} {args.partition_strategy} embedding table")
+    pl.init()
 
     # Before any collective: on a feeder this call serves its replica and never returns.
     dataset = pl.infeed(shakespeare.batch_loader(data, seq_len=args.seq_len, batch_size=args.batch_size,
                                                  seed=args.seed, data_order=args.data_order), prefetch_depth=3)
     rank, replicas = pl.replica_id(), pl.num_replicas()
 
-    def log(msg: str) -> None:
-        if rank == 0:
-            print(msg, flush=True)
+    run = run_log.RunLog(rank == 0, bar=shakespeare.stdout_is_terminal(), log_dir=args.log_dir)
+    log = run.say
 
     shakespeare.ensure_data(data, is_default=args.data is None)
     text = data.read_bytes().decode("utf-8")
@@ -219,60 +230,65 @@ def main(argv=None) -> int:
             first = state["step"]
             log(f"resumed from {latest} (step {first})")
 
+    checkpoints = run_log.Checkpoints(run, args.checkpoint_dir, args.checkpoint_keep, args.checkpoint_async)
+    committed = checkpoints.committed  # waits for a background save, then says it is saved
+
     def save(step: int) -> None:
         state["step"] = step
-        pl.save_checkpoint(args.checkpoint_dir, state, step=step, keep=args.checkpoint_keep,
-                           blocking=not args.checkpoint_async)
+        checkpoints.save(state, step)
 
     log(f"{len(text_ids)} characters, vocabulary of {len(vocab)}, {replicas} replica(s) x batch "
         f"{args.batch_size}, sequences of {args.seq_len}, {args.partition_strategy} embedding (torch), "
         f"lr {args.lr:g}, momentum {args.momentum:g}, embedding lr {args.emb_lr:g}, clip norm {args.clip_norm:g}")
+    run.start(min(first, args.steps), args.steps)
     window = []
     start = time.perf_counter()
     for step in range(first, args.steps):
-        ids = torch.from_numpy(next(dataset)["ids"]).long()
+        pl.timeline.step(step)
+        with pl.timeline.span("data"):
+            ids = torch.from_numpy(next(dataset)["ids"]).long()
         inputs, labels = ids[:, :-1], ids[:, 1:]
-        logits, _ = ddp(embedding(inputs).float())
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        optimizer.zero_grad()
-        if scaler is None:
-            loss.backward()  # the table's update and the dense all-reduce
-            if args.clip_norm > 0:
-                torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip_norm)
-            optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-            if args.clip_norm > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip_norm)
-            scaler.step(optimizer)
-            scaler.update()
+        with pl.timeline.span("model"):  # forward, backward (the table's update inside) and the optimizer
+            logits, _ = ddp(embedding(inputs).float())
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            optimizer.zero_grad()
+            if scaler is None:
+                loss.backward()  # the table's update and the dense all-reduce
+                if args.clip_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip_norm)
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                if args.clip_norm > 0:
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip_norm)
+                scaler.step(optimizer)
+                scaler.update()
         window.append(float(loss))
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean = pl.all_reduce(np.array([np.mean(window)], np.float32), op="mean")[0]
             window.clear()
             if not np.isfinite(mean):
                 raise FloatingPointError(f"loss became {float(mean)} at step {step}; try a smaller --lr / --emb-lr")
-            log(f"Step {step}, loss = {float(mean):.4f}")
+            run.loss(step, float(mean))
+        run.advance()
         if args.checkpoint_dir is not None and shakespeare.resize_asked(args, step + 1, first):
             # an elastic job's launcher asks for a resize: every replica stops at this step
             save(step + 1)
-            pl.wait_checkpoint()
+            committed()
+            run.close_bar()
             log(f"stopping at step {step + 1} for a resize (checkpoint saved)")
             return 0
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            committed()  # the previous background save, if any
             save(step + 1)
     if args.checkpoint_dir is not None:
         if first < args.steps and (not args.checkpoint_every or args.steps % args.checkpoint_every):
             save(args.steps)
-        pl.wait_checkpoint()  # a background save, if any, is committed before we exit
+        committed()  # a background save, if any, is committed before we exit
     elapsed = time.perf_counter() - start
+    run.close_bar()
     trained = args.steps - first
-    if trained > 0:
-        log(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} ms/step) on "
-            f"{replicas} replica(s), precision {args.precision}"
-            + (f", final loss scale {scaler.get_scale():g}, {scaler.loss_scaler.skipped_steps} step(s) skipped"
-               if scaler else ""))
 
     table = embedding.get_embedding_tensor().float()  # collective: every replica takes part
     if rank == 0 and args.sample_chars > 0:
@@ -280,7 +296,15 @@ def main(argv=None) -> int:
         prompt = next((p for p in ("ROMEO.\n", "KING.\n", "\n") if all(c in char2idx for c in p)), text[:8])
         ids = generate(model, table, [char2idx[c] for c in prompt], args.sample_chars,
                        np.random.default_rng(args.seed), args.temperature, len(vocab))
-        print("\n--- sample ---\n" + prompt + "".join(vocab[i] for i in ids) + "\n--------------", flush=True)
+        log("\n--- sample ---\n" + prompt + "".join(vocab[i] for i in ids) + "\n--------------")
+    if trained > 0:
+        run.finish(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} ms/step) on "
+                   f"{replicas} replica(s), precision {args.precision}"
+                   + (f", final loss scale {scaler.get_scale():g}, {scaler.loss_scaler.skipped_steps} step(s) "
+                      f"skipped" if scaler else ""),
+                   title=f"examples/shakespeare_torch.py: {replicas} replica(s), {args.partition_strategy}")
+    else:
+        run.finish(f"nothing to train: the run was at step {first} of {args.steps}", title="")
     return 0
 
 

@@ -16,7 +16,8 @@ scaling, the per-replica counters (:func:`stats`, :func:`reset_stats`), the host
 checkpoints (``save_checkpoint``, ``load_checkpoint``, ``latest_checkpoint``) and elastic
 jobs' ``should_checkpoint`` are re-exported here (see docs/precision.md,
 docs/performance.md, docs/infeed.md, docs/minibatching.md, docs/checkpoint.md,
-docs/elastic.md).
+docs/elastic.md). ``popdist_lite.timeline`` (step markers and the user's spans:
+``with pl.timeline.span("data"):``, docs/timeline.md) is an attribute without an import.
 
 Importing the package starts nothing: no MPI, no exit handler, no thread. MPI is
 imported by :func:`init` (which every collective calls first) or when a name that
@@ -74,12 +75,19 @@ __all__ = [
     "isPopdistEnvSet", "getNumTotalReplicas", "getNumInstances", "getInstanceIndex", "getReplicaIndexOffset",
     "getNumLocalReplicas", "getNumIpusPerReplica", "getLocalInstanceIndex",
     "feeders_per_replica", "feeder_index", "infeed", "Infeed", "feed_shard",
-    *_WHERE,
+    *_WHERE, "timeline",
 ]
 
 
+#: Submodules reachable as attributes without importing them first (``pl.timeline.span``).
+_SUBMODULES = ("timeline",)
+
+
 def __getattr__(name: str):
-    """A re-exported name, imported on first access (PEP 562)."""
+    """A re-exported name or a submodule of :data:`_SUBMODULES`, imported on first
+    access (PEP 562)."""
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,12 +44,17 @@ from __future__ import annotations
 
 from time import perf_counter
 
-COLLECTIVE, PHASE, COUNTER = "collective", "phase", "counter"
+#: Kinds of events: counted here (collectives, phases), a counter's values (:func:`sample`),
+#: the user's timeline spans and steps (:mod:`popdist_lite.timeline`; not counted here).
+COLLECTIVE, PHASE, COUNTER, SPAN, STEP = "collective", "phase", "counter", "span", "step"
 
 # name -> [calls, bytes sent, bytes received, seconds, kind]
 _table: dict[str, list] = {}
 #: Events ``(name, kind, start, seconds, sent, received, detail)`` when the timeline is
 #: on, else ``None``: the only cost of the timeline when it is off is this check.
+#: ``start`` is a ``perf_counter()`` value; ``detail`` is a phase's table name, a
+#: counter's ``{series: value}``, a step's ``{"step": n}``, a span's ``{"thread": name}``
+#: from a thread other than the main one, else ``None``.
 events: list | None = None
 
 

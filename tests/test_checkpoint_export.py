@@ -71,3 +71,14 @@ def test_export_writes_the_array(checkpoint, tmp_path):
     assert result.returncode == 0, result.stderr
     np.testing.assert_array_equal(np.load(out, allow_pickle=False), np.arange(12, dtype=np.float32))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "w.npy"]
+
+
+@pytest.mark.parametrize("command", [[], ["inspect"], ["export"]])
+def test_help_is_plain_text(command, capsys):
+    """``--help`` is argparse's plain text: no reStructuredText markup from a docstring."""
+    from popdist_lite.checkpoint.__main__ import main
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: python -m popdist_lite.checkpoint")
+    assert "DIR" in out and "``" not in out and "::" not in out and ":func:" not in out, out

@@ -26,7 +26,7 @@ import pytest
 
 from helpers import EXAMPLE, JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
 
-STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
+STEP_RE = re.compile(r"^Step (\d+), loss = ([^\s,]+)", re.M)  # then ", R steps/s, ETA T" after step 0
 ARGS = ["--seq-len", "20", "--batch-size", "2", "--log-every", "1", "--sample-chars", "0", "--steps", "20",
         "--checkpoint-every", "10", "--data-order", "global", "--global-batch-size", "8", "--clip-norm", "0",
         "--emb-optimizer", "adam"]

@@ -26,6 +26,8 @@ def test_import_starts_nothing(module):
         before = atexit._ncallbacks()
         import {module}
         assert "mpi4py.MPI" not in sys.modules, "imported mpi4py.MPI"
+        optional = set(sys.modules).intersection(["torch", "jax", "flax", "matplotlib"])
+        assert not optional, f"imported the optional {{optional}}"
         assert atexit._ncallbacks() == before, "registered an exit handler"
         assert threading.active_count() == 1, "started a thread"
         print("clean")
@@ -61,6 +63,22 @@ def test_names_load_on_first_use_and_infeed_stays_the_function():
         print("ok")
     """)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("binding, framework, extra", [("popdist_lite.torch", "torch", "torch"),
+                                                      ("popdist_lite.jax", "jax", "jax")])
+def test_a_binding_without_its_framework_names_the_extra(binding, framework, extra):
+    proc = run(f"""
+        import sys
+        sys.modules["{framework}"] = None   # as if it were not installed: import raises ModuleNotFoundError
+        try:
+            import {binding}
+        except ImportError as exc:
+            print(f"{{type(exc).__name__}}: {{exc}}")
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"ImportError: {binding} needs ") and f"pip install 'popdist-lite[{extra}]'" \
+        in proc.stdout, proc.stdout
 
 
 # ---------------------------------------------------------------- the import graph

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import EXAMPLE, JOB_SECONDS, ROOT, TINY, clean_env, run_mpi, timeout_for
+from helpers import EXAMPLE, JOB_SECONDS, ROOT, TINY, check_run_lines, clean_env, run_mpi, timeout_for
 
 FETCH = ROOT / "scripts" / "fetch_shakespeare"
 sys.path.insert(0, str(ROOT / "examples"))
 
-STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
+STEP_RE = re.compile(r"^Step (\d+), loss = ([^\s,]+)", re.M)  # then ", R steps/s, ETA T" after step 0
 pytestmark = timeout_for(2)
 
 @pytest.fixture
@@ -39,10 +39,14 @@ def _run(args, timeout=JOB_SECONDS, **env):
                           timeout=timeout, env=clean_env(**env), cwd=ROOT)
 
 
-def test_single_process(tiny):
+def test_single_process(tiny, tmp_path):
     r = _run(["--data", str(tiny), "--steps", "3", "--seq-len", "20", "--batch-size", "4",
-              "--log-every", "1", "--sample-chars", "40"])
+              "--log-every", "1", "--sample-chars", "40", "--checkpoint-dir", str(tmp_path / "ckpt"),
+              "--checkpoint-every", "2"])
     assert r.returncode == 0, r.stdout + r.stderr
+    lines = check_run_lines(r.stdout, "shakespeare.py", checkpoints=[2, 3])
+    assert lines[0] == (f"shakespeare.py: starting MPI, then reading {tiny} and making the 256 x 256 TOKEN "
+                        f"embedding table ...")
     steps = _steps(r.stdout)
     assert [n for n, _ in steps] == [0, 1, 2]
     # an untrained model over 256 outputs starts near ln(256) = 5.55
@@ -82,6 +86,7 @@ def test_two_ranks(tiny, strategy):
     assert [n for n, _ in steps] == [0, 1, 2], r.stdout
     assert "2 replica(s)" in r.stdout and f"{strategy} embedding" in r.stdout
     assert r.stdout.count("--- sample ---") == 1
+    check_run_lines(r.stdout, "shakespeare.py")  # only replica 0 prints, from its first line on
 
 
 def test_missing_data_file(tmp_path):
@@ -98,14 +103,17 @@ def test_text_too_short(tmp_path):
     assert "too short" in r.stderr
 
 
-def test_progress_bar_on_a_terminal(tiny):
-    """On a terminal (single process) a tqdm bar is drawn; the step lines still appear."""
+@pytest.mark.parametrize("rows, columns", [(24, 80), (0, 0)], ids=["80x24", "0x0"])
+def test_progress_bar_on_a_terminal(tiny, rows, columns):
+    """On a terminal (single process) a tqdm bar is drawn, also on one whose size is
+    unknown (0 x 0, the pty Open MPI gives a rank under poprun-lite, where tqdm alone
+    draws a bar of no width: a blank line); the step lines still appear."""
     pty = pytest.importorskip("pty")
     import fcntl
     import struct
     import termios
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # 80x24
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     try:
         p = subprocess.Popen([sys.executable, str(EXAMPLE), "--data", str(tiny), "--steps", "3",
                               "--seq-len", "20", "--batch-size", "4", "--log-every", "1",
@@ -125,8 +133,36 @@ def test_progress_bar_on_a_terminal(tiny):
     finally:
         os.close(master)
     out = b"".join(chunks).decode(errors="replace")
-    assert "3/3" in out and "step" in out, out
+    assert re.search(r"100%\|#*\| 3/3 \[", out) or re.search(r"100%\|█+\| 3/3 \[", out), out
     assert [n for n, _ in _steps(out.replace("\r\n", "\n").replace("\r", "\n"))] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("matplotlib", [True, False], ids=["matplotlib", "no-matplotlib"])
+def test_log_dir_holds_the_lines_and_the_loss_curve(tiny, tmp_path, matplotlib):
+    """--log-dir DIR: DIR/log.txt holds what replica 0 printed, DIR/loss.png the loss curve
+    (a 640 x 360 PNG); without matplotlib, one line says so and the run goes on."""
+    env = {}
+    if matplotlib:
+        pytest.importorskip("matplotlib", reason="the loss curve needs the [plot] extra")
+    else:  # a matplotlib that cannot be imported, ahead of any installed one
+        (tmp_path / "block" / "matplotlib").mkdir(parents=True)
+        (tmp_path / "block" / "matplotlib" / "__init__.py").write_text("raise ImportError('not installed')\n")
+        env["PYTHONPATH"] = str(tmp_path / "block")
+    log_dir = tmp_path / "run"
+    r = _run(["--data", str(tiny), "--steps", "4", "--seq-len", "20", "--batch-size", "4", "--log-every", "2",
+              "--sample-chars", "0", "--log-dir", str(log_dir)], **env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = check_run_lines(r.stdout, "shakespeare.py")
+    assert (log_dir / "log.txt").read_text() == r.stdout
+    curve = log_dir / "loss.png"
+    if matplotlib:
+        assert lines[-2] == f"loss curve: {curve}"
+        png = curve.read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+        assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (640, 360)
+    else:
+        assert lines[-2] == "no loss curve: matplotlib is not installed (pip install 'popdist-lite[plot]')"
+        assert not curve.exists()
 
 
 # ---------------------------------------------------------------------------------------

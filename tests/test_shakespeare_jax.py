@@ -10,12 +10,12 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
+from helpers import JOB_SECONDS, ROOT, TINY, check_run_lines, clean_env, timeout_for
 
 pytestmark = timeout_for(3)
 
 EXAMPLES = ROOT / "examples"
-STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
+STEP_RE = re.compile(r"^Step (\d+), loss = ([^\s,]+)", re.M)  # then ", R steps/s, ETA T" after step 0
 
 
 def test_popdist_lite_does_not_import_jax():
@@ -84,11 +84,16 @@ def test_losses_equal_the_numpy_job_for_20_steps_at_2_replicas(tiny, options):
 
 
 @needs_jax
-def test_single_process_run_prints_a_sample(tiny):
+def test_single_process_run_prints_a_sample(tiny, tmp_path):
     r = subprocess.run([sys.executable, str(EXAMPLES / "shakespeare_jax.py"), "--data", str(tiny), "--steps", "3",
-                        "--seq-len", "20", "--batch-size", "4", "--log-every", "1", "--sample-chars", "30"],
+                        "--seq-len", "20", "--batch-size", "4", "--log-every", "1", "--sample-chars", "30",
+                        "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--checkpoint-async"],
                        capture_output=True, text=True, timeout=JOB_SECONDS, cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stdout + r.stderr
+    lines = check_run_lines(r.stdout, "shakespeare_jax.py", checkpoints=[2, 3])
+    assert lines[0] == "shakespeare_jax.py: importing JAX and Flax ..."
+    assert all(line.endswith(" s in the training loop, written in the background)")
+               for line in lines if line.startswith("checkpoint step "))
     assert [n for n, _ in STEP_RE.findall(r.stdout)] == ["0", "1", "2"]
     assert "1 replica(s)" in r.stdout and "JAX split path" in r.stdout and "--- sample ---" in r.stdout
 

@@ -18,18 +18,35 @@ from helpers import JOB_SECONDS, ROOT, run_mpi, timeout_for
 pytestmark = timeout_for(1)
 
 PROGRAM = """
+    import threading
     import numpy as np
     import popdist_lite as pl
     pl.init()
     k, r = pl.replica_id(), pl.num_replicas()
     emb = pl.create_host_embedding("chars", shape=[64, 8], optimizer_spec=pl.HostEmbeddingOptimizerSpec(0.1))
-    idx = np.arange(3 * k + 2) % 64
-    for _ in range(2):
-        emb.lookup(idx)
+
+    @pl.timeline.span("forward")
+    def forward(idx):
+        return emb.lookup(idx)
+
+    for step in range(2):
+        pl.timeline.step(step)
+        with pl.timeline.span("data"):
+            idx = np.arange(3 * k + 2) % 64
+        forward(idx)
         emb.apply_gradients(idx, np.ones((idx.size, 8), np.float32))
-    pl.all_reduce(np.ones(4, np.float32))
+    with pl.timeline.step(2):
+        pl.all_reduce(np.ones(4, np.float32))
+    loader = threading.Thread(target=pl.timeline.span("load")(lambda: None), name="loader")
+    loader.start()
+    loader.join()
     print("done", k, flush=True)
 """
+
+
+def within(inner, outer) -> bool:
+    # to 1 us: a timestamp in wall-clock microseconds (~1.7e15) is exact to 0.25 us before the shift to 0
+    return outer["ts"] - 1 <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1
 
 
 def check_trace(path, replicas):
@@ -37,18 +54,35 @@ def check_trace(path, replicas):
     events = trace["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == set(range(replicas))  # one track per replica
-    assert all(e["tid"] == e["pid"] for e in events)
+    # the main thread's events on the replica's track, the loader thread's span on its own
+    assert all(e["tid"] == e["pid"] for e in events if e["name"] != "load" and "loader" not in str(e["args"]))
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {k: f"replica {k}" for k in range(replicas)}
     labels = {e["pid"]: e["args"]["labels"] for e in events if e["ph"] == "M" and e["name"] == "process_labels"}
     assert labels == {k: socket.gethostname() for k in range(replicas)}  # the host each ran on
     for e in spans:
-        assert e["dur"] >= 0 and e["ts"] >= 0 and e["cat"] in ("collective", "phase")
-        assert isinstance(e["args"]["bytes_sent"], int) and isinstance(e["args"]["bytes_received"], int)
+        assert e["dur"] >= 0 and e["ts"] >= 0 and e["cat"] in ("collective", "phase", "step", "span")
+        if e["cat"] in ("collective", "phase"):
+            assert isinstance(e["args"]["bytes_sent"], int) and isinstance(e["args"]["bytes_received"], int)
     for k in range(replicas):
-        mine = {e["name"] for e in spans if e["pid"] == k}
-        assert {"lookup", "update", "lookup.ids", "lookup.rows", "update.exchange", "all_reduce"} <= mine
-        assert sum(e["name"] == "lookup" for e in spans if e["pid"] == k) == 2
+        mine = [e for e in spans if e["pid"] == k]
+        assert {"lookup", "update", "lookup.ids", "lookup.rows", "update.exchange", "all_reduce"} <= {
+            e["name"] for e in mine}
+        assert sum(e["name"] == "lookup" for e in mine) == 2
+        # the user's steps and spans, on the same track, the library's events nested in them
+        steps = sorted((e for e in mine if e["cat"] == "step"), key=lambda e: e["ts"])
+        assert [(e["name"], e["args"]) for e in steps] == [(f"step {n}", {"step": n}) for n in range(3)]
+        assert steps[0]["ts"] + steps[0]["dur"] == pytest.approx(steps[1]["ts"], abs=1)  # one ends, the next starts (us)
+        for name in ("data", "forward"):
+            user = [e for e in mine if e["cat"] == "span" and e["name"] == name]
+            assert len(user) == 2 and all(within(u, s) for u, s in zip(sorted(user, key=lambda e: e["ts"]), steps))
+        lookups = sorted((e for e in mine if e["name"] == "lookup"), key=lambda e: e["ts"])
+        forwards = sorted((e for e in mine if e["name"] == "forward"), key=lambda e: e["ts"])
+        assert all(within(lookup, f) for lookup, f in zip(lookups, forwards))
+        assert all(any(within(u, s) for s in steps) for u in mine if u["name"] in ("update", "all_reduce"))
+        [load] = [e for e in mine if e["name"] == "load"]
+        assert load["tid"] != k and {"name": "thread_name", "ph": "M", "pid": k, "tid": load["tid"],
+                                     "args": {"name": f"replica {k}: loader"}} in events
     sent = sum(e["args"]["bytes_sent"] for e in spans if e["cat"] == "collective")
     received = sum(e["args"]["bytes_received"] for e in spans if e["cat"] == "collective")
     assert sent == received and (sent > 0) == (replicas > 1)
@@ -135,3 +169,60 @@ def test_write_leaves_no_temporary_file_on_failure(tmp_path):
     with pytest.raises(TypeError):
         timeline.write(str(tmp_path / "trace.json"), {"not json": object()})
     assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    """The timeline on in this process without its exit gather: events into a fresh list."""
+    from popdist_lite import timeline
+    monkeypatch.setattr(counters, "events", [])
+    monkeypatch.setitem(timeline._state, "anchor", (0.0, 0.0))
+    monkeypatch.setattr(timeline, "_step", [None])
+    return counters.events
+
+
+def test_spans_and_steps_in_one_process(recording):
+    from popdist_lite import timeline
+
+    @timeline.span("fib")
+    def fib(n):  # a decorated function: a fresh span per call, recursion included
+        return n if n < 2 else fib(n - 1) + fib(n - 2)
+
+    timeline.step(0)
+    with timeline.span("data"):
+        pass
+    assert fib(3) == 2
+    with pytest.raises(KeyError):
+        with timeline.span("failing"):
+            raise KeyError("the span still ends")
+    timeline.step(1)
+    with timeline.step(2):
+        pass
+    timeline.step(3)
+    with timeline.span("last"):
+        pass
+    recorded = [e[:2] for e in recording]
+    assert recorded == [("data", "span")] + [("fib", "span")] * 5 + [
+        ("failing", "span"), ("step 0", "step"), ("step 1", "step"), ("step 2", "step"), ("last", "span")]
+    events = timeline.drain(final=True)  # step 3 ends with the last event recorded in it
+    assert counters.events == [] and timeline.drain() == []
+    by_name = {e["name"]: e for e in events}
+    assert by_name["step 3"]["ts"] + by_name["step 3"]["dur"] == pytest.approx(
+        by_name["last"]["ts"] + by_name["last"]["dur"])
+    assert all(e["ph"] == "X" and e["pid"] == e["tid"] == 0 for e in events)
+    fibs = [e for e in events if e["name"] == "fib"]
+    outer = max(fibs, key=lambda e: e["dur"])
+    assert all(within(e, outer) for e in fibs) and within(outer, by_name["step 0"])
+
+
+def test_spans_are_free_of_records_when_off_and_check_their_arguments():
+    from popdist_lite import timeline
+    assert counters.events is None
+    with timeline.span("data"):
+        pass
+    assert timeline.step(5).number == 5 and counters.events is None
+    with pytest.raises(TypeError, match="timeline.span: argument name: expected a str, got int"):
+        timeline.span(3)
+    with pytest.raises(TypeError, match="timeline.step: argument number: expected an int, got str"):
+        timeline.step("7")
+    assert pl.timeline is timeline

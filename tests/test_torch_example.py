@@ -8,13 +8,13 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import JOB_SECONDS, ROOT, TINY, clean_env, timeout_for
+from helpers import JOB_SECONDS, ROOT, TINY, check_run_lines, clean_env, timeout_for
 
 pytestmark = timeout_for(3)
 
 TORCH_EXAMPLE = ROOT / "examples" / "shakespeare_torch.py"
 NUMPY_EXAMPLE = ROOT / "examples" / "shakespeare.py"
-STEP_RE = re.compile(r"^Step (\d+), loss = (\S+)$", re.M)
+STEP_RE = re.compile(r"^Step (\d+), loss = ([^\s,]+)", re.M)  # then ", R steps/s, ETA T" after step 0
 
 
 def losses(stdout: str) -> list[tuple[int, float]]:
@@ -65,11 +65,16 @@ def test_losses_equal_the_numpy_example_at_two_replicas(tiny, strategy):
     assert torch_losses[-1][1] < torch_losses[0][1] - 1.0  # it learns
 
 
-def test_single_process_mixed_precision_with_loss_scaling_and_clipping(tiny):
+def test_single_process_mixed_precision_with_loss_scaling_and_clipping(tiny, tmp_path):
     pytest.importorskip("torch", reason="popdist_lite.torch needs PyTorch: pip install '.[torch]'")
     out = run(1, TORCH_EXAMPLE, ["--data", str(tiny), "--steps", "30", "--seq-len", "20", "--batch-size", "8",
                                  "--log-every", "10", "--precision", "mixed", "--loss-scaling", "dynamic",
-                                 "--stochastic-rounding", "--emb-optimizer", "adam", "--sample-chars", "40"])
+                                 "--stochastic-rounding", "--emb-optimizer", "adam", "--sample-chars", "40",
+                                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "15"])
+    lines = check_run_lines(out, "shakespeare_torch.py", checkpoints=[15, 30])
+    assert lines[:2] == ["shakespeare_torch.py: importing PyTorch ...",
+                         f"shakespeare_torch.py: starting MPI, then reading {tiny} and making the 256 x 256 TOKEN "
+                         f"embedding table ..."]
     found = losses(out)
     assert [n for n, _ in found] == [0, 9, 19, 29]
     assert found[-1][1] < found[0][1] - 1.0, found

@@ -137,13 +137,19 @@ def export(directory: Path, name: str, out: Path) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m popdist_lite.checkpoint", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m popdist_lite.checkpoint", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Look into checkpoints without a training job.",
+        epilog="DIR is a checkpoint (.../step-00000020) or a directory of checkpoints (the newest is used).\n\n"
+               "examples:\n"
+               "  python -m popdist_lite.checkpoint inspect ckpt --verify    # the manifest as a table\n"
+               "  python -m popdist_lite.checkpoint export ckpt embedding/weights out.npy  # one array, whole")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("inspect", help="print a checkpoint's manifest as a table")
-    p.add_argument("directory", type=Path, help="a checkpoint, or a directory of checkpoints (the newest)")
+    p.add_argument("directory", type=Path, metavar="DIR", help="a checkpoint, or a directory of checkpoints (the newest)")
     p.add_argument("--verify", action="store_true", help="also check every file's crc32")
     p = commands.add_parser("export", help="write one full array as a .npy file")
-    p.add_argument("directory", type=Path, help="a checkpoint, or a directory of checkpoints (the newest)")
+    p.add_argument("directory", type=Path, metavar="DIR", help="a checkpoint, or a directory of checkpoints (the newest)")
     p.add_argument("name", help="the array's name in the manifest, e.g. embedding/weights")
     p.add_argument("out", type=Path, help="the .npy file to write")
     args = parser.parse_args(argv)

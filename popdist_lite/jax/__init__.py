@@ -21,6 +21,12 @@ data parallelism: :func:`all_reduce_gradients`, :func:`broadcast_parameters` (al
 :class:`HostEmbedding` and :class:`EmbeddingCollection` join as they are.
 """
 
+try:
+    import jax  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("popdist_lite.jax needs JAX: pip install 'popdist-lite[jax]' (JAX, Flax and Optax for "
+                      "the CPU: see docs/jax.md)") from exc
+
 from .checkpoint import PytreeState
 from .collection import EmbeddingCollection
 from .data_parallel import (all_reduce_gradients, allreduce_gradients, broadcast_parameters, broadcast_params,

@@ -1,0 +1,430 @@
+#!/usr/bin/env python3
+"""DLRM on Criteo-format click logs in PyTorch, the tables sharded over the replicas.
+
+Run it on 2 replicas (one MPI rank each) with::
+
+    poprun-lite --num-replicas 2 python examples/dlrm.py
+
+or as a single process with ``python examples/dlrm.py``. It needs the ``[dlrm]`` extra
+(PyTorch and scikit-learn: docs/dlrm.md). Without ``--data`` it trains on
+``data/criteo-synthetic``, written by ``scripts/make_criteo.py`` (200,000 lines) when
+missing; ``--data`` takes Criteo's own files (Kaggle's ``train.txt``, Terabyte's
+``day_N`` or ``day_N.gz``) or directories of them.
+
+The model is DLRM (Naumov et al., "Deep Learning Recommendation Model for
+Personalization and Recommendation Systems", 2019) as ``torchrec.models.dlrm.DLRM``
+builds it, with TorchRec's module names:
+
+* ``DenseArch``: an MLP (ReLU after every layer) over the 13 dense features,
+  ``log(1 + x)`` of Criteo's integers, to ``embedding_dim``;
+* ``SparseArch``: an ``EmbeddingBagCollection`` of 26 tables, one per categorical
+  feature, pooled to ``(B, 26, embedding_dim)``; the tables are sharded over the
+  replicas and updated by their own optimizer in the backward pass;
+* ``InteractionArch``: the dense output and the 26 pooled vectors, pairwise dot
+  products (the upper triangle), concatenated with the dense output;
+* ``OverArch``: an MLP (ReLU but after the last layer) to one logit; the loss is binary
+  cross-entropy.
+
+The dense layers are data-parallel under ``popdist_lite.torch.DistributedDataParallel``,
+trained by ``torch.optim`` (SGD or Adagrad); the tables by the library's SGD or
+row-wise Adagrad (TorchRec's ``EXACT_SGD`` and ``EXACT_ROWWISE_ADAGRAD``). The data come
+through ``popdist_lite.infeed`` from host feed processes (``poprun-lite
+--feeders-per-replica F``; a thread with F = 0) that read and parse the TSV files
+(examples/criteo.py), each its own batches of one global sequence.
+
+Every ``--log-every`` steps replica 0 prints the log loss and ROC AUC of the window's
+predictions, gathered from all replicas (scikit-learn's ``log_loss`` and
+``roc_auc_score``). Each prediction is made before the model trains on it (progressive
+validation), so the figures measure samples the model has not seen.
+
+Checkpoints, elastic resizes and Slurm as examples/shakespeare_torch.py:
+``--checkpoint-dir DIR --checkpoint-every N`` saves the dense weights, the tables and
+their optimizer state, the ``torch.optim`` state, the feed position and the step;
+``--resume`` continues from the newest complete checkpoint at any replica count, with
+exactly the losses of an uninterrupted run at the same replica count
+(tests/test_dlrm_example.py). The feed's sharding continues after the batches already
+taken at any replica count, so an elastic job's resize (``poprun-lite --min-replicas``:
+the example asks ``popdist_lite.should_checkpoint()`` at every step boundary, then saves
+and stops) neither repeats nor skips a sample. ``--emb-cache-kib`` keeps the larger
+tables on local disk behind a cache (``popdist_lite.DiskStorage``, docs/offload.md).
+
+The embedding seam: the sparse tables are built in one place, ``make_tables`` below,
+from ``embedding_bags`` (a TorchRec-style collection of one
+``popdist_lite.torch.HostEmbeddingBag`` per table); the library's own collection takes
+its place by changing that import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import criteo  # noqa: E402  (the TSV format, the feed's dataset)
+
+import popdist_lite as pl  # noqa: E402
+import torch  # noqa: E402
+import popdist_lite.torch as pt  # noqa: E402
+
+# ---- the embedding seam: popdist_lite.torch's EmbeddingBagCollection replaces this import
+from embedding_bags import EmbeddingBagCollection, EmbeddingBagConfig, features_from_ids  # noqa: E402
+
+F = torch.nn.functional
+DEFAULT_DATA = ROOT / "data" / "criteo-synthetic"
+GENERATOR = ROOT / "scripts" / "make_criteo.py"
+DEFAULT_ROWS = 200_000
+
+
+# --------------------------------------------------------------------------------------
+# the model (torchrec.models.dlrm's modules)
+# --------------------------------------------------------------------------------------
+def mlp(in_features: int, sizes: list[int], relu_last: bool = True) -> torch.nn.Sequential:
+    """Linear layers of ``sizes`` from ``in_features``, a ReLU after each (after the
+    last one only with ``relu_last``)."""
+    layers = []
+    for k, size in enumerate(sizes):
+        layers.append(torch.nn.Linear(in_features, size))
+        if relu_last or k + 1 < len(sizes):
+            layers.append(torch.nn.ReLU())
+        in_features = size
+    return torch.nn.Sequential(*layers)
+
+
+class DenseArch(torch.nn.Module):
+    """The dense features ``(B, in_features)`` -> ``(B, layer_sizes[-1])``."""
+
+    def __init__(self, in_features: int, layer_sizes: list[int]):
+        super().__init__()
+        self.model = mlp(in_features, layer_sizes)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model(features)
+
+
+class SparseArch(torch.nn.Module):
+    """The collection's pooled lookups ``(B, F, D)``, features in the tables' order."""
+
+    def __init__(self, embedding_bag_collection: torch.nn.Module):
+        super().__init__()
+        self.embedding_bag_collection = embedding_bag_collection
+        configs = embedding_bag_collection.embedding_bag_configs()
+        self.sparse_feature_names = [name for c in configs for name in c.feature_names]
+
+    def forward(self, features) -> torch.Tensor:
+        pooled = self.embedding_bag_collection(features)
+        if hasattr(pooled, "to_dict"):  # a TorchRec KeyedTensor
+            pooled = pooled.to_dict()
+        return torch.stack([pooled[name] for name in self.sparse_feature_names], dim=1)
+
+
+class InteractionArch(torch.nn.Module):
+    """``(B, D)`` dense and ``(B, F, D)`` sparse -> ``(B, D + F + F(F-1)/2)``: the dense
+    vector, then the dot products of every pair of the ``F + 1`` vectors."""
+
+    def __init__(self, num_sparse_features: int):
+        super().__init__()
+        self.register_buffer("triu_indices", torch.triu_indices(num_sparse_features + 1, num_sparse_features + 1,
+                                                                offset=1), persistent=False)
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        combined = torch.cat([dense.unsqueeze(1), sparse], dim=1)
+        interactions = torch.bmm(combined, combined.transpose(1, 2))
+        return torch.cat([dense, interactions[:, self.triu_indices[0], self.triu_indices[1]]], dim=1)
+
+
+class OverArch(torch.nn.Module):
+    """``(B, in_features)`` -> ``(B, layer_sizes[-1])`` logits."""
+
+    def __init__(self, in_features: int, layer_sizes: list[int]):
+        super().__init__()
+        self.model = mlp(in_features, layer_sizes, relu_last=False)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model(features)
+
+
+class DLRM(torch.nn.Module):
+    """DLRM with ``torchrec.models.dlrm.DLRM``'s arguments; ``forward(dense_features,
+    sparse_features)`` -> logits ``(B, over_arch_layer_sizes[-1])``."""
+
+    def __init__(self, embedding_bag_collection: torch.nn.Module, dense_in_features: int,
+                 dense_arch_layer_sizes: list[int], over_arch_layer_sizes: list[int]):
+        super().__init__()
+        dims = {c.embedding_dim for c in embedding_bag_collection.embedding_bag_configs()}
+        if dims != {dense_arch_layer_sizes[-1]}:
+            raise ValueError(f"DLRM: every table's embedding_dim and the dense arch's last layer must be equal, "
+                             f"got {sorted(dims)} and {dense_arch_layer_sizes[-1]}")
+        self.sparse_arch = SparseArch(embedding_bag_collection)
+        f, d = len(self.sparse_arch.sparse_feature_names), dense_arch_layer_sizes[-1]
+        self.dense_arch = DenseArch(dense_in_features, dense_arch_layer_sizes)
+        self.inter_arch = InteractionArch(f)
+        self.over_arch = OverArch(d + f + f * (f - 1) // 2, over_arch_layer_sizes)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features) -> torch.Tensor:
+        dense = self.dense_arch(dense_features)
+        return self.over_arch(self.inter_arch(dense, self.sparse_arch(sparse_features)))
+
+
+def make_tables(sizes: list[int], dim: int, args) -> torch.nn.Module:
+    """The embedding seam: the 26 tables, one per categorical feature (table ``t_cat_j``
+    looks up feature ``cat_j``), as a TorchRec-style ``EmbeddingBagCollection``."""
+    row_wise_adagrad = args.optimizer == "adagrad"
+    spec = (pl.HostEmbeddingAdagradOptimizerSpec(args.emb_lr, rowwise=True) if row_wise_adagrad
+            else pl.HostEmbeddingOptimizerSpec(args.emb_lr))
+    tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=n, feature_names=[name])
+              for name, n in zip(criteo.CAT_NAMES, sizes)]
+    storage = {}
+    if args.emb_cache_kib is not None:  # tables whose weights per replica exceed the cache go to disk
+        cache = int(args.emb_cache_kib * 1024)
+        disk = pl.DiskStorage(cache, directory=None if args.emb_dir is None else str(args.emb_dir))
+        storage = {t.name: disk for t in tables if -(-t.num_embeddings // pl.num_replicas()) * dim * 4 > cache}
+    return EmbeddingBagCollection(tables=tables, optimizer_spec=spec, seed=args.seed, storage=storage,
+                                  partition_strategy=args.partition_strategy)
+
+
+# --------------------------------------------------------------------------------------
+# metrics
+# --------------------------------------------------------------------------------------
+def window_metrics(predictions: list[np.ndarray], labels: list[np.ndarray]) -> tuple[float, float] | None:
+    """Log loss and ROC AUC (scikit-learn) of the window's predictions of every replica,
+    on replica 0 (None elsewhere); the AUC is NaN when the window holds one class only.
+    Collective: an all-gather of each replica's predictions and labels (the same count
+    on every replica: whole batches of one size)."""
+    mine = np.stack([np.concatenate(predictions), np.concatenate(labels)]).astype(np.float32)
+    everyone = pl.all_gather(mine)  # (replicas, 2, n)
+    if not np.isfinite(everyone).all():  # on every replica alike
+        raise FloatingPointError("a prediction became NaN; try a smaller --lr / --emb-lr")
+    if pl.replica_id() != 0:
+        return None
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    p, y = everyone[:, 0].ravel().astype(np.float64), everyone[:, 1].ravel()
+    loss = log_loss(y, p, labels=[0, 1])
+    auc = roc_auc_score(y, p) if 0 < y.sum() < y.size else float("nan")
+    return float(loss), float(auc)
+
+
+# --------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------
+def ensure_data(path: Path) -> None:
+    """Write the default synthetic data on replica 0 if it is missing; every replica
+    learns the outcome through a broadcast."""
+    missing = pl.all_reduce(np.array([0 if path.exists() else 1], np.int32), op="max")
+    if not missing[0]:
+        return
+    ok = np.zeros(1, np.int32)
+    if pl.replica_id() == 0:
+        print(f"{path} is missing; writing {DEFAULT_ROWS} synthetic lines with {GENERATOR} ...", flush=True)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            r = subprocess.run([sys.executable, str(GENERATOR), str(tmp), "--rows", str(DEFAULT_ROWS)],
+                               stdout=subprocess.DEVNULL, timeout=600)
+            if r.returncode == 0:
+                tmp.rename(path)  # whole or not at all
+            ok[0] = int(path.exists())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            print(f"dlrm.py: {GENERATOR} failed: {e}", file=sys.stderr)
+    if not pl.broadcast(ok, root=0)[0]:
+        raise SystemExit(f"dlrm.py: replica {pl.replica_id()}: could not write {path}; run {GENERATOR} by hand")
+
+
+# --------------------------------------------------------------------------------------
+# the job
+# --------------------------------------------------------------------------------------
+def layer_sizes(text: str) -> list[int]:
+    sizes = [int(s) for s in text.split(",")]
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sizes >= 1, got {text!r}")
+    return sizes
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="examples:\n"
+               "  poprun-lite --num-replicas 2 python examples/dlrm.py\n"
+               "  poprun-lite --num-replicas 2 --feeders-per-replica 1 python examples/dlrm.py --data train.txt "
+               "--num-embeddings 1000000 --checkpoint-dir ckpt --checkpoint-every 1000 --resume")
+    p.add_argument("--data", type=Path, nargs="+", default=None,
+                   help=f"Criteo TSV files or directories of them, read in order (default: {DEFAULT_DATA.relative_to(ROOT)}, "
+                        "written by scripts/make_criteo.py if missing)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: until the data end)")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the data")
+    p.add_argument("--batch-size", type=int, default=256, help="samples per replica per step")
+    p.add_argument("--num-embeddings", type=int, default=100_000,
+                   help="rows of every table (each hash is taken modulo this: DLRM's --max-ind-range)")
+    p.add_argument("--num-embeddings-per-feature", type=layer_sizes, default=None,
+                   help="26 comma-separated row counts, one per table (instead of --num-embeddings)")
+    p.add_argument("--embedding-dim", type=int, default=16, help="the tables' width (= the dense arch's last layer)")
+    p.add_argument("--dense-arch-layer-sizes", type=layer_sizes, default=[64, 16],
+                   help="the bottom MLP's layers (the last equals --embedding-dim)")
+    p.add_argument("--over-arch-layer-sizes", type=layer_sizes, default=[64, 32, 1], help="the top MLP's layers")
+    p.add_argument("--optimizer", choices=["sgd", "adagrad"], default="adagrad",
+                   help="dense: torch.optim's SGD or Adagrad; tables: SGD or row-wise Adagrad")
+    p.add_argument("--lr", type=float, default=0.05, help="dense learning rate")
+    p.add_argument("--emb-lr", type=float, default=1.0, help="the tables' learning rate")
+    p.add_argument("--partition-strategy", choices=["TOKEN", "ENCODING"], default="TOKEN",
+                   help="how each table is split across replicas")
+    p.add_argument("--emb-cache-kib", type=float, default=None, metavar="KIB",
+                   help="keep each table whose weights per replica exceed KIB KiB on local disk (--emb-dir) behind "
+                        "a cache of KIB KiB (DiskStorage, docs/offload.md); default: all in memory")
+    p.add_argument("--emb-dir", type=Path, default=None,
+                   help="directory of --emb-cache-kib's partition files (default: the system's temporary directory)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    p.add_argument("--log-every", type=int, default=50,
+                   help="print the log loss and AUC of the last N steps' predictions every N steps")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="save checkpoints under this directory (one path every replica sees)")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="save a checkpoint every N steps (default: at the end only)")
+    p.add_argument("--checkpoint-keep", type=int, default=2, help="keep the newest K checkpoints")
+    p.add_argument("--checkpoint-async", action="store_true",
+                   help="save in the background (training continues while the files are written)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
+    args = p.parse_args(argv)
+    if (args.resume or args.checkpoint_every is not None) and args.checkpoint_dir is None:
+        p.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if any(v is not None and v < 1 for v in (args.checkpoint_every, args.checkpoint_keep, args.batch_size,
+                                             args.log_every, args.num_embeddings, args.embedding_dim)):
+        p.error("--checkpoint-every, --checkpoint-keep, --batch-size, --log-every, --num-embeddings and "
+                "--embedding-dim must be >= 1")
+    if (args.steps is not None and args.steps < 0) or args.epochs < 0:
+        p.error("--steps and --epochs must be >= 0")
+    if args.num_embeddings_per_feature is not None and len(args.num_embeddings_per_feature) != criteo.CAT_FEATURES:
+        p.error(f"--num-embeddings-per-feature: expected {criteo.CAT_FEATURES} sizes, "
+                f"got {len(args.num_embeddings_per_feature)}")
+    if args.dense_arch_layer_sizes[-1] != args.embedding_dim:
+        p.error(f"--dense-arch-layer-sizes must end with --embedding-dim {args.embedding_dim}")
+    if args.emb_cache_kib is not None and args.emb_cache_kib <= 0:
+        p.error("--emb-cache-kib must be > 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    pl.init()
+    data = args.data if args.data is not None else [DEFAULT_DATA]
+    sizes = args.num_embeddings_per_feature or [args.num_embeddings] * criteo.CAT_FEATURES
+
+    # Before any collective: on a feed process this call serves its replica and never returns.
+    feed = pl.infeed(criteo.make_dataset(data, batch_size=args.batch_size, num_embeddings=sizes, epochs=args.epochs),
+                     prefetch_depth=3)
+    rank, replicas = pl.replica_id(), pl.num_replicas()
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    if args.data is None:
+        ensure_data(DEFAULT_DATA)
+
+    # Every replica builds the same model (seeded); DistributedDataParallel broadcasts replica 0's.
+    torch.manual_seed(args.seed)
+    model = DLRM(make_tables(sizes, args.embedding_dim, args), dense_in_features=criteo.INT_FEATURES,
+                 dense_arch_layer_sizes=args.dense_arch_layer_sizes, over_arch_layer_sizes=args.over_arch_layer_sizes)
+    ddp = pt.DistributedDataParallel(model)
+    optimizer = (torch.optim.Adagrad(ddp.parameters(), lr=args.lr) if args.optimizer == "adagrad"
+                 else torch.optim.SGD(ddp.parameters(), lr=args.lr))
+
+    # Everything a resumed run needs to continue exactly (docs/checkpoint.md, docs/torch.md).
+    state = {"step": 0, "model": ddp, "optimizer": optimizer, "feed": feed}
+    first = 0
+    if args.resume:
+        latest = pl.latest_checkpoint(args.checkpoint_dir)
+        if latest is None:
+            log(f"no checkpoint in {args.checkpoint_dir}; starting from step 0")
+        else:
+            pl.load_checkpoint(latest, state)
+            first = state["step"]
+            log(f"resumed from {latest} (step {first})")
+
+    def save(step: int) -> None:
+        state["step"] = step
+        began = time.perf_counter()
+        path = pl.save_checkpoint(args.checkpoint_dir, state, step=step, keep=args.checkpoint_keep,
+                                  blocking=not args.checkpoint_async)
+        if args.checkpoint_async:
+            log(f"checkpoint step {step} saving in the background ({path})")
+        elif rank == 0:
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            log(f"checkpoint step {step} saved ({path}, {size / 2**20:.1f} MiB, {time.perf_counter() - began:.1f} s)")
+
+    dense_params = sum(p.numel() for p in ddp.parameters())
+    log(f"DLRM: {criteo.CAT_FEATURES} tables of {sizes[0] if len(set(sizes)) == 1 else 'up to ' + str(max(sizes))} "
+        f"x {args.embedding_dim} ({args.partition_strategy}), dense arch {args.dense_arch_layer_sizes}, "
+        f"over arch {args.over_arch_layer_sizes} ({dense_params} dense parameters), {args.optimizer} "
+        f"(lr {args.lr:g}, tables {args.emb_lr:g}); {replicas} replica(s) x batch {args.batch_size}; "
+        f"data {', '.join(map(str, data))}")
+
+    predictions, labels = [], []
+    window_start = start = time.perf_counter()
+    done, last = first, None  # steps done; (step, log loss, AUC) of the last window printed
+    steps = range(first, args.steps) if args.steps is not None else itertools.count(first)
+    for step in steps:
+        batch = next(feed, None)
+        if batch is None:  # the data ended (on every replica at the same step)
+            break
+        label = torch.from_numpy(batch["label"])
+        logits = ddp(torch.from_numpy(batch["dense"]),
+                     features_from_ids(criteo.CAT_NAMES, torch.from_numpy(batch["sparse"]))).squeeze(1)
+        loss = F.binary_cross_entropy_with_logits(logits, label)
+        optimizer.zero_grad()
+        loss.backward()  # the tables' updates and the dense all-reduce
+        optimizer.step()
+        predictions.append(torch.sigmoid(logits.detach()).numpy())  # made before this step's update
+        labels.append(batch["label"])
+        done = step + 1
+        if step == 0 or done % args.log_every == 0 or done == args.steps:
+            metrics = window_metrics(predictions, labels)
+            now = time.perf_counter()
+            if metrics is not None:
+                rate = len(labels) * args.batch_size * replicas / (now - window_start)
+                last = (step, *metrics)
+                log(f"Step {step}, loss = {metrics[0]:.4f}, AUC = {metrics[1]:.4f} ({rate:.0f} samples/s)")
+            predictions, labels = [], []
+            window_start = now
+        if args.checkpoint_dir is not None and pl.should_checkpoint():
+            # an elastic job's launcher or the scheduler asks us to stop: every replica stops at this step
+            save(done)
+            pl.wait_checkpoint()
+            log(f"stopping at step {done} for a resize or a requeue (checkpoint saved)")
+            return 0
+        if args.checkpoint_every and done % args.checkpoint_every == 0:
+            save(done)
+    trained = done - first
+    if labels:  # the window the data ended in
+        metrics = window_metrics(predictions, labels)
+        if metrics is not None:
+            last = (done - 1, *metrics)
+            log(f"Step {done - 1}, loss = {metrics[0]:.4f}, AUC = {metrics[1]:.4f}")
+    if args.checkpoint_dir is not None:
+        if trained > 0 and (not args.checkpoint_every or done % args.checkpoint_every):
+            save(done)
+        pl.wait_checkpoint()  # a background save, if any, is committed before we exit
+    elapsed = time.perf_counter() - start
+    if rank == 0 and trained > 0:
+        log(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} ms/step, "
+            f"{trained * args.batch_size * replicas / elapsed:.0f} samples/s) on {replicas} replica(s); "
+            f"final loss = {last[1]:.4f}, AUC = {last[2]:.4f} (the window up to step {last[0]})")
+    disk = [m.table.storage_stats for m in model.modules() if isinstance(m, pt.HostEmbeddingBag)]
+    disk = [d for d in disk if d is not None]
+    if disk and trained > 0:
+        hits, misses = sum(d["hits"] for d in disk), sum(d["misses"] for d in disk)
+        log(f"{len(disk)} table(s) on disk (replica 0): hit rate {hits / max(hits + misses, 1):.3f}, "
+            f"{sum(d['rows_read'] for d in disk)} rows read, {sum(d['rows_written'] for d in disk)} written")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
