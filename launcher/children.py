@@ -68,14 +68,14 @@ def run(cmd: list[str], *, timeout: float, input_text: str | None = None) -> sub
 
 
 def run_bounded(cmd: list[str], *, timeout: float, max_bytes: int, max_lines: int | None = None,
-                tail_bytes: int = 2000) -> tuple[subprocess.CompletedProcess, str | None]:
+                lines_are: str = "lines", tail_bytes: int = 2000) -> tuple[subprocess.CompletedProcess, str | None]:
     """Run ``cmd`` as :func:`run` does (stdin ``/dev/null``), reading its standard output
     and error as they come: ``(completed, problem)``. ``completed`` holds the exit code
     (None when stopped), stdout (bytes) and the last ``tail_bytes`` of stderr. Reading
     stops, and the process group is killed, once ``timeout`` seconds have passed
     (``problem``: ``still running after T s (killed)``) or stdout holds more than
     ``max_bytes`` bytes or more than ``max_lines`` lines (``printed more than N bytes
-    (killed)``, ``... lines (killed)``), so that no more than one read (64 KiB) past a
+    (killed)``, ``... N lines (killed)``, with ``lines_are`` for "lines"), so that no more than one read (64 KiB) past a
     limit is ever held; ``problem`` is None when the process ended in time.
 
     Raises:
@@ -104,7 +104,7 @@ def run_bounded(cmd: list[str], *, timeout: float, max_bytes: int, max_lines: in
                         if len(out) > max_bytes:
                             problem = f"printed more than {max_bytes} bytes (killed)"
                         elif max_lines is not None and lines > max_lines:
-                            problem = f"printed more than {max_lines} lines (killed)"
+                            problem = f"printed more than {max_lines} {lines_are} (killed)"
                     del err[:-tail_bytes]
         if problem is None:
             try:
