@@ -25,6 +25,11 @@ commands' output read as it comes and stopped at a limit (:func:`query`; the nod
 at :data:`MAX_NODES` names), tasks at :data:`MAX_TASKS_PER_NODE` a node and
 :data:`MAX_TASKS` in all. A bad one raises
 :class:`~popdist_lite_launcher.mpirun.LauncherError` naming the variable or command.
+
+A node's name need not resolve on the nodes (cloud and container clusters often name
+nodes only in ``slurm.conf``): Slurm, srun and mpirun's Slurm launch reach a node by
+the address Slurm has for it, and so does poprun-lite, where it needs one
+(:func:`node_address`, used by :func:`popdist_lite_launcher.network.launcher_address`).
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ MAX_TASKS_PER_NODE = 65533
 MAX_TASKS = 65536
 #: Seconds a Slurm command (``scontrol``, ``squeue``, ``sinfo``) may take.
 SCONTROL_TIMEOUT_SECONDS = 30.0
+#: Most bytes read from ``scontrol show node``.
+MAX_NODE_OUTPUT_BYTES = 1 << 16
 _JOB_ID = re.compile(r"[0-9]{1,20}")
 _NODELIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.,\[\]-]*")
 _TASKS = re.compile(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?")
@@ -249,6 +256,35 @@ def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
     return parse_hostnames(proc.stdout)
 
 
+def node_address(node: str, scontrol: str | None = None) -> str:
+    """The address Slurm reaches ``node`` at: its ``NodeAddr`` in ``scontrol -o show node
+    NODE`` (the first, in the line of ``NodeName=NODE``; the fields after it hold free
+    text), checked with :func:`popdist_lite_launcher.hosts.check_host`. It is the node's
+    name itself where ``slurm.conf`` gives no other.
+
+    Raises:
+        LauncherError: ``node`` is not a host name, ``scontrol`` cannot be run or failed,
+            or it printed no ``NodeAddr`` for ``node`` or a bad one.
+    """
+    try:
+        check_host(node)
+    except ValueError as exc:
+        raise LauncherError(f"Slurm node {exc}") from None
+    proc = query([scontrol or "scontrol", "-o", "show", "node", node], max_bytes=MAX_NODE_OUTPUT_BYTES)
+    if proc.returncode != 0:
+        said = (proc.stderr.strip() or proc.stdout.strip())[-300:]
+        raise LauncherError(f"`scontrol show node {node}` exited with {proc.returncode}: {said}")
+    for line in proc.stdout.splitlines():
+        if line.startswith(f"NodeName={node} "):
+            found = re.search(r" NodeAddr=(\S*)", line)
+            if found:
+                try:
+                    return check_host(found[1])
+                except ValueError as exc:
+                    raise LauncherError(f"`scontrol show node {node}`: NodeAddr {exc}") from None
+    raise LauncherError(f"`scontrol show node {node}` printed no NodeAddr for {node}")
+
+
 def allocation(environ, expand=None) -> Allocation | None:
     """The allocation this process runs in, from ``environ`` (None outside one): its
     nodes (``SLURM_JOB_NODELIST``, else ``SLURM_NODELIST``, through ``expand``, default
@@ -355,10 +391,13 @@ class SlurmLauncher(SshLauncher):
 
     def local_launch(self) -> list[str]:
         """MPICH's hydra starts its proxy with srun on this node too (it finds the
-        allocation itself), so with SIGTERM held it gets :func:`mpirun_args` here as well."""
-        if self.implementation == OPENMPI or not self.holds_sigterm:
+        allocation itself), so with SIGTERM held it gets :func:`mpirun_args` here as well;
+        and ``-localhost 127.0.0.1``, the address that proxy calls hydra back at (else
+        this node's name, which need not resolve: docs/slurm.md, "Node names and
+        addresses")."""
+        if self.implementation == OPENMPI:
             return []
-        return mpirun_args(self.implementation, True)
+        return [*(mpirun_args(self.implementation, True) if self.holds_sigterm else []), "-localhost", "127.0.0.1"]
 
     def environment(self, env: dict[str, str]) -> dict[str, str]:
         """``env`` with ``SLURM_OVERLAP=1``: the steps mpirun starts with ``srun`` (its
