@@ -13,7 +13,7 @@ host goes through the launch agent (ssh, or srun inside a Slurm allocation), and
 hosts reach the launcher at that address, never by name. Inside a Slurm allocation a
 node whose name does not resolve (cloud and container clusters often name nodes only
 in ``slurm.conf``) is reached at the address Slurm has for it, its ``NodeAddr``
-(:func:`popdist_lite_launcher.slurm.node_address`).
+(:func:`popdist_lite_launcher.scontrol.node_address`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from . import children
+from . import children, scontrol
 from .mpirun import LauncherError
 
 _SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
@@ -99,7 +99,7 @@ def route_target(host: str) -> str:
     """The IPv4 address to route to to reach ``host``: ``host`` itself when it is one,
     else its name resolved here (``/etc/hosts``, DNS), else inside a Slurm allocation
     (``SLURM_JOB_ID`` set) the node's ``NodeAddr``
-    (:func:`popdist_lite_launcher.slurm.node_address`, itself resolved when a name).
+    (:func:`popdist_lite_launcher.scontrol.node_address`, itself resolved when a name).
 
     Raises:
         LauncherError: the name does not resolve, and there is no allocation or Slurm
@@ -109,12 +109,10 @@ def route_target(host: str) -> str:
         return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
     except OSError as exc:  # socket.gaierror: the name does not resolve here
         unresolved = f"no route to host {host!r}: {exc}"
-    from . import slurm  # here: slurm's launcher is built on ssh_launch, which imports this module
-
-    if slurm.job_id(os.environ) is None:
+    if scontrol.job_id(os.environ) is None:
         raise LauncherError(unresolved)
     try:
-        address = slurm.node_address(host)
+        address = scontrol.node_address(host)
     except LauncherError as exc:
         raise LauncherError(f"{unresolved}; nor has Slurm an address for it: {exc}") from None
     try:

@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import children, hold_sigterm
+from . import hold_sigterm
 from .hosts import MAX_HOSTNAME_CHARS, check_host
 from .mpirun import OPENMPI, LauncherError
+from .scontrol import (MAX_NODE_OUTPUT_BYTES, SCONTROL_TIMEOUT_SECONDS, _clipped, _shown, job_id,  # noqa: F401
+                       node_address, query)
 from .ssh_launch import SshLauncher
 
 AUTO, SSH, SLURM = "auto", "ssh", "slurm"
@@ -60,24 +61,8 @@ MAX_TASKS_PER_NODE = 65533
 #: Most tasks of an allocation in all, so the most replicas it gives a job: far more
 #: than one mpirun command holds (an MPMD context of some 600 bytes a rank).
 MAX_TASKS = 65536
-#: Seconds a Slurm command (``scontrol``, ``squeue``, ``sinfo``) may take.
-SCONTROL_TIMEOUT_SECONDS = 30.0
-#: Most bytes read from ``scontrol show node``.
-MAX_NODE_OUTPUT_BYTES = 1 << 16
-_JOB_ID = re.compile(r"[0-9]{1,20}")
 _NODELIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.,\[\]-]*")
 _TASKS = re.compile(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?")
-_SHOWN_CHARS = 80
-
-
-def _clipped(text: str) -> str:
-    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
-
-
-def _shown(text: str) -> str:
-    return repr(_clipped(text))
-
-
 @dataclass(frozen=True)
 class Allocation:
     """A Slurm job's allocation: its id, its nodes in Slurm's order and the tasks
@@ -101,21 +86,6 @@ class Allocation:
         per_node = ", ".join(f"{node} {count}" for node, count in zip(self.nodes, self.tasks))
         return (f"slurm job {self.job_id}: {len(self.nodes)} node(s) {self.nodelist}, "
                 f"{self.total_tasks} task(s): {per_node}")
-
-
-def job_id(environ) -> str | None:
-    """The allocation's job id (``SLURM_JOB_ID``, else ``SLURM_JOBID``), None outside one.
-
-    Raises:
-        LauncherError: it is set but not a job id (digits).
-    """
-    for name in ("SLURM_JOB_ID", "SLURM_JOBID"):
-        value = environ.get(name)
-        if value is not None:
-            if not _JOB_ID.fullmatch(value):
-                raise LauncherError(f"${name} is not a Slurm job id (digits): {_shown(value)}")
-            return value
-    return None
 
 
 def _check_tasks(count: int, total: int, name: str, text: str) -> None:
@@ -205,33 +175,6 @@ def parse_hostnames(output: str, name: str = "scontrol show hostnames") -> list[
     return nodes
 
 
-def query(argv: list[str], *, max_bytes: int, max_lines: int | None = None, lines_are: str = "lines",
-          timeout: float = SCONTROL_TIMEOUT_SECONDS) -> subprocess.CompletedProcess:
-    """Run one of Slurm's commands (``argv[0]`` a path, or a name found on PATH) with
-    its output read as it comes and stopped at ``max_bytes`` bytes or ``max_lines``
-    lines (``lines_are``: what a line is, for the message)
-    (:func:`popdist_lite_launcher.children.run_bounded`): its exit code, stdout
-    (text, undecodable bytes replaced) and the end of its stderr.
-
-    Raises:
-        LauncherError: naming the command: not found, cannot be run, still running
-            after ``timeout`` seconds, or printing more than a limit (killed).
-    """
-    shown = _clipped(" ".join([Path(argv[0]).name, *argv[1:]]))
-    tool = shutil.which(argv[0])
-    if tool is None:
-        raise LauncherError(f"cannot run `{shown}`: {argv[0]} not found" + ("" if "/" in argv[0] else " on PATH"))
-    try:
-        done, problem = children.run_bounded([tool, *argv[1:]], timeout=timeout, max_bytes=max_bytes,
-                                             max_lines=max_lines, lines_are=lines_are, tail_bytes=600)
-    except OSError as exc:
-        raise LauncherError(f"cannot run `{shown}`: {exc}") from None
-    if problem is not None:
-        raise LauncherError(f"`{shown}` {problem}")
-    return subprocess.CompletedProcess(argv, done.returncode, done.stdout.decode("utf-8", "replace"),
-                                       done.stderr.decode("utf-8", "replace"))
-
-
 def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
     """The nodes of a Slurm host list, in order, as ``scontrol show hostnames`` expands
     it: read as it prints them and stopped at the name after :data:`MAX_NODES` (a list
@@ -254,35 +197,6 @@ def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
         raise LauncherError(f"`scontrol show hostnames {_clipped(nodelist)}` exited with "
                             f"{proc.returncode}: {said}")
     return parse_hostnames(proc.stdout)
-
-
-def node_address(node: str, scontrol: str | None = None) -> str:
-    """The address Slurm reaches ``node`` at: its ``NodeAddr`` in ``scontrol -o show node
-    NODE`` (the first, in the line of ``NodeName=NODE``; the fields after it hold free
-    text), checked with :func:`popdist_lite_launcher.hosts.check_host`. It is the node's
-    name itself where ``slurm.conf`` gives no other.
-
-    Raises:
-        LauncherError: ``node`` is not a host name, ``scontrol`` cannot be run or failed,
-            or it printed no ``NodeAddr`` for ``node`` or a bad one.
-    """
-    try:
-        check_host(node)
-    except ValueError as exc:
-        raise LauncherError(f"Slurm node {exc}") from None
-    proc = query([scontrol or "scontrol", "-o", "show", "node", node], max_bytes=MAX_NODE_OUTPUT_BYTES)
-    if proc.returncode != 0:
-        said = (proc.stderr.strip() or proc.stdout.strip())[-300:]
-        raise LauncherError(f"`scontrol show node {node}` exited with {proc.returncode}: {said}")
-    for line in proc.stdout.splitlines():
-        if line.startswith(f"NodeName={node} "):
-            found = re.search(r" NodeAddr=(\S*)", line)
-            if found:
-                try:
-                    return check_host(found[1])
-                except ValueError as exc:
-                    raise LauncherError(f"`scontrol show node {node}`: NodeAddr {exc}") from None
-    raise LauncherError(f"`scontrol show node {node}` printed no NodeAddr for {node}")
 
 
 def allocation(environ, expand=None) -> Allocation | None:
