@@ -657,7 +657,7 @@ class TableCollection:
         ok = problem is None and bad is None
         masks, dropped = self._passes("lookup", call if ok else None)
         serving = [s.shard.serving for s in self.stacks]
-        if masks == [None]:
+        if masks[0] is None:
             gids = self._stack_gids(call)[0] if ok else [None] * len(self.stacks)
             rows, routes, context = self._exchange.lookup(serving, gids, problem, bad, keep=keep, what=what)
             self._after_lookup()
@@ -703,7 +703,7 @@ class TableCollection:
         masks, dropped = self._passes("update", call if ok else None)
         if not ok:
             return None, [([None] * len(self.stacks), None)]
-        if masks == [None]:
+        if masks[0] is None:
             routes = self._exchange.route("update", self._stack_gids(call)[0])
             return [(route.inverse, route.u) for route in routes], [(routes, [0] * len(routes))]
         passes = []
@@ -913,12 +913,12 @@ class TableCollection:
             problem = _problem(exc)
         if problem is not None:
             self._exchange.backward(_dummy(self._exchange), [], problem, what=f"{self._name}.backward")
-        context.used = True
         sums = self._sums(context.maps, per_stack)
         for exchange, offsets in zip(context.exchange, context.offsets):
             part = [None if total is None else total[o:o + route.u]
                     for total, o, route in zip(sums, offsets, exchange.routes)]
             pairs = self._exchange.backward(exchange, part, None, what=f"{self._name}.backward")
+            context.used = True  # the first update ran: the context's IDs are spent
             self._apply(pairs, loss_scale)
         counters.record("update", start, kind=counters.PHASE, detail=self._name)
 

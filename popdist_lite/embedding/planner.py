@@ -18,12 +18,14 @@ stored and which replica serves and updates them:
    exchange) and its update is a sparse all-reduce of at most ``t`` rows.
 3. **Table-wise, balanced**: the other tables by decreasing expected load (the bytes
    their IDs, rows and gradients move per step), each whole to the replica with the
-   least load so far that has room for it, while that replica's load stays within
-   ``balance`` (default 1.1) of an even share of all the tables' load: many tables
-   then spread over the replicas, and each table's rows are served and updated by one
-   replica.
-4. **Row-wise** for the rest: tables whose load or storage is too large for one
-   replica's share, split over every replica (the TOKEN strategy).
+   least load so far that has room for it (leaving room for the tables still waiting),
+   while that replica's load stays within ``balance`` (default 1.1) of an even share
+   of all these tables' load and the table is no larger than ``balance`` times an
+   even share of their storage: many tables then spread over the replicas, and each
+   table's rows are served and updated by one replica.
+4. **Row-wise** for the rest: tables whose load or storage is above one replica's
+   share, split over every replica (the TOKEN strategy); a table that fits nowhere
+   split stays whole where it fits.
 5. **Column-wise** only where a constraint asks for it: it stores what row-wise stores
    and moves the same row bytes, but sends every ID to every replica.
 
@@ -413,20 +415,37 @@ class EmbeddingShardingPlanner:
                 big.append(c)
         # 3. table-wise while balanced, 4. else row-wise (5. column-wise when it is all that is allowed)
         share = (sum(load) + r * sum(estimates[c.name].load for c in big)) / r
-        for c in sorted(big, key=lambda c: (-estimates[c.name].load, names.index(c.name))):
+        stored = sum(estimates[c.name].storage_full()[0] + estimates[c.name].storage_full()[1] for c in big) / r
+        waiting = sorted(big, key=lambda c: (-estimates[c.name].load, -sum(estimates[c.name].storage_full()),
+                                             names.index(c.name)))
+        for i, c in enumerate(waiting):
             est = estimates[c.name]
+            whole = None
             if r > 1 and ShardingType.TABLE_WISE in est.allowed:
-                candidates = [k for k in (est.ranks or range(r))
-                              if est.storage(ParameterSharding(ShardingType.TABLE_WISE, (k,)))[0][k] <= free_m[k]
-                              and est.storage(ParameterSharding(ShardingType.TABLE_WISE, (k,)))[1][k] <= free_d[k]]
-                if candidates:
-                    k = min(candidates, key=lambda j: (load[j], j))
-                    if load[k] + r * est.load <= self.balance * share or ShardingType.ROW_WISE not in est.allowed:
-                        place(c, ParameterSharding(ShardingType.TABLE_WISE, (k,)),
-                              f"whole on the least-loaded replica (load within {self.balance:g}x an even share)")
+                # room for the table whole, and enough left over all replicas for the tables still waiting
+                later = [est_w.storage(ParameterSharding(ShardingType.ROW_WISE, tuple(range(r))))
+                         for est_w in (estimates[w.name] for w in waiting[i + 1:])]
+                needed = (sum(sum(x[0]) for x in later), sum(sum(x[1]) for x in later))
+                fits = []
+                for k in (est.ranks or range(r)):
+                    m, d = est.storage(ParameterSharding(ShardingType.TABLE_WISE, (k,)))
+                    if m[k] <= free_m[k] and d[k] <= free_d[k]:
+                        fits.append(k)
+                if fits:
+                    whole = min(fits, key=lambda j: (load[j], j))
+                    m, d = est.storage(ParameterSharding(ShardingType.TABLE_WISE, (whole,)))
+                    room = sum(free_m) - m[whole] >= needed[0] and sum(free_d) - d[whole] >= needed[1]
+                    balanced = load[whole] + r * est.load <= self.balance * share and \
+                        sum(est.storage_full()) <= self.balance * stored and room
+                    split_fits = all(a <= f for a, f in zip(est.storage(
+                        ParameterSharding(ShardingType.ROW_WISE, tuple(range(r))))[0], free_m))
+                    if balanced or ShardingType.ROW_WISE not in est.allowed or not split_fits:
+                        place(c, ParameterSharding(ShardingType.TABLE_WISE, (whole,)),
+                              f"whole on the least-loaded replica with room (load within {self.balance:g}x an even "
+                              f"share)" if balanced else "whole: split it would not fit")
                         continue
             kind = ShardingType.ROW_WISE if ShardingType.ROW_WISE in est.allowed else ShardingType.COLUMN_WISE
-            why = "split: too large for one replica's share" if r > 1 else "one replica"
+            why = "split: its load or size is above one replica's share" if r > 1 else "one replica"
             if kind is ShardingType.COLUMN_WISE:
                 why = "column-wise: the only placement its constraint allows"
             place(c, ParameterSharding(kind, tuple(range(r))), why)

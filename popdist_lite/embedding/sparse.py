@@ -182,7 +182,7 @@ class StackRouter:
             local, owner = np.divmod(gid, r)
             return owner, local
         rw = gid < self.rw_space
-        owner, local = np.divmod(gid, r)
+        local, owner = np.divmod(gid, r)
         tw = np.flatnonzero(~rw)
         if tw.size:
             g = gid[tw]
@@ -424,6 +424,17 @@ class SparseExchange:
         counters.record(f"{op}.route", start, kind=counters.PHASE, detail=self.name)
         return routes
 
+    def _safe_route(self, op: str, gids: list, need_groups: bool, send: bool, problem, bad):
+        """:meth:`route` when this replica's input is good; an unexpected error there
+        becomes this replica's problem, raised on every replica by the header (never a
+        replica alone while the others wait in it)."""
+        if problem is not None or bad is not None:
+            return [None] * len(self.stacks), problem
+        try:
+            return self.route(op, gids, need_groups, send), None
+        except Exception as exc:  # noqa: BLE001 - raised on every replica by the agreement
+            return [None] * len(self.stacks), Problem.of(exc)
+
     # -- the messages ---------------------------------------------------------------------------
     def _send_ids(self, routes: list, send_counts: list, sending) -> np.ndarray:
         """The IDs message: for each destination, each stack's IDs as message keys."""
@@ -490,8 +501,7 @@ class SparseExchange:
             TypeError, ValueError: on every replica, for any replica's ``problem``.
             RuntimeError: replicas exchanging other tables, or calls out of step.
         """
-        ok = problem is None and bad is None
-        routes = self.route("lookup", gids, False, keep) if ok else [None] * len(self.stacks)
+        routes, problem = self._safe_route("lookup", gids, False, keep, problem, bad)
         sending = [s.kind != REPLICATED or keep for s in self.stacks]
         # raises on every replica for any replica's problem: past it, every replica's input is good
         send_counts, recv_counts, per_stack = self._header("lookup", routes, problem, bad, sending=sending,
@@ -619,8 +629,7 @@ class SparseExchange:
         Raises:
             as :meth:`lookup`; nothing is returned (so nothing is updated) on error.
         """
-        ok = problem is None and bad is None
-        routes = self.route("update", gids, True, True) if ok else [None] * len(self.stacks)
+        routes, problem = self._safe_route("update", gids, True, True, problem, bad)
         return self.update(routes, None, problem, bad, grads=grads)
 
     def update(self, routes: list, sums: list | None, problem: Problem | None = None, bad=None, *, grads=None,
