@@ -1107,6 +1107,7 @@ class EmbeddingBagCollection(TableCollection):
         out = aligned_empty((b, sum(dims)), dtype)
         at = np.zeros(len(dims) + 1, np.int64)
         np.cumsum(dims, out=at[1:])
+        same = len(set(dims)) == 1  # one dim: the output is (B, F, e), a stack's features a gather of it
         for stack, members, m, unique in zip(self.stacks, self._stack_features, maps, rows):
             first, last = members[0], members[-1]
             contiguous = members == list(range(first, last + 1))
@@ -1114,6 +1115,9 @@ class EmbeddingBagCollection(TableCollection):
                 m.forward(unique, out=out.reshape(b * len(members), stack.e))  # the whole output, in place
                 continue
             result = m.forward(unique).reshape(b, len(members), stack.e)
+            if same:
+                out.reshape(b, len(dims), stack.e)[:, members] = result
+                continue
             for i, j in enumerate(members):
                 out[:, at[j]:at[j + 1]] = result[:, i]
         return KeyedArray(list(self.features), dims, out)
@@ -1140,6 +1144,7 @@ class EmbeddingBagCollection(TableCollection):
         else:
             per_feature = self._grads_by_feature(context, grads)
         out = []
+        same = len(set(dims)) == 1
         for stack, members in zip(self.stacks, self._stack_features):
             if not stack.trainable:
                 out.append(None)
@@ -1148,6 +1153,9 @@ class EmbeddingBagCollection(TableCollection):
             if per_feature is None and members == list(range(first, last + 1)):
                 block = whole[:, at[first]:at[last + 1]]  # (b, f) rows: bag b of the stack's features side by side
                 out.append(np.ascontiguousarray(block).reshape(b * len(members), stack.e))
+                continue
+            if per_feature is None and same:
+                out.append(whole.reshape(b, len(dims), stack.e)[:, members].reshape(b * len(members), stack.e))
                 continue
             if per_feature is None:
                 per_feature = self._grads_by_feature(context, grads)

@@ -12,10 +12,15 @@ stored and which replica serves and updates them:
 1. **Fixed placements first**: a table whose placement the collection's ``plan`` or a
    :class:`ParameterConstraints` with one sharding type (and, table-wise, one rank)
    fixes is placed so.
-2. **Data-parallel** for small tables: a table whose storage (weights, serving copy,
-   optimizer state) is at most ``data_parallel_max_bytes`` (default 1 MiB) is
-   replicated, if every replica has room: its lookups read the local copy (no
-   exchange) and its update is a sparse all-reduce of at most ``t`` rows.
+2. **Data-parallel** for small tables when all of them are: when every table left to
+   place is at most ``data_parallel_max_bytes`` (default 1 MiB: weights, serving copy,
+   optimizer state) and every replica has room, all are replicated: lookups then read
+   local copies and exchange no rows, and an update is a sparse all-reduce of at most
+   ``t`` rows per table. Beside larger tables a small table is placed as they are (3,
+   4): in one exchange for every table, replicating it would save no bytes (at two
+   replicas its gradient sums move as many bytes as its IDs and rows would, above two
+   more, as every replica's sums reach every replica) and would add a stack, with its
+   copies, to every call.
 3. **Table-wise, balanced**: the other tables by decreasing expected load (the bytes
    their IDs, rows and gradients move per step), each whole to the replica with the
    least load so far that has room for it (leaving room for the tables still waiting),
@@ -402,17 +407,21 @@ class EmbeddingShardingPlanner:
                 given = ParameterSharding(ShardingType.TABLE_WISE,
                                           (least_loaded(c, estimates[c.name].ranks or range(r)),))
             place(c, given.check(r, f"table {c.name!r}"), "fixed by the plan or a constraint")
-        # 2. small tables replicated
-        big = []
-        for c in rest:
+        # 2. small tables replicated, when all are small
+        def small(c) -> bool:
             est = estimates[c.name]
             full = est.storage_full()
-            if ShardingType.DATA_PARALLEL in est.allowed and c.storage is None and r > 1 and \
-                    full[0] <= self.data_parallel_max_bytes and all(full[0] <= f for f in free_m):
+            return ShardingType.DATA_PARALLEL in est.allowed and c.storage is None and \
+                full[0] <= self.data_parallel_max_bytes
+        big = list(rest)
+        if r > 1 and rest and all(small(c) for c in rest) and \
+                all(sum(estimates[c.name].storage_full()[0] for c in rest) <= f for f in free_m):
+            for c in rest:
+                full = estimates[c.name].storage_full()[0]
                 place(c, ParameterSharding(ShardingType.DATA_PARALLEL, tuple(range(r))),
-                      f"small ({_bytes(full[0])} <= {_bytes(self.data_parallel_max_bytes)}): replicated")
-            else:
-                big.append(c)
+                      f"small ({_bytes(full)} <= {_bytes(self.data_parallel_max_bytes)}), as every table: "
+                      f"replicated")
+            big = []
         # 3. table-wise while balanced, 4. else row-wise (5. column-wise when it is all that is allowed)
         share = (sum(load) + r * sum(estimates[c.name].load for c in big)) / r
         stored = sum(estimates[c.name].storage_full()[0] + estimates[c.name].storage_full()[1] for c in big) / r

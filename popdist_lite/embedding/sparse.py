@@ -330,6 +330,17 @@ class _Layout:
         self.peer_bytes = sizes.sum(axis=1).tolist()
         self.total = int(flat[-1])
 
+    def rows_of(self, buf: np.ndarray, s: int, dtype, width: int) -> np.ndarray:
+        """Stack ``s``'s rows from every peer, in peer order: a view when its regions
+        follow one another (the other stacks have nothing there), else a copy."""
+        counts, ends = self.counts[:, s], self.offsets[:, s] + self.counts[:, s] * self.row_bytes[s]
+        if (self.offsets[1:, s] == ends[:-1]).all():
+            start = int(self.offsets[0, s])
+            n = int(counts.sum())
+            return buf[start:start + n * width * np.dtype(dtype).itemsize].view(dtype).reshape(n, width)
+        parts = [self.view(buf, p, s, dtype, width) for p in range(len(counts)) if counts[p]]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros((0, width), dtype)
+
     def view(self, buf: np.ndarray, p: int, s: int, dtype, width: int) -> np.ndarray:
         """Region ``(p, s)`` of the byte buffer ``buf`` as ``(rows, width)`` of ``dtype``."""
         start, n = int(self.offsets[p, s]), int(self.counts[p, s])
@@ -598,9 +609,7 @@ class SparseExchange:
             elif stack.kind == REPLICATED:
                 out.append(serving[s].take(route.values, axis=0, mode="clip"))
             elif stack.kind == ROUTED:
-                parts = [asked.view(rows, o, s, stack.dtype, stack.width) for o in range(r) if route.counts[o]]
-                out.append(parts[0] if len(parts) == 1 else np.concatenate(parts) if parts
-                           else np.zeros((0, stack.e), stack.dtype))
+                out.append(asked.rows_of(rows, s, stack.dtype, stack.width))
             else:  # columns of every replica side by side, the padding sliced off
                 full = np.empty((route.u, r * stack.width), stack.dtype)
                 for o in range(r):
@@ -738,9 +747,7 @@ class SparseExchange:
                 continue
             width = stack.width if stack.kind == COLUMN else stack.e
             ids = their_ids[s][0]
-            parts = [got.view(received, j, s, stack.acc, width) for j in range(r) if theirs[j, s]]
-            values = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts \
-                else np.zeros((0, width), stack.acc)
+            values = got.rows_of(received, s, stack.acc, width)
             rows, perm, starts = group(ids)
             out.append((rows.astype(np.intp), sum_groups(values, perm, starts)))
         counters.record("update.sum", start, kind=counters.PHASE, detail=self.name)
