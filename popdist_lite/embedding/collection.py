@@ -235,9 +235,7 @@ class ShardedTable:
             else:
                 part, shape = None, array.shape
             meta = {"strategy": self.partition_strategy, "layout": kind}
-            value = array if part is None or part.kind == "replicated" else Partitioned(array, shape, part, meta)
-            if part is not None and part.kind == "replicated":
-                value = Partitioned(array, shape, part, meta)
+            value = array if part is None else Partitioned(array, shape, part, meta)
             if key.startswith("optimizer/"):
                 tree["optimizer"][key[len("optimizer/"):]] = value
             else:

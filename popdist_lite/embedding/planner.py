@@ -406,7 +406,7 @@ class EmbeddingShardingPlanner:
             if given.sharding_type is ShardingType.TABLE_WISE and given.ranks is None:
                 given = ParameterSharding(ShardingType.TABLE_WISE,
                                           (least_loaded(c, estimates[c.name].ranks or range(r)),))
-            place(c, given.check(r, f"table {c.name!r}"), "fixed by the plan or a constraint")
+            place(c, given.check(r, f"table {c.name!r}"), "fixed (plan or constraint)")
         # 2. small tables replicated, when all are small
         def small(c) -> bool:
             est = estimates[c.name]
@@ -419,8 +419,7 @@ class EmbeddingShardingPlanner:
             for c in rest:
                 full = estimates[c.name].storage_full()[0]
                 place(c, ParameterSharding(ShardingType.DATA_PARALLEL, tuple(range(r))),
-                      f"small ({_bytes(full)} <= {_bytes(self.data_parallel_max_bytes)}), as every table: "
-                      f"replicated")
+                      f"small ({_bytes(full)}) as every table")
             big = []
         # 3. table-wise while balanced, 4. else row-wise (5. column-wise when it is all that is allowed)
         share = (sum(load) + r * sum(estimates[c.name].load for c in big)) / r
@@ -450,13 +449,12 @@ class EmbeddingShardingPlanner:
                         ParameterSharding(ShardingType.ROW_WISE, tuple(range(r))))[0], free_m))
                     if balanced or ShardingType.ROW_WISE not in est.allowed or not split_fits:
                         place(c, ParameterSharding(ShardingType.TABLE_WISE, (whole,)),
-                              f"whole on the least-loaded replica with room (load within {self.balance:g}x an even "
-                              f"share)" if balanced else "whole: split it would not fit")
+                              "whole: least-loaded replica with room" if balanced else "whole: would not fit split")
                         continue
             kind = ShardingType.ROW_WISE if ShardingType.ROW_WISE in est.allowed else ShardingType.COLUMN_WISE
-            why = "split: its load or size is above one replica's share" if r > 1 else "one replica"
+            why = "split: above one replica's share" if r > 1 else "one replica"
             if kind is ShardingType.COLUMN_WISE:
-                why = "column-wise: the only placement its constraint allows"
+                why = "the only placement allowed"
             place(c, ParameterSharding(kind, tuple(range(r))), why)
         ordered = {name: out[name] for name in names}
         return ShardingPlan({name: t.sharding for name, t in ordered.items()}, r, ordered, (memory, disk))

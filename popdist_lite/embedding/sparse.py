@@ -399,14 +399,21 @@ class SparseExchange:
         start = perf_counter()
         r, k = self.r, self.k
         payload = np.zeros(_COUNTS + r, dtype=np.int64)
-        per_stack = np.zeros((r, len(self.stacks)), np.int64)  # this replica's counts per destination and stack
+        per_stack = None  # this replica's counts per destination and stack (several stacks)
         if bad is not None:
             payload[_BAD], payload[_BAD_TABLE], payload[_BAD_VALUE] = 1, bad[0], bad[1]
         elif problem is None:
-            for s, route in enumerate(routes):
-                if route is not None and (sending is None or sending[s]):
-                    per_stack[:, s] = route.counts
-            payload[_COUNTS:] = per_stack.sum(axis=1)
+            if self.single:
+                if routes[0] is not None and (sending is None or sending[0]):
+                    payload[_COUNTS:] = routes[0].counts
+            else:
+                per_stack = np.zeros((r, len(self.stacks)), np.int64)
+                for s, route in enumerate(routes):
+                    if route is not None and (sending is None or sending[s]):
+                        per_stack[:, s] = route.counts
+                payload[_COUNTS:] = per_stack.sum(axis=1)
+        if per_stack is None and not self.single:
+            per_stack = np.zeros((r, len(self.stacks)), np.int64)
         payload[_SEQ] = seq
         signatures = agree("embedding_" + op, None, self.comm, problem=problem, extra=self.code, payload=payload,
                            what=what)
@@ -414,8 +421,9 @@ class SparseExchange:
         n_bytes = signatures.itemsize * (r - 1)
         counters.record(f"{op}.header", start, n_bytes, n_bytes, kind=counters.PHASE, detail=self.name)
         codes = signatures["extra"]
-        if np.count_nonzero(header[:, _BAD]) or codes.tobytes() != self._codes or \
-                np.count_nonzero(header[:, _SEQ] != seq):
+        flags = header[:, :_COUNTS]  # bad, its table and value, the lookup's number: all 0 but the number
+        wrong = (flags[:, :_SEQ].any() or (flags[:, _SEQ] != seq).any()) if seq else flags.any()
+        if wrong or codes.tobytes() != self._codes:
             self.other_tables(codes, op)
             bad = np.flatnonzero(header[:, _BAD])
             if bad.size:
@@ -705,7 +713,7 @@ class SparseExchange:
             if not stack.trainable:
                 return [None]
             mine = sums[0] if sums[0] is not None else np.zeros((0, e), acc)
-            send_counts = per_stack[:, 0].tolist()
+            send_counts = [routes[0].counts[o] for o in range(r)] if routes[0] is not None else [0] * r
             received = exchange_rows(mine, send_counts, recv_counts, self.comm,
                                      out=self.buffers.get("their_sums", (sum(recv_counts), e), acc))
             self._phase("update.exchange", start, send_counts, recv_counts, e * acc.itemsize, moved)
