@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 
 from _launch import on_test_hosts, run_ranks, test_hosts_setup, under_mpi  # noqa: E402
 from bench_lookup import across, interleaved, paired_ratio  # noqa: E402
+from bench_torch import phase_profile  # noqa: E402  (torch is imported by its variants only)
 
 #: Criteo Kaggle's 26 categorical cardinalities (as DLRM's and TorchRec's examples use them).
 CRITEO_ROWS = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
@@ -130,31 +131,6 @@ def calls_per_step(comm, step, steps: int) -> dict:
     for s in range(steps):
         step(s)
     return {name: x["calls"] / steps for name, x in pl.stats()["collectives"].items()}
-
-
-def phase_profile(comm, step, steps: int) -> dict:
-    """Where a variant's step goes: ms per step of each phase of ``pl.stats()``
-    (``lookup`` and ``update`` the whole calls, ``*.rest`` their time outside the named
-    phases) and ``outside`` them, averaged over the replicas."""
-    import popdist_lite as pl
-
-    comm.Barrier()
-    pl.reset_stats()
-    start = time.perf_counter()
-    for s in range(steps):
-        step(s)
-    total = time.perf_counter() - start
-    phases = {name: x["seconds"] for name, x in pl.stats()["phases"].items()
-              if name.split(".")[0] in ("lookup", "update", "lookup_bags", "update_bags", "limits")}
-    for call in ("lookup", "update"):
-        phases[call] = phases.get(call, 0.0) + phases.pop(call + "_bags", 0.0)
-        parts = sum(x for name, x in phases.items() if name.startswith(call + "."))
-        phases[call + ".rest"] = phases[call] - parts
-    phases["outside"] = total - phases.get("lookup", 0.0) - phases.get("update", 0.0)
-    phases["step"] = total
-    names = sorted(phases)
-    mean = np.array(comm.allgather([phases[n] for n in names])).mean(axis=0)  # once per variant
-    return {n: round(float(x) / steps * 1e3, 4) for n, x in zip(names, mean)}
 
 
 def worker(opts) -> None:

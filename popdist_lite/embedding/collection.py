@@ -45,7 +45,6 @@ from .shard import default_blocks, different_table, initial_table
 from .sparse import SparseExchange
 from .stacks import Stack, build_stacks
 from .state import TableState
-from ..checkpoint.stateful import Partitioned, PerReplica
 
 _ESCAPE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -160,10 +159,12 @@ class ShardedTable:
         mine = {key: (a[rows] if layouts[key] in ("table", "row") else a) for key, a in arrays.items()}
         strategy = {ShardingType.ROW_WISE: "TOKEN", ShardingType.COLUMN_WISE: "ENCODING"}.get(
             self.sharding.sharding_type, self.partition_strategy)
+        layout = self._slot.layout
         return TableState(name=self.name, shape=self.shape, dtype=self.dtype, master_dtype=self.master_dtype,
                           partition_strategy=strategy, num_replicas=self._collection.comm.size,
                           replica=self._collection.comm.rank, arrays=mine, layouts=layouts,
-                          generators=shard.stochastic_rounding.generator_states())
+                          generators=shard.stochastic_rounding.generator_states(),
+                          partitions={"table": layout.table_partition(), "row": layout.row_partition()})
 
     def get_embedding_tensor(self, master: bool = False) -> np.ndarray:
         """The whole ``(t, e)`` table on every replica. Collective (an all-gather of
@@ -222,29 +223,9 @@ class ShardedTable:
         """Live views of this replica's rows (weights, optimizer slots) as
         :class:`~popdist_lite.checkpoint.Partitioned` arrays split as the placement
         splits them (row-wise cyclic, column-wise block, table-wise one replica's,
-        data-parallel replicated), and the rounding streams' states. Local."""
-        state = self.state()
-        layout = self._slot.layout
-        tree: dict = {"optimizer": {}}
-        for key, array in state.arrays.items():
-            kind = state.layouts[key]
-            if kind == "table":
-                part, shape = layout.table_partition(), self.shape
-            elif kind == "row":
-                part, shape = layout.row_partition(), (self.shape[0],)
-            else:
-                part, shape = None, array.shape
-            meta = {"strategy": self.partition_strategy, "layout": kind}
-            value = array if part is None else Partitioned(array, shape, part, meta)
-            if key.startswith("optimizer/"):
-                tree["optimizer"][key[len("optimizer/"):]] = value
-            else:
-                tree[key] = value
-        if not tree["optimizer"]:
-            del tree["optimizer"]
-        tree["generators"] = {kind: PerReplica(s) if kind == "per_replica" else s
-                              for kind, s in state.generators.items()}
-        return tree
+        data-parallel replicated), and the rounding streams' states
+        (:meth:`TableState.state_dict`). Local."""
+        return self.state().state_dict()
 
     def validate_state_dict(self, state_dict: dict, saved) -> None:
         """Refuse a checkpoint of a table of another shape, or generator states its stack
