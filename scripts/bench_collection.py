@@ -28,11 +28,14 @@ Variants:
                   of the one table below, so the difference is the number of tables)
     stacked1      one table of all 26 tables' rows (each feature's IDs offset into it),
                   the same 26 features and IDs: the goal's reference
+    host1         that one table as a HostEmbedding (lookup_bags / apply_bag_gradients of the
+                  26 x 512 IDs, one per bag): the numpy API's one-table step
     planned26     the 26 tables placed by the planner (replicated, table-wise, row-wise)
     loop26        26 HostEmbedding tables looked up and updated one after another
                   (lookup_bags / apply_bag_gradients): the numpy API before collections
 Summary: ``collection26_over_stacked1`` (goal: at most 1.1) and its paired form (the
-median over rounds of the two variants' block ratios), the other ratios for context,
+median over rounds of the two variants' block ratios), the other ratios for context
+(``collection26_over_host1``, ``planned26_over_stacked1``, ``loop26_over_collection26``),
 the collectives per step of each variant (``pl.stats()``), and per variant the step
 split into its phases (``profile_ms_per_step``: ``lookup.route``, ``lookup.header``,
 ``lookup.ids``, ``lookup.gather``, ``lookup.rows``, ``lookup.pool``,
@@ -59,8 +62,11 @@ from bench_torch import phase_profile  # noqa: E402  (torch is imported by its v
 #: Criteo Kaggle's 26 categorical cardinalities (as DLRM's and TorchRec's examples use them).
 CRITEO_ROWS = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
                5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
-VARIANTS = ("collection26", "stacked1", "planned26", "loop26")
+VARIANTS = ("collection26", "stacked1", "host1", "planned26", "loop26")
 GOAL = {"collection26_over_stacked1_at_most": 1.1}
+#: The ratios reported: the goal's, then context.
+PAIRS = (("collection26", "stacked1"), ("collection26", "host1"), ("planned26", "stacked1"),
+         ("loop26", "collection26"))
 BATCHES = 4
 
 
@@ -108,6 +114,15 @@ def variants(opts, comm, names, plans: dict | None = None) -> dict:
         if plans is not None:
             plans["planned26"] = {"record": planned.plan.record(), "printed": str(planned.plan).splitlines()}
         out["planned26"] = collection_step(planned, by_table)
+    if "host1" in names:
+        host = pl.create_host_embedding("host1", [sum(sizes), e], optimizer_spec=spec)
+        flat_grad = np.full((26 * b, e), 1e-3, np.float32)
+
+        def host_step(s):
+            ids = stacked[s % BATCHES].values
+            host.lookup_bags(ids, lengths)
+            host.apply_bag_gradients(ids, flat_grad, lengths, loss_scale=r)
+        out["host1"] = host_step
     if "loop26" in names:
         hosts = [pl.create_host_embedding(f"loop{i}", [t, e], optimizer_spec=spec) for i, t in enumerate(sizes)]
         ones = np.ones(b, np.int64)
@@ -145,8 +160,7 @@ def worker(opts) -> None:
     report = {name: {"variant": name, "steps": opts.steps, "blocks": opts.blocks,
                      "step_ms": across(comm, float(np.median(times[name])))} for name in steps}
     paired = {f"{a}_over_{b}": paired_ratio(comm, times[a], times[b])
-              for a, b in (("collection26", "stacked1"), ("planned26", "stacked1"), ("loop26", "collection26"))
-              if a in times and b in times}
+              for a, b in PAIRS if a in times and b in times}
     count = max(opts.steps // opts.blocks, 4)
     profile = {name: phase_profile(comm, step, count) for name, step in steps.items()}
     collectives = {name: calls_per_step(comm, step, 4) for name, step in steps.items()}
@@ -179,7 +193,7 @@ def main() -> None:
         got = run_ranks(os.path.abspath(__file__), args, opts.ranks, opts.timeout, launcher_args)[0]
     ms = {name: r["step_ms"]["max"] for name, r in got["variants"].items()}
     summary = {}
-    for a, b in (("collection26", "stacked1"), ("planned26", "stacked1"), ("loop26", "collection26")):
+    for a, b in PAIRS:
         if a in ms and b in ms:
             summary[f"{a}_over_{b}"] = round(ms[a] / ms[b], 3)
     summary.update({k + "_paired": v for k, v in got["paired"].items()})
