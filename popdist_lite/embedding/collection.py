@@ -311,8 +311,12 @@ class TableCollection:
                                  f"{str(item)[:300]} against {str(seen[0])[:300]}; every replica must pass the same")
         if planner is None:
             planner = EmbeddingShardingPlanner()
-        self.plan: ShardingPlan = planner.plan(configs, comm=comm, fixed=given)
-        seen = agree_objects(f"{self._name}: plan", self.plan.record(), comm)
+        problem = None
+        try:  # a replica's own planning error (another planner, say) is raised on every replica
+            self.plan: ShardingPlan = planner.plan(configs, comm=comm, fixed=given)
+        except (ValueError, TypeError) as exc:
+            problem = Problem.of(exc)
+        seen = agree_objects(f"{self._name}: plan", None if problem else self.plan.record(), comm, problem=problem)
         for j, item in enumerate(seen):
             if item != seen[0]:
                 raise ValueError(f"{self._name}: replica {j} planned another placement than replica 0 (give every "

@@ -270,6 +270,8 @@ def _table(rows: list) -> list[str]:
 
 
 def _bytes(n: float) -> str:
+    if n >= 1 << 61:
+        return "unlimited"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -324,6 +324,10 @@ def test_bad_configs_or_plans_raise_on_every_replica(comm, rng):
     with pytest.raises(TypeError, match=rf"replica {last}: argument tables: an EmbeddingBagCollection takes "
                                         rf"EmbeddingBagConfig s"):
         pl.EmbeddingBagCollection(configs(fulls, bags=comm.rank != last))
+    topology = pl.Topology(r, memory_bytes=10 if comm.rank == last else 1 << 30)  # another planner there
+    with pytest.raises(ValueError, match=rf"EmbeddingBagCollection: plan: replica {last}: EmbeddingShardingPlanner: "
+                                         rf"table 't\d' placed .* needs"):
+        pl.EmbeddingBagCollection(made, planner=pl.EmbeddingShardingPlanner(topology))
     assert pl.all_reduce(np.array([1.0]))[0] == r  # every replica still in step
 
 
