@@ -322,22 +322,6 @@ class TableCollection:
                 raise ValueError(f"{self._name}: replica {j} planned another placement than replica 0 (give every "
                                  f"replica the same planner and topology): {str(item)[:300]} against "
                                  f"{str(seen[0])[:300]}")
-        self.configs = configs
-        self.features = [name for c in configs for name in c.feature_names]
-        self._features = [_Feature(name, i, isinstance(c, EmbeddingBagConfig),
-                                   c.combiner if isinstance(c, EmbeddingBagConfig) else None)
-                          for i, c in enumerate(configs) for name in c.feature_names]
-        self._feature_index = {f.name: i for i, f in enumerate(self._features)}
-        self.stacks = build_stacks(configs, self.plan.shardings, comm, self._name)
-        self._initialize(configs)
-        self.tables: dict[str, ShardedTable] = {}
-        self._slot_of = {}
-        for stack in self.stacks:
-            for slot in stack.slots:
-                self._slot_of[slot.index] = (stack, slot)
-        for i, c in enumerate(configs):
-            stack, slot = self._slot_of[i]
-            self.tables[c.name] = ShardedTable(self, stack, slot)
         code = _code([c.name for c in configs])
         limited = []
         for i, c in enumerate(configs):
@@ -349,6 +333,21 @@ class TableCollection:
                 limited.append(LimitedTable(i, c.name, c.spec.id_limits, sharding.owner
                                             if sharding.sharding_type is ShardingType.TABLE_WISE else None))
         self._limits = BatchLimits(limited, comm, self._name, code) if limited else None
+        self.configs = configs
+        self.features = [name for c in configs for name in c.feature_names]
+        self._features = [_Feature(name, i, isinstance(c, EmbeddingBagConfig),
+                                   c.combiner if isinstance(c, EmbeddingBagConfig) else None)
+                          for i, c in enumerate(configs) for name in c.feature_names]
+        self.stacks = build_stacks(configs, self.plan.shardings, comm, self._name)
+        self._initialize(configs)
+        self.tables: dict[str, ShardedTable] = {}
+        self._slot_of = {}
+        for stack in self.stacks:
+            for slot in stack.slots:
+                self._slot_of[slot.index] = (stack, slot)
+        for i, c in enumerate(configs):
+            stack, slot = self._slot_of[i]
+            self.tables[c.name] = ShardedTable(self, stack, slot)
         self._exchange = SparseExchange([s.exchange_stack for s in self.stacks], comm, self._name, code,
                                         self._bad_index, self._other_collection)
         self._code = code

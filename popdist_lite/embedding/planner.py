@@ -471,6 +471,9 @@ class _Estimate:
         allowed = c.sharding_types or (ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE, ShardingType.ROW_WISE)
         if config.storage is not None:  # a disk table is never replicated
             allowed = tuple(t for t in allowed if t is not ShardingType.DATA_PARALLEL) or (ShardingType.ROW_WISE,)
+        if config.spec.id_limits.limited:  # ID limits hold per owner: row-wise and table-wise tables
+            allowed = tuple(t for t in allowed if t in (ShardingType.ROW_WISE, ShardingType.TABLE_WISE)) \
+                or (ShardingType.ROW_WISE,)
         self.allowed = tuple(t for t in _ORDER if t in allowed)
         self.ranks = c.ranks
         bags = c.batch_size or batch_size
