@@ -8,7 +8,9 @@ One MPI rank drives one replica. Import and go::
 
 Topology (PopDist names are aliases of the snake_case ones), collectives on numpy
 arrays, sharded host embeddings with their optimizer specs, ID limits, minibatching
-and combiners, data-parallel helpers, dense optimizers, stochastic rounding, loss
+and combiners, collections of tables at TorchRec's names (``EmbeddingBagCollection``,
+``EmbeddingCollection``, their configs, jagged batches, placements and planner;
+docs/recommender.md), data-parallel helpers, dense optimizers, stochastic rounding, loss
 scaling, the per-replica counters (:func:`stats`, :func:`reset_stats`), the host feed
 (``infeed``: batches computed by feed processes or a thread, with prefetch) and
 checkpoints (``save_checkpoint``, ``load_checkpoint``, ``latest_checkpoint``) and elastic
@@ -51,7 +53,11 @@ _LAZY = {
                    "HostEmbeddingAdamOptimizerSpec", "HostEmbeddingMomentumOptimizerSpec",
                    "HostEmbeddingOptimizerSpec", "HostEmbeddingSGDGAOptimizerSpec", "IdLimitError",
                    "IdLimitRecorder", "IdLimits", "TableState", "bucket_of", "create_host_embedding",
-                   "last_id_stats", "minibatch_ranges", "split_mask"),
+                   "last_id_stats", "minibatch_ranges", "split_mask",
+                   "EmbeddingBagConfig", "EmbeddingConfig", "PoolingType", "JaggedArray", "KeyedJaggedArray",
+                   "KeyedArray", "TableCollection", "EmbeddingBagCollection", "EmbeddingCollection", "ShardedTable",
+                   "ShardingType", "ParameterSharding", "EmbeddingShardingPlanner", "ParameterConstraints",
+                   "ShardingPlan", "Topology"),
     ".loss_scaling": ("DynamicLossScale", "DynamicLossScaler", "FixedLossScale", "LossScaler", "StaticLossScaler"),
     ".dense_optimizers": ("SGD", "Adam", "DenseOptimizer", "MomentumSGD"),
     ".stochastic_rounding": ("StochasticRounding", "StochasticRoundingBehaviour", "round_to_nearest",

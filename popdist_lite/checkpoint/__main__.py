@@ -47,7 +47,8 @@ def _size(n: int) -> str:
 
 def _partition_text(record: dict) -> str:
     p = record["partition"]
-    text = p["kind"] if p["kind"] == "replicated" else f"{p['kind']}(axis {p['axis']})"
+    text = p["kind"] if p["kind"] == "replicated" else f"single(replica {p['replica']})" \
+        if p["kind"] == "single" else f"{p['kind']}(axis {p['axis']})"
     strategy = record.get("meta", {}).get("strategy")
     return f"{text} {strategy} {record['meta'].get('layout')}" if strategy else text
 

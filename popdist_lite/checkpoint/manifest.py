@@ -172,11 +172,13 @@ def _check_array(name: str, record: dict, manifest_writers: int) -> None:
     spec = _dict(record.get("partition"), f"{what}.partition")
     if spec.get("kind") not in KINDS:
         raise _Bad(f"{what}.partition: kind must be one of {list(KINDS)}, got {spec.get('kind')!r:.40}")
-    partition = Partition(spec["kind"], 0 if spec["kind"] == "replicated" else
-                          _int(spec.get("axis"), f"{what}.partition.axis", 0, max(0, len(shape) - 1)))
-    if partition.kind != "replicated" and not shape:
+    if spec["kind"] != "replicated" and not shape:
         raise _Bad(f"{what}.partition: a 0-d array cannot be split")
     writers = _int(record.get("writers"), f"{what}.writers", manifest_writers, manifest_writers)
+    partition = Partition(spec["kind"], 0 if spec["kind"] == "replicated" else
+                          _int(spec.get("axis"), f"{what}.partition.axis", 0, max(0, len(shape) - 1)),
+                          _int(spec.get("replica"), f"{what}.partition.replica", 0, writers - 1)
+                          if spec["kind"] == "single" else 0)
     files = record.get("files")
     expected = partition.writers(writers)
     if not isinstance(files, list) or len(files) != len(expected):

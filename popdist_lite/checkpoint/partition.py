@@ -1,9 +1,11 @@
 """How an array is split over replicas, and which part of which file a replica reads
 to fill its own part at another replica count or partition (resharding).
 
-Three partitions cover every kind of state (see docs/checkpoint.md):
+Four partitions cover every kind of state (see docs/checkpoint.md):
 
 - ``replicated``: every replica holds the whole array; replica 0 writes it once.
+- ``single``: replica ``replica`` holds the whole array, the others nothing (a
+  table-wise embedding table's rows); it writes it.
 - ``cyclic`` on ``axis``: replica ``k`` of ``r`` holds indices ``k, k + r, k + 2r, ...``
   (a TOKEN table's rows: row ``i`` on replica ``i % r`` at local row ``i // r``).
 - ``block`` on ``axis``: replica ``k`` holds ``[k*c, (k+1)*c)``, ``c = ceil(n/r)`` (an
@@ -23,31 +25,40 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KINDS = ("replicated", "cyclic", "block")
+KINDS = ("replicated", "cyclic", "block", "single")
 
 
 @dataclass(frozen=True)
 class Partition:
-    """``kind`` in :data:`KINDS`; ``axis``: the split axis (ignored for replicated)."""
+    """``kind`` in :data:`KINDS`; ``axis``: the split axis (ignored for replicated);
+    ``replica``: the replica holding a ``single`` array (axis 0 is the one held whole
+    or not at all)."""
 
     kind: str
     axis: int = 0
+    replica: int = 0
 
     def record(self) -> dict:
-        return {"kind": self.kind} if self.kind == "replicated" else {"kind": self.kind, "axis": self.axis}
+        if self.kind == "replicated":
+            return {"kind": self.kind}
+        if self.kind == "single":
+            return {"kind": self.kind, "axis": self.axis, "replica": self.replica}
+        return {"kind": self.kind, "axis": self.axis}
 
     @classmethod
     def from_record(cls, record: dict) -> "Partition":
         kind = record.get("kind")
         if kind not in KINDS:
             raise ValueError(f"unknown partition {record!r}")
-        return cls(kind, int(record.get("axis", 0)))
+        return cls(kind, int(record.get("axis", 0)), int(record.get("replica", 0)))
 
     def held(self, n: int, replicas: int, replica: int) -> slice:
         """The global indices along :attr:`axis` (of length ``n``) that ``replica`` holds,
         in local order, as a slice with non-negative start, stop and step."""
         if self.kind == "replicated":
             return slice(0, n, 1)
+        if self.kind == "single":
+            return slice(0, n, 1) if replica == self.replica else slice(0, 0, 1)
         if self.kind == "cyclic":
             return slice(min(replica, n), n, replicas)
         c = -(-n // replicas)
@@ -59,6 +70,8 @@ class Partition:
 
     def writers(self, replicas: int) -> list[int]:
         """The replicas that write a file of this array."""
+        if self.kind == "single":
+            return [self.replica]
         return [0] if self.kind == "replicated" else list(range(replicas))
 
     def file_shape(self, shape: tuple, replicas: int, replica: int) -> tuple:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import zlib
 from time import perf_counter
 from typing import Callable
 
@@ -23,12 +22,12 @@ from . import combiners
 from .encoding import EncodingPartition
 from .exchange import DenseExchange, Exchange
 from .id_limits.enforcer import IdLimitEnforcer
-from .optimizer_specs import EmbeddingOptimizerSpec, HostEmbeddingSGDGAOptimizerSpec, UpdateContext
+from .optimizer_specs import EmbeddingOptimizerSpec, HostEmbeddingSGDGAOptimizerSpec
+from .shard import Shard, initialize
 from .sparse import SparseTokenExchange
-from .state import TableState, check_arrays, layout_of
+from .state import TableState, check_arrays
 from .storage import DiskStorage, as_storage
-from .storage.disk import DiskRows, Prefetch
-from .storage.rowfile import DROP_BYTES
+from .storage.disk import Prefetch
 from .table_spec import TableSpec
 from .token import TokenPartition
 
@@ -36,8 +35,6 @@ PARTITIONS = {"TOKEN": TokenPartition, "ENCODING": EncodingPartition}
 #: A disk table's counters on the timeline (a counter event after each lookup and
 #: update) and in the progress records (summed over the process's disk tables).
 TIMELINE_COUNTERS = progress.STORAGE_FIELDS
-_INIT_BLOCK_ROWS = 1 << 15
-_NO_ROWS = np.zeros(0, np.int64)
 
 
 class HostEmbedding:
@@ -84,30 +81,24 @@ class HostEmbedding:
         self._comm = comm
         t, e = self.shape
         self._partition = PARTITIONS[spec.partition_strategy](t, e, comm.size, comm.rank)
-        self.storage, self._disk = storage, None
-        if storage is None:
-            self.local_shard = np.zeros(self._partition.shard_shape, dtype=self.master_dtype)
-        else:
-            self._disk = _open_disk(spec, self._partition.shard_shape, storage, comm)
-            self.local_shard = self._disk.weights
+        self.storage = storage
+        row_sum = getattr(self._partition, "row_sum", None)  # ENCODING: a row's columns are spread
+        self._shard = Shard(spec.name, self._partition.shard_shape, spec.dtype, spec.master_dtype, spec.optimizer_spec,
+                            spec.stochastic_rounding, comm, storage, full_width=e,
+                            row_sum=None if row_sum is None else (lambda x: row_sum(x, comm)))
+        self._disk, self.local_shard = self._shard.disk, self._shard.weights
+        self.optimizer_state = self._shard.optimizer_state
         self._exchange: Exchange = (SparseTokenExchange(spec, comm) if spec.exchange == "sparse"
                                     else DenseExchange(spec.name, self._partition, comm))
         self._limiter = IdLimitEnforcer(spec, comm) if self.id_limits is not None else None
         if spec.exchange == "sparse" and self.id_limits is not None and self.id_limits.capacity is not None:
             self._exchange.reserve(self.id_limits.capacity, self.dtype)
-        if self._disk is not None:
-            _initialize(_Writes(self._disk), self._partition, spec, initializer, comm)
-            self._disk.release_pages()
-            self._serving = self._disk.serving(self.dtype)
-            self.optimizer_state = self._disk.slots
-            self._registered = 0
-            self._accumulated = _NO_ROWS  # SGD-GA: local rows touched since the last application
-            return
-        _initialize(self.local_shard, self._partition, spec, initializer, comm)
-        # Lookups read the serving copy: the master shard itself, or its float16 (lookup
-        # dtype) rounding kept in step with every update (only written rows are re-cast).
-        self._serving = self.local_shard if self.master_dtype == self.dtype else self.local_shard.astype(self.dtype)
-        self.optimizer_state = spec.optimizer_spec.init_state(self._partition.shard_shape) if spec.trainable else {}
+        initialize(self._shard.initial_writes(), self._partition, spec, initializer, comm)
+        # Lookups read the serving copy: the master shard itself, its float16 (lookup
+        # dtype) rounding kept in step with every update (only written rows are re-cast),
+        # or a disk table's rows through its cache.
+        self._shard.initialized()
+        self._serving = self._shard.serving
         self._registered = 0
 
     # -- the TensorFlow-IPU API ---------------------------------------------------------
@@ -292,49 +283,8 @@ class HostEmbedding:
 
     def _apply(self, rows: np.ndarray, sums: np.ndarray, loss_scale: float) -> None:
         """One optimizer step on this replica's ``rows`` (local, sorted, unique) with the
-        summed gradients ``sums``, whichever exchange produced them."""
-        sums = sums.astype(np.result_type(sums.dtype, np.float32), copy=False)
-        if loss_scale != 1.0:
-            sums = sums / np.asarray(loss_scale, sums.dtype)
-        if self._disk is not None:
-            rows, sums, accumulated = self._with_accumulated_rows(rows, sums)
-            self._disk.update(rows, functools.partial(self._apply_rows, sums), self._comm)
-            self._accumulated = accumulated
-            return
-        result = self.optimizer_spec.apply(self.local_shard, rows, sums, self.optimizer_state, self._update_context())
-        if result is not None:
-            written, values = result
-            self.local_shard[written] = self.stochastic_rounding.cast(values, self.master_dtype, replicated=False)
-            if self._serving is not self.local_shard:
-                self._serving[written] = self.local_shard[written].astype(self.dtype)
-
-    def _with_accumulated_rows(self, rows: np.ndarray, sums: np.ndarray):
-        """A disk table's update reads and writes only the rows it is given; SGD-GA's
-        application (every ``accumulation_factor``-th call) also changes the rows
-        accumulated by the calls before. So that call is given them too, with zero sums
-        (adding 0 to their accumulators changes nothing), and the spec's own ``apply``
-        runs unchanged on the compact partition: the same rows, in the same ascending
-        order, as the in-memory table's application (so the same stochastic rounding
-        draws). Returns ``(rows, sums, the rows accumulated after this call)``; the
-        cache must hold the distinct rows of ``accumulation_factor`` calls."""
-        spec = self.optimizer_spec
-        if not isinstance(spec, HostEmbeddingSGDGAOptimizerSpec):
-            return rows, sums, _NO_ROWS
-        due = np.union1d(self._accumulated, rows).astype(np.int64, copy=False)
-        if (int(self.optimizer_state["calls"][0]) + 1) % spec.accumulation_factor:
-            return rows, sums, due
-        full = np.zeros((due.size,) + sums.shape[1:], sums.dtype)
-        full[np.searchsorted(due, rows)] = sums
-        return due, full, _NO_ROWS
-
-    def _apply_rows(self, sums: np.ndarray, shard: np.ndarray, state: dict):
-        """A disk table's optimizer step on its touched rows read out as a compact
-        ``(u, c)`` partition: ``(written positions, values in the master dtype)`` or ``None``."""
-        result = self.optimizer_spec.apply(shard, np.arange(len(sums)), sums, state, self._update_context())
-        if result is None:
-            return None
-        written, values = result
-        return written, self.stochastic_rounding.cast(values, self.master_dtype, replicated=False)
+        summed gradients ``sums``, whichever exchange produced them (:meth:`Shard.apply`)."""
+        self._shard.apply(rows, sums, loss_scale)
 
     @property
     def storage_stats(self) -> dict | None:
@@ -440,16 +390,10 @@ class HostEmbedding:
         if self._disk is not None:
             self._disk.drop_prefetches()
 
-    def _update_context(self) -> UpdateContext:
-        row_sum = getattr(self._partition, "row_sum", None)
-        if row_sum is None:  # rows are whole on their owner
-            return UpdateContext(width=self.shape[1])
-        return UpdateContext(width=self.shape[1], row_sum=lambda x: row_sum(x, self._comm))
-
     @property
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state held by this replica (its own rows only)."""
-        return int(sum(a.nbytes for a in self.optimizer_state.values()))
+        return self._shard.optimizer_state_bytes
 
     def state(self) -> TableState:
         """This replica's state of the table: live references to its master partition and
@@ -460,14 +404,8 @@ class HostEmbedding:
 
         Raises:
             RuntimeError: a disk table's partition file was truncated or replaced."""
-        if self._disk is not None:
-            self._disk.sync()
-        arrays = {"weights": self.local_shard}
-        layouts = {"weights": "table"}
-        declared = self.optimizer_spec.state_layouts() if self.optimizer_state else {}
-        for slot, array in self.optimizer_state.items():
-            arrays[f"optimizer/{slot}"] = array
-            layouts[f"optimizer/{slot}"] = declared.get(slot) or layout_of(array, self._partition.shard_shape)
+        self._shard.sync()
+        arrays, layouts = self._shard.arrays()
         return TableState(name=self.name, shape=self.shape, dtype=self.dtype, master_dtype=self.master_dtype,
                           partition_strategy=self.partition_strategy, num_replicas=self._comm.size,
                           replica=self._comm.rank, arrays=arrays, layouts=layouts,
@@ -494,12 +432,7 @@ class HostEmbedding:
             np.copyto(current.arrays[key], value)
         if generators:
             self.stochastic_rounding.set_generator_states(generators)
-        if self._disk is not None:
-            if isinstance(self.optimizer_spec, HostEmbeddingSGDGAOptimizerSpec):
-                self._accumulated = np.flatnonzero(self.optimizer_state["touched"]).astype(np.int64)
-            self._disk.release_pages()
-        elif self._serving is not self.local_shard:
-            np.copyto(self._serving, self.local_shard, casting="unsafe")
+        self._shard.loaded()
 
     # -- checkpoints (the Stateful protocol of popdist_lite.checkpoint) -----------------
     def checkpoint_info(self) -> dict:
@@ -676,40 +609,6 @@ def create_host_embedding(name: str, shape, dtype=np.float32, partition_strategy
     return HostEmbedding(spec, initializer, comm, disk)
 
 
-def _open_disk(spec: TableSpec, shard_shape: tuple, storage: DiskStorage, comm) -> DiskRows:
-    """This replica's partition file and cache. Collective: a replica that cannot make
-    its file (no such directory, no space, a cache smaller than one row) fails them all."""
-    problem, disk = None, None
-    try:
-        disk = DiskRows(spec.name, comm.rank, shard_shape, spec.master_dtype, spec.optimizer_spec, storage)
-    except (OSError, ValueError) as exc:
-        problem = Problem.of(exc)
-    try:
-        agree_objects(f"create_host_embedding({spec.name!r}, storage={storage})", None, comm, problem=problem)
-    except BaseException:
-        if disk is not None:
-            disk.close()  # another replica failed: this one's file goes now, not when collected
-        raise
-    return disk
-
-
-class _Writes:
-    """The shard :func:`_initialize` writes a disk table's initial rows into: the
-    partition file's weights map, its pages written back and dropped every
-    :data:`~popdist_lite.embedding.storage.rowfile.DROP_BYTES`, as the file's reads and writes."""
-
-    def __init__(self, disk: DiskRows):
-        self.disk, self.pending = disk, 0
-
-    def __setitem__(self, key, value) -> None:
-        self.disk.weights[key] = value
-        # the records' bytes, not the weights': every page of a record written is dirtied
-        self.pending += (np.shape(value)[0] if np.ndim(value) else 1) * self.disk.record.itemsize
-        if self.pending >= DROP_BYTES:
-            self.disk.release_pages()
-            self.pending = 0
-
-
 def _prepare(spec: TableSpec, indices: np.ndarray, clip_indices: bool, grads=None):
     """Check this replica's arguments to a lookup or update locally (no communication).
 
@@ -757,35 +656,3 @@ def _prepare_bags(spec: TableSpec, values, lengths, weights, combiner, padding_i
         return bags, empty, Problem(type(exc), f"host embedding {spec.name!r}: {exc}")
     flat, _, problem = _prepare(spec, bags.ids, clip_indices)
     return bags, flat, problem
-
-
-def _initialize(shard: np.ndarray, partition, spec: TableSpec, initializer, comm) -> None:
-    """Write the initial values of this replica's ``shard`` (collective when
-    ``initializer`` is given: every replica must pass the same table).
-
-    Raises:
-        ValueError: on every replica, for a table of the wrong shape on any replica or
-            tables that differ between replicas.
-    """
-    (t, e), dtype = spec.shape, spec.master_dtype
-    if initializer is None:
-        # Counter-based blocks: the same table for any replica count and strategy.
-        for first in range(0, t, _INIT_BLOCK_ROWS):
-            rng = np.random.default_rng([spec.seed, first // _INIT_BLOCK_ROWS])
-            n = min(_INIT_BLOCK_ROWS, t - first)
-            block = (rng.random((n, e), dtype=np.float32) * 0.1 - 0.05).astype(dtype)
-            partition.shard_from_block(block, first, shard)
-        return
-    table = initializer(spec.shape, dtype) if callable(initializer) else initializer
-    table = np.asarray(table)
-    problem, crc = None, None
-    if table.shape != spec.shape:
-        problem = Problem(ValueError, f"initializer: expected a table of shape {spec.shape}, got {table.shape}")
-    else:
-        crc = zlib.crc32(np.ascontiguousarray(table, dtype=dtype).tobytes())
-    crcs = agree_objects(f"host embedding {spec.name!r}", crc, comm, problem=problem)  # creation is rare
-    if len(set(crcs)) > 1:
-        r = next(i for i, c in enumerate(crcs) if c != crcs[0])
-        raise ValueError(f"host embedding {spec.name!r}: initializer: replica {r} has a different initial "
-                         f"table from replica 0; pass the same array (or a deterministic callable) everywhere")
-    partition.shard_from_block(table.astype(dtype, copy=False), 0, shard)

@@ -3,11 +3,14 @@ API for several features (:meth:`EmbeddingCollection.lookup`,
 :meth:`EmbeddingCollection.apply_gradients`) and the in-jit path
 (:meth:`EmbeddingCollection.lookup_in_jit`).
 
-Features that share a table are stacked, as SparseCore stacks them: one exchange per
-table and direction, and one optimizer step per table and step whatever the number of
-features reading it. A stacked call is a bag lookup (``lookup_bags``) when any of the
-table's features is pooled (a feature that is not pooled is then a bag of one ID per
-position with weight 1, which every combiner returns unchanged), else a plain lookup.
+The tables are the core's collection (:class:`popdist_lite.TableCollection`): one
+exchange moves every table's IDs, rows and gradients per call (one agreement and one
+all-to-all per kind of data, whatever the number of tables), and one optimizer step per
+table and call whatever the number of features reading it. A TOKEN table is placed
+row-wise, an ENCODING table column-wise. A table with a pooled feature is a bag
+table (``EmbeddingBagConfig`` with the table's combiner): a feature of it that is not
+pooled is a bag of one ID per position with weight 1, which every combiner returns
+unchanged.
 
 Shapes are static: a feature's activation always has its ``FeatureSpec.output_shape``
 (the batch and the spec fix it; bags are padded to ``input_shape[-1]`` IDs with
@@ -23,10 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+import popdist_lite as pl
+
 from ._host import agree_inputs, dedicated_comm, host_array, problem_of, to_jax
 from .checkpoint import checkpoint_name
 from .embedding import HostEmbedding
-from .specs import PADDING_ID, FeatureSpec
+from .specs import PADDING_ID, FeatureSpec, TableSpec
 
 
 class EmbeddingCollection:
@@ -40,7 +45,10 @@ class EmbeddingCollection:
 
     Attributes:
         feature_specs: the specs, in the order features are processed.
-        tables: table name -> :class:`popdist_lite.jax.HostEmbedding`.
+        tables: table name -> :class:`popdist_lite.jax.HostEmbedding` (its ``table`` the
+            core collection's :class:`popdist_lite.ShardedTable`).
+        core: the :class:`popdist_lite.TableCollection` holding the tables (one
+            exchange for all of them per call).
 
     Inputs of one step (per replica): ``features`` maps each feature name to its IDs,
     an integer array of ``input_shape`` (JAX or numpy; ``-1`` pads bags) or, for a
@@ -66,15 +74,20 @@ class EmbeddingCollection:
             problem = problem_of(exc)
         _same_everywhere(agree_objects("EmbeddingCollection", _signature(specs), self.comm, problem=problem))
         self.feature_specs = specs
-        self.tables = {name: HostEmbedding(tables[name].create(self.comm)) for name in sorted(tables)}
+        names = sorted(tables)
         #: (table name, its features' indices in feature_specs), in table-name order.
-        self._groups = [(name, [i for i, s in enumerate(specs) if s.table_spec.name == name]) for name in self.tables]
+        self._groups = [(name, [i for i, s in enumerate(specs) if s.table_spec.name == name]) for name in names]
+        configs = [_config(tables[name], [specs[i] for i in members]) for name, members in self._groups]
+        plan = {name: "row_wise" if tables[name].partition_strategy == "TOKEN" else "column_wise" for name in names}
+        #: The core collection of the tables (popdist_lite.TableCollection).
+        self.core = pl.TableCollection(configs, plan=plan, comm=self.comm)
+        self.tables = {name: HostEmbedding(self.core.tables[name]) for name in names}
         self._in_jit = _in_jit_lookup(self)
 
     # -- the split API --------------------------------------------------------------
     def lookup(self, features: Mapping, weights: Mapping | None = None) -> dict[str, jax.Array]:
         """Every feature's activation: name -> ``jax.Array`` of its ``output_shape``, in
-        the table's lookup dtype (as JAX uses it). Collective (one exchange per table).
+        the table's lookup dtype (as JAX uses it). Collective (one exchange for every table).
 
         Raises:
             KeyError, ValueError, TypeError: on every replica, for any replica's
@@ -198,71 +211,57 @@ class EmbeddingCollection:
         """Every feature's ``(ids, weights or None)``, checked on this replica only."""
         return [_feature_input(s, features, weights) for s in self.feature_specs]
 
-    def _stack(self, members: list[int], inputs) -> tuple:
-        """One table's features stacked: ``(values, lengths or None, weights or None,
-        rows per feature)``; ``lengths`` is None when no feature is pooled."""
-        specs = [self.feature_specs[i] for i in members]
-        if not any(s.pooled for s in specs):
-            ids = [inputs[i][0].reshape(-1) for i in members]
-            return np.concatenate(ids) if len(ids) > 1 else ids[0], None, None, [a.size for a in ids]
-        values, lengths, weights, counts = [], [], [], []
-        weighted = any(inputs[i][1] is not None for i in members)
-        for i, spec in zip(members, specs):
-            ids, w = inputs[i]
-            if spec.pooled:
+    def _batches(self, inputs, tables=None) -> dict:
+        """The core's input of every feature: ``name -> (values, lengths, weights)``
+        (bags of the padded IDs without their padding; one ID per bag for a feature
+        that is not pooled); the features of tables outside ``tables`` pass nothing."""
+        out = {}
+        for spec, (ids, w) in zip(self.feature_specs, inputs):
+            if tables is not None and spec.table_spec.name not in tables:
+                out[spec.name] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+            elif spec.pooled:
                 bags = ids.reshape(-1, spec.input_shape[-1])
                 real = bags != PADDING_ID
-                values.append(bags[real])
-                lengths.append(real.sum(axis=1))
-                if weighted:
-                    weights.append(w.reshape(bags.shape)[real] if w is not None else np.ones(real.sum()))
+                out[spec.name] = (bags[real], real.sum(axis=1),
+                                  None if w is None else np.asarray(w, np.float64).reshape(bags.shape)[real])
             else:
-                values.append(ids.reshape(-1))
-                lengths.append(np.ones(ids.size, np.int64))
-                if weighted:
-                    weights.append(np.ones(ids.size))
-            counts.append(lengths[-1].size)
-        return (np.concatenate(values), np.concatenate(lengths), np.concatenate(weights) if weighted else None,
-                counts)
-
-    def _lookup_host(self, inputs, tables=None) -> dict[str, np.ndarray]:
-        """name -> numpy activation of every feature of ``tables`` (default: all). Collective."""
-        out = {}
-        for name, members in self._groups:
-            if tables is not None and name not in tables:
-                continue
-            table = self.tables[name].table
-            values, lengths, weights, counts = self._stack(members, inputs)
-            if lengths is None:
-                rows = table.lookup(values)
-            else:
-                rows = table.lookup_bags(values, lengths, weights, combiner=self._combiner(members))
-            for i, part in zip(members, np.split(rows, np.cumsum(counts)[:-1])):
-                spec = self.feature_specs[i]
-                out[spec.name] = part.reshape(spec.output_shape)
+                flat = ids.reshape(-1)
+                out[spec.name] = (flat, np.ones(flat.size, np.int64))
         return out
 
-    def _update_host(self, inputs, grads: Mapping, loss_scale: float) -> None:
-        """Apply ``grads`` (name -> activation gradient) to every trainable table. Collective."""
-        for name, members in self._groups:
-            if not self.tables[name].trainable:
-                continue
-            table, e = self.tables[name].table, self.tables[name].shape[1]
-            values, lengths, weights, _ = self._stack(members, inputs)
-            parts = [host_array(grads[self.feature_specs[i].name], "grads").reshape(-1, e) for i in members]
-            g = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            if lengths is None:
-                table.apply_gradients(values, g, loss_scale=loss_scale)
-            else:
-                table.apply_bag_gradients(values, g, lengths, weights, combiner=self._combiner(members),
-                                          loss_scale=loss_scale)
+    def _lookup_host(self, inputs, tables=None) -> dict[str, np.ndarray]:
+        """name -> numpy activation of every feature of ``tables`` (default: all). Collective
+        (one exchange for every table)."""
+        rows = self.core.lookup(self._batches(inputs, tables))
+        return {spec.name: rows[spec.name].reshape(spec.output_shape) for spec in self.feature_specs
+                if tables is None or spec.table_spec.name in tables}
 
-    def _combiner(self, members: list[int]) -> str:
-        return self.feature_specs[members[0]].table_spec.combiner
+    def _update_host(self, inputs, grads: Mapping, loss_scale: float) -> None:
+        """Apply ``grads`` (name -> activation gradient) to every trainable table. Collective
+        (one exchange for every table)."""
+        given = {}
+        for spec in self.feature_specs:
+            e = spec.table_spec.embedding_dim
+            given[spec.name] = host_array(grads[spec.name], "grads").reshape(-1, e)
+        self.core.apply_gradients(self._batches(inputs), given, loss_scale=loss_scale)
 
     def __repr__(self) -> str:
         return (f"EmbeddingCollection(features={[s.name for s in self.feature_specs]}, "
                 f"tables={list(self.tables)})")
+
+
+def _config(table: TableSpec, features: list) -> pl.EmbeddingConfig:
+    """The core's config of a JAX table and its features: a bag table with the table's
+    combiner when a feature pools, else a sequence table."""
+    args = dict(num_embeddings=table.vocabulary_size, embedding_dim=table.embedding_dim, name=table.name,
+                data_type=table.dtype, feature_names=[f.name for f in features], optimizer=table.optimizer,
+                initializer=table.initializer, seed=table.seed, max_ids_per_partition=table.max_ids_per_partition,
+                max_unique_ids_per_partition=table.max_unique_ids_per_partition,
+                allow_id_dropping=table.allow_id_dropping, enable_minibatching=table.enable_minibatching,
+                storage=table.storage)
+    if any(f.pooled for f in features):
+        return pl.EmbeddingBagConfig(**args, pooling=table.combiner)
+    return pl.EmbeddingConfig(**args)
 
 
 def _tables_of(feature_specs) -> tuple[tuple, dict]:
