@@ -173,7 +173,7 @@ def test_a_failed_background_write_back_is_kept_served_and_raised_by_the_next_ag
 
     def fail(rows):
         raise OSError(errno.ENOSPC, "No space left on device (ENOSPC) writing rows of the partition file",
-                      table.file.path)
+                      table.file.name)
 
     _background_writes(table, fail)
     _train(table, reference, np.arange(CAPACITY), seed=3)

@@ -251,7 +251,7 @@ def test_failed_prefetch_read_is_met_by_the_lookup_on_every_replica(comm, tmp_pa
     disk = pl.create_host_embedding("f-d", [T, E], optimizer_spec=spec, seed=8,
                                     storage=storage(kw, spec, r, 32, tmp_path), **kw)
     if k == 0:
-        os.truncate(disk._disk.file.path, 100)
+        os.ftruncate(disk._disk.file.fd, 100)
     comm.Barrier()
     ids = cold_batch(1, r, k, 4)
     handle = disk.prefetch(ids, ahead=0)

@@ -26,7 +26,6 @@ not trainable) as many times as the prefetch said (its ``due``).
 from __future__ import annotations
 
 import collections
-import mmap
 import queue
 import threading
 import weakref
@@ -176,9 +175,9 @@ class DiskRows:
         self.uses = 0  # updates (a trainable table) or lookups (else) so far: what a Prefetch's due counts
         self.jobs: collections.deque[Prefetch] = collections.deque()  # prefetches not yet let go, by due
         self._published: dict = {}  # the stats last added to the progress slot
-        self._map = np.memmap(self.file.path, dtype=self.record, mode="r+", shape=(rows,))
-        self.weights = self._map["weights"]
-        self.slots = {slot: (self._map[f"s/{slot}"] if f"s/{slot}" in self.record.names else array)
+        records = self.file.map()  # through the descriptor: the file has no name
+        self.weights = records["weights"]
+        self.slots = {slot: (records[f"s/{slot}"] if f"s/{slot}" in self.record.names else array)
                       for slot, array in self._replicated.items()}
         self.problem: Problem | None = None
 
@@ -362,15 +361,13 @@ class DiskRows:
         first unmapped from it (``MADV_DONTNEED``; the shared mapping's data is in the
         file after the flush): the kernel drops no page that is still mapped, so without
         this the advice would leave every page the maps touched in the page cache."""
-        self._map.flush()
-        mapped = getattr(self._map, "_mmap", None)  # numpy's memmap keeps its mmap.mmap there
-        if mapped is not None and hasattr(mapped, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            mapped.madvise(mmap.MADV_DONTNEED)
+        self.file.release_map()
         self.file.drop_pages()
 
     def close(self) -> None:
-        """Remove the file (the table is unusable afterwards)."""
-        self._map = self.weights = None
+        """Close the file (its blocks are freed once no array of its maps is left; the
+        table is unusable afterwards)."""
+        self.weights = None
         self.slots = {}
         self.jobs.clear()
         self._closer()
