@@ -5,8 +5,9 @@ in one process, with a second user (``nobody``, as root) where a test needs one:
   user, is refused, naming the directory and why, and nothing is made in it; with the
   sticky bit (as /tmp) it is taken;
 - the file has no name in its directory, made with O_TMPFILE or the create-then-unlink
-  way of filesystems without it, and the memory map the table's state, checkpoints and
-  loads go through is a map of the same descriptor as the cache's reads and writes;
+  way of filesystems without it, nor can it be given one through /proc/self/fd, and the
+  memory map the table's state, checkpoints and loads go through is a map of the same
+  descriptor as the cache's reads and writes;
 - another user in a group-writable directory, asked to swap the file for one of theirs
   (the other user's file read as the table's) whenever the table opens or removes a
   partition file by its name, finds nothing to swap: the table trains, saves and loads
@@ -93,6 +94,12 @@ def test_the_file_has_no_name_and_its_map_is_of_the_same_file(tmp_path, monkeypa
     file = rowfile.RowFile(tmp_path, "popdist-t-r0-", RECORD, ROWS, stats())
     try:
         assert os.listdir(tmp_path) == [] and os.fstat(file.fd).st_nlink == 0
+        here = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # nor can it be given one (O_TMPFILE | O_EXCL, or unlinked): linkat(..., AT_SYMLINK_FOLLOW)
+            with pytest.raises(FileNotFoundError):
+                os.link(f"/proc/self/fd/{file.fd}", "named", src_dir_fd=here, dst_dir_fd=here, follow_symlinks=True)
+        finally:
+            os.close(here)
         reference = records(ROWS, seed=1)
         file.write_range(0, reference)
         mapped = file.map()

@@ -52,10 +52,10 @@ import numpy as np
 from ... import counters
 
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
+_RANDOM = getattr(os, "POSIX_FADV_RANDOM", None)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 #: ``os.O_TMPFILE`` where the platform has it (Linux); ``None`` makes every file the create-then-unlink way.
 TMPFILE = getattr(os, "O_TMPFILE", None)
-_RANDOM = getattr(os, "POSIX_FADV_RANDOM", None)
 #: Bytes of the pages read or written between two advices (an advice walks the file's cached pages:
 #: about 10 ms per 8192-ID step for a 160 MB file when given after every batch).
 DROP_BYTES = 8 << 20
@@ -316,7 +316,8 @@ def _create(directory: str, prefix: str) -> int:
         check_directory(dir_fd, directory)
         if TMPFILE is not None:
             try:
-                return os.open(".", os.O_RDWR | TMPFILE, 0o600, dir_fd=dir_fd)
+                # O_EXCL: the file can never be given a name (no linkat through /proc/self/fd)
+                return os.open(".", os.O_RDWR | TMPFILE | os.O_EXCL, 0o600, dir_fd=dir_fd)
             except OSError:
                 pass  # a filesystem without O_TMPFILE; a real error (EACCES, ENOSPC) is met again below
         return _create_unlinked(dir_fd, directory, prefix)
