@@ -109,8 +109,20 @@ def test_the_file_has_no_name_and_its_map_is_of_the_same_file(tmp_path, monkeypa
         reference[100:107] = changed
         file.release_map()
         assert file.read_range(0, ROWS).tobytes() == reference.tobytes()  # the map's writes, read by the descriptor
+        del mapped
+        file.close()
+        assert not [path for path in _open_files() if path.startswith(f"{tmp_path}/")]  # its blocks are freed
     finally:
         file.close()
+
+
+def _open_files():
+    """The targets of this process's descriptors (a map keeps one too)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            yield os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # listdir's own descriptor
+            pass
 
 
 # The other user (a shell, which it can run): for each line (a path), renames that file

@@ -267,8 +267,9 @@ class RowFile:
                             detail=self.label)
 
     def close(self) -> None:
-        """Close the descriptor (idempotent): the file's blocks are freed once no
-        descriptor or memory map of it is left (arrays of :meth:`map` keep theirs)."""
+        """Close the descriptor and drop the memory map (idempotent): the file's blocks are
+        freed at once, or when the last array of :meth:`map` is gone (it keeps the map)."""
+        self._mmap = None  # unmapped now, or with the last array of it
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
