@@ -9,9 +9,10 @@ in one process, with a second user (``nobody``, as root) where a test needs one:
   memory map the table's state, checkpoints and loads go through is a map of the same
   descriptor as the cache's reads and writes;
 - another user in a group-writable directory, asked to swap the file for one of theirs
-  (the other user's file read as the table's) whenever the table opens or removes a
-  partition file by its name, finds nothing to swap: the table trains, saves and loads
-  the values of an in-memory twin;
+  whenever the table's process opens or removes a partition file by its name (had it
+  one, the table's state and checkpoints would then go through the other user's file),
+  finds nothing to swap: the table trains, saves and loads the values of an in-memory
+  twin;
 - a process killed with SIGKILL leaves nothing in the directory;
 - a forked child's exit removes nothing, and the parent's table keeps its rows.
 
@@ -25,6 +26,7 @@ import pwd
 import signal
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -208,8 +210,6 @@ def test_another_user_has_no_file_to_swap(tmp_path):
     other = nobody()
     if rowfile.TMPFILE is None:
         pytest.skip("no O_TMPFILE on this platform: the file has a name for a moment")
-    import tempfile
-
     directory = tempfile.mkdtemp(prefix="popdist-test-shared-")  # in /tmp: the other user can reach it
     try:
         os.chown(directory, 0, other.pw_gid)
