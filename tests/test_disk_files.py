@@ -1,13 +1,7 @@
-"""Who can reach a disk table's partition file (popdist_lite/embedding/storage/rowfile.py),
-in one process, with a second user (``nobody``, as root) where a test needs one:
+"""Who can reach a disk table's partition file (popdist_lite/embedding/storage/rowfile.py;
+the refused directories and the file's lack of a name: tests/test_rowfile.py), with a
+second user (``nobody``, as root) where a test needs one:
 
-- a directory every user may write to without the sticky bit, or one owned by another
-  user, is refused, naming the directory and why, and nothing is made in it; with the
-  sticky bit (as /tmp) it is taken;
-- the file has no name in its directory, made with O_TMPFILE or the create-then-unlink
-  way of filesystems without it, nor can it be given one through /proc/self/fd, and the
-  memory map the table's state, checkpoints and loads go through is a map of the same
-  descriptor as the cache's reads and writes;
 - another user in a group-writable directory, asked to swap the file for one of theirs
   whenever the table's process opens or removes a partition file by its name (had it
   one, the table's state and checkpoints would then go through the other user's file),
@@ -28,29 +22,12 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
 import pytest
 
 from helpers import JOB_SECONDS, ROOT, clean_env, run_python, timeout_for
 from popdist_lite.embedding.storage import rowfile
 
 pytestmark = timeout_for(1)
-
-RECORD = np.dtype([("weights", np.float32, (4,)), ("step", np.int64)])
-ROWS = 500
-
-
-def stats():
-    return dict.fromkeys(("rows_read", "rows_written", "bytes_read", "bytes_written", "disk_seconds"), 0)
-
-
-def records(n, seed):
-    rng = np.random.default_rng(seed)
-    out = np.empty(n, RECORD)
-    out["weights"] = rng.standard_normal((n, 4), dtype=np.float32)
-    out["step"] = rng.integers(0, 1 << 40, n)
-    return out
-
 
 def nobody():
     """The unprivileged user a test acts as, or a skip with the reason."""
@@ -60,71 +37,6 @@ def nobody():
         return pwd.getpwnam("nobody")
     except KeyError:
         pytest.skip("no user 'nobody' on this machine")
-
-
-def test_directory_every_user_may_write_without_the_sticky_bit_is_refused(tmp_path):
-    directory = tmp_path / "open"
-    directory.mkdir()
-    directory.chmod(0o777)
-    with pytest.raises(PermissionError, match=r"refused as the directory for partition files: every user may "
-                                              r"write to it \(mode 0777\) and it has no sticky bit") as info:
-        rowfile.RowFile(directory, "popdist-t-r0-", RECORD, ROWS, stats())
-    assert info.value.filename == str(directory)
-    assert os.listdir(directory) == []
-    directory.chmod(0o1777)  # with the sticky bit (as /tmp): only a file's owner may rename it
-    rowfile.RowFile(directory, "popdist-t-r0-", RECORD, ROWS, stats()).close()
-
-
-def test_directory_of_another_user_is_refused(tmp_path):
-    other = nobody()
-    directory = tmp_path / "theirs"
-    directory.mkdir(mode=0o755)
-    os.chown(directory, other.pw_uid, other.pw_gid)
-    with pytest.raises(PermissionError, match=rf"refused as the directory for partition files: it belongs to "
-                                              rf"'nobody' \(uid {other.pw_uid}\), not to this user") as info:
-        rowfile.RowFile(directory, "popdist-t-r0-", RECORD, ROWS, stats())
-    assert info.value.filename == str(directory)
-    assert os.listdir(directory) == []
-
-
-@pytest.mark.parametrize("tmpfile", [True, False], ids=["O_TMPFILE", "create-then-unlink"])
-def test_the_file_has_no_name_and_its_map_is_of_the_same_file(tmp_path, monkeypatch, tmpfile):
-    if not tmpfile:
-        monkeypatch.setattr(rowfile, "TMPFILE", None)
-    elif rowfile.TMPFILE is None:
-        pytest.skip("no O_TMPFILE on this platform")
-    file = rowfile.RowFile(tmp_path, "popdist-t-r0-", RECORD, ROWS, stats())
-    try:
-        assert os.listdir(tmp_path) == [] and os.fstat(file.fd).st_nlink == 0
-        here = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-        try:  # nor can it be given one (O_TMPFILE | O_EXCL, or unlinked): linkat(..., AT_SYMLINK_FOLLOW)
-            with pytest.raises(FileNotFoundError):
-                os.link(f"/proc/self/fd/{file.fd}", "named", src_dir_fd=here, dst_dir_fd=here, follow_symlinks=True)
-        finally:
-            os.close(here)
-        reference = records(ROWS, seed=1)
-        file.write_range(0, reference)
-        mapped = file.map()
-        assert mapped.tobytes() == reference.tobytes()  # the descriptor's writes, seen through the map
-        changed = records(7, seed=2)
-        mapped[100:107] = changed
-        reference[100:107] = changed
-        file.release_map()
-        assert file.read_range(0, ROWS).tobytes() == reference.tobytes()  # the map's writes, read by the descriptor
-        del mapped
-        file.close()
-        assert not [path for path in _open_files() if path.startswith(f"{tmp_path}/")]  # its blocks are freed
-    finally:
-        file.close()
-
-
-def _open_files():
-    """The targets of this process's descriptors (a map keeps one too)."""
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            yield os.readlink(f"/proc/self/fd/{fd}")
-        except FileNotFoundError:  # listdir's own descriptor
-            pass
 
 
 # The other user (a shell, which it can run): for each line (a path), renames that file
