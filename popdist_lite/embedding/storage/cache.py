@@ -42,7 +42,8 @@ catch any exception (an ``OSError``, a ``MemoryError``) and always publish (a re
 that did not complete unmaps its rows, which a lookup then reads itself; a write-back
 that did not complete keeps its records), and a failure outside them, which may leave
 a slot ``loading`` or a write-back ``pending`` for ever, breaks the cache
-(:meth:`break_down`): every wait and every later call raises :class:`CacheBroken`.
+(:meth:`break_down`): every wait and every later call raises :class:`CacheBroken`. So
+does a failed write-back whose records could not be kept either (they are nowhere).
 """
 
 from __future__ import annotations
@@ -337,8 +338,8 @@ class RowCache:
 
         Returns:
             ``(the write's start (perf_counter), error or None)``; on an error the records
-            are kept (``unwritten``: read from there, written by :meth:`flush`) and the
-            error is kept for :meth:`take_failure`.
+            are kept (``unwritten``: read from there, written by :meth:`flush`; when even
+            that fails, the cache is broken) and the error is kept for :meth:`take_failure`.
         """
         start = perf_counter()
         error = None
@@ -353,6 +354,8 @@ class RowCache:
                 else:
                     self._keep_unwritten(rows, records)
             except BaseException as exc:  # noqa: BLE001 - as above (a count, or records that could not be kept)
+                if error is not None and self.broken is None:
+                    self.broken = exc  # the rows were written nowhere: the cache no longer holds the truth
                 error = error or exc
             finally:
                 if error is not None:
