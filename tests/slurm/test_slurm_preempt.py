@@ -228,7 +228,7 @@ def test_sigterm_to_the_steps_checkpoints(cluster, mpi):
     finally:
         job.cancel()
     text = job.text()
-    assert re.search(r"poprun-lite: SIGTERM reached rank \d on pdls\d \(Slurm signalled the job's steps\)",
+    assert re.search(r"poprun-lite: SIGTERM reached rank \d on pdls\d from pid \d+ \(as Slurm signals the job's steps\)",
                      text), text
     assert "STOPPED 6" in text and job.checkpoints() == [2, 4, 6], text
     assert "poprun-lite: job stopped at a step boundary after SIGTERM (checkpoint saved); not requeued " \
