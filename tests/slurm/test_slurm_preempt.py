@@ -1,6 +1,9 @@
-"""Preemption on the test cluster (docs/slurm.md, launcher/preempt.py): poprun-lite, the
-batch script's ``exec``'d process, gets the scheduler's signal from ``scancel --signal=SIG
---batch`` (what ``sbatch --signal=B:USR1@SECONDS`` sends before the time limit).
+"""Preemption on the test cluster (docs/slurm.md, launcher/preempt.py): the scheduler's
+signals in each form Slurm sends them: to poprun-lite alone, the batch script's
+``exec``'d process (``scancel --signal=SIG --batch``, what ``sbatch
+--signal=B:USR1@SECONDS`` sends before the time limit), to the job's steps (``scancel
+--signal=SIG ID``, ``sbatch --signal=SIG@SECONDS``), to every process (``scancel --full``,
+a cancel, a time limit).
 
 The job: tests/progs/hosts_elastic_prog.py, 4 replicas on pdls1 and pdls2, one epoch of
 96 numbered samples in 12 steps, a checkpoint every 2 steps. ``--hold 0:5`` keeps the
@@ -8,13 +11,19 @@ replicas at the boundary after step 5 (asking should_checkpoint()) until the sig
 comes, so the signal meets the job at a known step, after its checkpoints of steps 2
 and 4; ``--busy 0:5`` keeps them inside step 5 instead (no boundary in time).
 
-- SIGUSR1: the replicas checkpoint at step 6 and exit, poprun-lite runs ``scontrol
-  requeue``, the job (submitted with ``--requeue``) starts again (an administrator's
-  ``scontrol update StartTime=now+2`` instead of Slurm's requeue delay), resumes from step
-  6 and finishes: every step taken once by every replica, every sample once, and the
-  final checkpoint's arrays bit-identical to an uninterrupted job's on the same nodes.
-  Under both MPIs: the ranks on pdls2 start through each MPI's own Slurm launch, and the
-  requeued job launches again through it.
+- SIGUSR1 in its four forms, one job requeued four times (``--hold`` at steps 1, 3, 5
+  and 7, one in each run): to the batch shell alone, to the steps, to every process
+  (``--full``), and from the time limit (submitted with ``--signal=USR1@150``, its
+  ``TimeLimit`` cut so that its end is two minutes away or less: slurmctld sends the
+  signal at its next time-limit check, and poprun-lite's grace runs to that end). Each
+  time the replicas checkpoint at the next boundary and exit, poprun-lite runs
+  ``scontrol requeue``, the job (submitted with ``--requeue``) starts again (an
+  administrator's ``scontrol update StartTime=now+2`` instead of Slurm's requeue delay)
+  and resumes; the last run finishes: every step taken once by every replica, every
+  sample once, and the final checkpoint's arrays bit-identical to an uninterrupted job's
+  on the same nodes. Under both MPIs: the ranks on pdls2 start through each MPI's own
+  Slurm launch (its daemons hold the signal), and every requeued run launches again
+  through it.
 - SIGTERM: the same checkpoint, no requeue (the job leaves the queue); also when Slurm
   signals the job's processes instead of poprun-lite (launcher/hold_sigterm.py):
   ``scancel --signal=TERM ID`` (the steps, as a preemption's GraceTime does) under both
@@ -29,7 +38,8 @@ and 4; ``--busy 0:5`` keeps them inside step 5 instead (no boundary in time).
   collector, the agents) is the same, and the suite's time is kept down.
 
 The tests wait for lines and files under generous deadlines, never for a time; every
-job and poprun-lite has a timeout."""
+job and poprun-lite has a timeout. The uninterrupted job is run once per MPI for the
+module (:func:`reference`)."""
 
 from __future__ import annotations
 
@@ -104,6 +114,25 @@ class Job:
                                  f"{self.text()}\nscontrol show job: {shown.stdout}{shown.stderr}\n"
                                  f"slurmctld.log:\n" + "\n".join(said)) from None
 
+    def wait_requeued(self, run: int, before=None) -> None:
+        """Until run ``run`` of the requeued job (``SLURM_RESTART_COUNT``) has started:
+        once the previous run has left the nodes, and 2 s on, an administrator's
+        ``scontrol update StartTime=now+2`` cuts Slurm's requeue delay short (slurmd
+        refuses the job's credentials issued up to the second it revoked the previous
+        run's: "Killing non-startable batch JobId=15: Job credential revoked", seen with
+        StartTime=now). ``before()``, if given, runs first once the job is pending."""
+        started = lambda: f"start {run}" in self.text()  # noqa: E731
+        self.wait(lambda: started() or self.state() == "PENDING", f"run {run} of the requeued job", 120)
+        if before is not None:
+            self.wait(before, "the update of the pending job", 60)
+        if not started():
+            self.wait(lambda: started() or set(self.cluster.run(
+                ["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()) == {"idle"}, "idle nodes", 120)
+            self.wait(lambda: started() or self.cluster.run(
+                ["scontrol", "update", f"JobId={self.id}", "StartTime=now+2"]).returncode == 0,
+                "StartTime=now+2", 60)
+        self.wait(started, f"run {run} of the requeued job", 120)
+
     def wait_held(self, step: int = 5) -> None:
         """Until every replica took step ``step`` (and is held after it)."""
         self.wait(lambda: sorted(took(self.text()).get(step, {})) == [0, 1, 2, 3],
@@ -152,38 +181,75 @@ def final_arrays(ckpt_dir: Path, work: Path) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.timeout(900)  # three jobs, each under its own deadline
+_REFERENCES: dict[str, dict[str, np.ndarray]] = {}
+
+
+def reference(cluster, mpi: str) -> dict[str, np.ndarray]:
+    """The final checkpoint's arrays of an uninterrupted job under ``mpi`` (one job per
+    MPI for the module)."""
+    if mpi not in _REFERENCES:
+        job = Job(cluster, mpi, f"reference-{mpi}", wait=True)
+        assert f"DONE {STEPS}" in job.text(), job.text()
+        _REFERENCES[mpi] = final_arrays(job.ckpt, cluster.work)
+    return _REFERENCES[mpi]
+
+
+def _run_time(text: str) -> int:
+    """Seconds of ``RunTime=[D-]HH:MM:SS`` in ``scontrol show job``."""
+    match = re.search(r"(?<!\S)RunTime=(?:(\d+)-)?(\d+):(\d+):(\d+)", text)
+    assert match, text
+    days, hours, minutes, seconds = (int(x or 0) for x in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+@pytest.mark.timeout(900)  # the reference and one job of five runs, each under its own deadline
 @pytest.mark.parametrize("mpi", MPIS)
-def test_usr1_checkpoints_requeues_and_resumes(cluster, mpi):
-    reference = Job(cluster, mpi, f"reference-{mpi}", wait=True)
-    assert f"DONE {STEPS}" in reference.text(), reference.text()
-    job = Job(cluster, mpi, f"usr1-{mpi}", "--hold", "0:5", sbatch=["--requeue"])
+def test_usr1_in_every_form_checkpoints_requeues_and_resumes(cluster, mpi):
+    want = reference(cluster, mpi)
+    job = Job(cluster, mpi, f"usr1-{mpi}", *(a for step in (1, 3, 5, 7) for a in ("--hold", f"0:{step}")),
+              sbatch=["--requeue", "--time=10", "--signal=USR1@150"])
     try:
-        job.wait_held()
-        assert job.checkpoints() == [2, 4], job.text()
-        job.signal("USR1")
-        job.wait(lambda: "start 1" in job.text() or job.state() == "PENDING", "the requeued job", 120)
-        if "start 1" not in job.text():  # an administrator's nudge past Slurm's requeue delay
-            # once the first run has left the nodes, and 2 s on: slurmd refuses the job's
-            # credentials issued up to the second it revoked the first run's ("Killing
-            # non-startable batch JobId=15: Job credential revoked", seen with StartTime=now)
-            job.wait(lambda: "start 1" in job.text() or set(cluster.run(
-                ["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()) == {"idle"}, "idle nodes", 120)
-            job.wait(lambda: "start 1" in job.text() or cluster.run(
-                ["scontrol", "update", f"JobId={job.id}", "StartTime=now+2"]).returncode == 0, "StartTime=now+2", 60)
+        job.wait_held(1)
+        assert job.checkpoints() == [], job.text()
+        job.signal("USR1")                                     # the batch shell: poprun-lite alone
+        job.wait_requeued(1)
+        job.wait_held(3)
+        job.signal("USR1", batch=False)                        # the job's steps
+        job.wait_requeued(2)
+        job.wait_held(5)
+        sent = cluster.run(["scancel", "--full", "--signal=USR1", job.id])  # every process
+        assert sent.returncode == 0, sent.stderr
+        job.wait_requeued(3)
+        job.wait_held(7)
+        shown = cluster.run(["scontrol", "show", "job", job.id]).stdout
+        minutes = -(-(_run_time(shown) + 60) // 60)           # the job's end 60-119 s away
+        cut = cluster.run(["scontrol", "update", f"JobId={job.id}", f"TimeLimit={minutes}"])
+        assert cut.returncode == 0, cut.stderr
+        job.wait_requeued(4, before=lambda: cluster.run(
+            ["scontrol", "update", f"JobId={job.id}", "TimeLimit=10"]).returncode == 0)
         job.wait(lambda: f"DONE {STEPS}" in job.text(), "the end of the requeued job", 240)
         job.wait_gone()
     finally:
         job.cancel()
     text = job.text()
-    first, _, second = text.partition("start 1")
-    assert "start 0" in first and "STOPPED 6" in first, text
-    assert f"preemption on: SIGUSR1 -> checkpoint and requeue, SIGTERM -> checkpoint; grace 3 s " \
-           f"(Slurm's KillWait 5 s, less 2 s to report)" in first, text
-    assert "poprun-lite: SIGUSR1: asking the replicas to checkpoint at their next step boundary" in first, text
-    assert f"poprun-lite: job stopped at a step boundary after SIGUSR1 (checkpoint saved); requeued " \
-           f"(scontrol requeue {job.id}) (exit code 138)" in first, text
-    assert "RESUMED 6 4" in second and "start 2" not in second, text
+    runs = re.split(r"^start \d+$", text, flags=re.M)[1:]
+    assert len(runs) == 5, text
+    for run, (stopped, said) in enumerate(((2, "SIGUSR1"), (4, "SIGUSR1"), (6, "SIGUSR1"), (8, "SIGUSR1"))):
+        assert f"STOPPED {stopped}" in runs[run], text
+        assert f"poprun-lite: job stopped at a step boundary after {said} (checkpoint saved); requeued " \
+               f"(scontrol requeue {job.id}) (exit code 138)" in runs[run], text
+        assert "second SIGUSR1" not in runs[run] and "lost" not in runs[run], text
+        if run:
+            assert f"RESUMED {stopped - 2} 4" in runs[run], text
+    assert "preemption on: SIGUSR1 -> checkpoint and requeue (grace until the job's end (EndTime) less 2 s), " \
+           "SIGTERM -> checkpoint (grace 3 s: Slurm's KillWait 5 s, less 2 s to report)" in runs[0], text
+    assert "reached rank" not in runs[0], text                 # the batch shell: no process of a step
+    for run in (1, 3):                                         # the steps: the agents on pdls2 at least
+        assert re.search(r"poprun-lite: SIGUSR1 reached rank \d on pdls\d from pid \d+ \(as Slurm signals the "
+                         r"job's steps\)", runs[run]), text
+    assert re.search(r"SIGUSR1: asking the replicas to checkpoint at their next step boundary \(within \d+ s: "
+                     r"until the job's end at [0-9:]+ less 2 s\)", runs[3]), text
+    assert "RESUMED 8 4" in runs[4] and f"DONE {STEPS}" in runs[4], text
     # every step once on every replica, every sample once
     steps = took(text)
     assert sorted(steps) == list(range(STEPS)), text
@@ -191,7 +257,7 @@ def test_usr1_checkpoints_requeues_and_resumes(cluster, mpi):
                for s in steps), text
     samples = sorted(i for s in steps.values() for lines in s.values() for i in lines[0])
     assert samples == list(range(SAMPLES)), samples
-    got, want = final_arrays(job.ckpt, cluster.work), final_arrays(reference.ckpt, cluster.work)
+    got = final_arrays(job.ckpt, cluster.work)
     assert np.array_equal(got["seen/weights"], np.ones((SAMPLES, 1), np.float32)), got["seen/weights"].ravel()
     for name in ARRAYS:
         assert got[name].dtype == want[name].dtype and got[name].tobytes() == want[name].tobytes(), name
