@@ -357,7 +357,7 @@ class Preemption:
         self._told_boundary = False
         self._send: Callable[[int, dict], bool] | None = None
         self._replicas = 0
-        self._stopped: Callable[[], set[int]] = set
+        self._announced: set[int] = set()  # replica ranks at their boundary, as the last poll saw
         self._sent: set[int] = set()
         self._sender: threading.Thread | None = None
         self._over = threading.Event()
@@ -461,7 +461,9 @@ class Preemption:
                      + (f" from pid {sender}" if sender else "") + " (as Slurm signals the job's steps)")
 
     def _all_announced(self) -> bool:
-        done = self._stopped()
+        """Whether every replica announced its boundary, as the last :meth:`poll` saw (a
+        signal handler must not wait for the collector's lock the main thread may hold)."""
+        done = self._announced
         return self._replicas > 0 and all(rank in done for rank in range(self._replicas))
 
     # per attempt -------------------------------------------------------------
@@ -470,7 +472,7 @@ class Preemption:
         """An attempt of ``replicas`` replicas starts; ``send(rank, record)`` reaches the
         agent of replica rank ``rank``."""
         self._send, self._replicas, self._sent = send, replicas, set()
-        self._stopped = set
+        self._announced = set()
         self._over.clear()
         self._sender = None
 
@@ -486,7 +488,7 @@ class Preemption:
         came; the stop reason when one was decided (:meth:`on_signalled`), or once the
         grace is over and a replica rank is not in ``stopped()`` (the ranks that reached
         a boundary: announced it with ``resize_stop``), else None."""
-        self._stopped = stopped
+        self._announced = set(stopped())
         if self._stop:
             return self._stop
         if self.signum is None:
@@ -503,7 +505,7 @@ class Preemption:
         now = time.monotonic() if now is None else now
         if self.deadline is None or now <= self.deadline:
             return None
-        return grace_expired(round(self.deadline - self.at, 1), self.signum, self._replicas, stopped())
+        return grace_expired(round(self.deadline - self.at, 1), self.signum, self._replicas, self._announced)
 
     def _grace(self) -> tuple[float | None, str]:
         """The first signal's grace in seconds (None: no limit) and the words for it."""

@@ -31,8 +31,8 @@ and 4; ``--busy 0:5`` keeps them inside step 5 instead (no boundary in time).
   two, where it also reaches the srun that runs the MPI daemons; and without a boundary
   in time, the report comes before Slurm's SIGKILL.
 - a second SIGTERM while the replicas are busy: stopped at once, no checkpoint, the
-  report says so; SIGUSR1 while they are busy: stopped when the grace (the cluster's
-  KillWait, 5 s, read from ``scontrol show config``, less 2 s) is over, naming the ranks.
+  report says so; SIGUSR1 while they are busy: stopped when the grace
+  (``--preemption-grace 3``) is over, naming the ranks.
   These three under Open MPI only: what differs between the MPIs is how the ranks
   start, which the SIGUSR1 test covers under both; the signal's path (poprun-lite, the
   collector, the agents) is the same, and the suite's time is kept down.
@@ -69,12 +69,12 @@ class Job:
     ``out``; the batch script prints ``start N`` (Slurm's restart count) and ``exec``s
     poprun-lite."""
 
-    def __init__(self, cluster, mpi: str, name: str, *prog_args: str, sbatch=(), wait=False, nodes=2):
+    def __init__(self, cluster, mpi: str, name: str, *prog_args: str, sbatch=(), wait=False, nodes=2, options=()):
         self.cluster, self.ckpt = cluster, cluster.work / f"{name}-ckpt"
         self.out = cluster.work / f"{name}.out"
         assert not self.ckpt.exists(), f"left from an earlier run: {self.ckpt}"
         python = python_of(mpi)
-        command = [python, "-m", "popdist_lite_launcher", "--timeout", "240", "--print-topology",
+        command = [python, "-m", "popdist_lite_launcher", "--timeout", "240", "--print-topology", *options,
                    python, str(PROG), str(self.ckpt), "--samples", str(SAMPLES), "--batch", str(BATCH),
                    "--global-batch", str(GLOBAL_BATCH), "--every", "2", *prog_args]
         script = cluster.work / f"{name}.sh"
@@ -294,8 +294,8 @@ def test_sigterm_to_the_steps_checkpoints(cluster, mpi):
     finally:
         job.cancel()
     text = job.text()
-    assert re.search(r"poprun-lite: SIGTERM reached rank \d on pdls\d from pid \d+ \(as Slurm signals the job's steps\)",
-                     text), text
+    assert re.search(r"poprun-lite: SIGTERM reached rank \d on pdls\d from pid \d+ \(as Slurm signals the "
+                     r"job's steps\)", text), text
     assert "STOPPED 6" in text and job.checkpoints() == [2, 4, 6], text
     assert "poprun-lite: job stopped at a step boundary after SIGTERM (checkpoint saved); not requeued " \
            "(SIGTERM) (exit code 143)" in text, text
@@ -359,7 +359,8 @@ def test_second_sigterm_stops_without_checkpoint(cluster):
 
 @pytest.mark.timeout(400)
 def test_no_boundary_within_the_grace(cluster):
-    job = Job(cluster, "openmpi", "grace", "--busy", "0:5", sbatch=["--requeue"])
+    job = Job(cluster, "openmpi", "grace", "--busy", "0:5", sbatch=["--requeue"],
+              options=["--preemption-grace", "3"])
     try:
         job.wait_busy()
         job.signal("USR1")
