@@ -21,6 +21,11 @@ every job:
   ``--max-restarts``, at once on a signal, ``--timeout``, an internal error or an
   :class:`AttemptError` (exit code 2).
 
+A scheduler's signal (``--preemption``, :mod:`popdist_lite_launcher.preempt`) ends the
+job: during an attempt once the replicas stopped at their boundary (or failed to), and
+one noted while no attempt runs before the next one starts (requeued after the requeue
+signal: there is nothing to save).
+
 Every failed attempt prints its report; the job's last report ends with the attempts
 (``attempts:``, one line each: membership, why it has it, how it ended), and a job that
 succeeded after more than one attempt prints them too. An exception anywhere in the loop
