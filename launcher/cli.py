@@ -342,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         early.release(preemption.signals if preemption is not None else ())
     try:
+        if preemption is not None:
+            preemption.watch_steps()  # inside a Slurm job: the steps' signals on this node
         try:
             mpirun = find_mpirun(opts.mpirun)
             implementation = detect_implementation(mpirun)

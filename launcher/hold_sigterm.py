@@ -34,7 +34,14 @@ SIGUSR1 by default) are:
 "forcing job termination"; for a job Slurm is already ending (a cancel, a time limit)
 that changes nothing before ``KillWait`` is over, as the Slurm tests show
 (tests/slurm/test_slurm_preempt.py), and ``scancel --signal=TERM`` does not signal the
-batch step at all. srun forwards SIGUSR1 to its tasks, the daemons, which hold it.
+batch step at all. The srun that runs the daemons inherits mpirun's blocked signals and
+forwards none.
+
+A signal Slurm sends the job's steps reaches only the ranks that run in a step: under
+Open MPI the ranks on the batch script's node are mpirun's own children, in the batch
+step. So inside a Slurm job poprun-lite also runs a **watch step** on its node
+(:func:`watch`, started by :meth:`popdist_lite_launcher.preempt.Preemption.watch_steps`):
+one task that holds the signals and prints each one's name for poprun-lite.
 """
 
 from __future__ import annotations
@@ -141,11 +148,33 @@ class Watch:
                 self.on_other(info.si_signo, info.si_pid)
 
 
+def watch() -> None:
+    """``python -S hold_sigterm.py --watch``: block the held signals (:func:`held`) and print
+    the name of each one that comes, a line each, until standard input ends (poprun-lite's
+    watch step, :meth:`popdist_lite_launcher.preempt.Preemption.watch_steps`)."""
+    signals = set(held())
+    block(signals)  # before the thread: every thread blocks them
+
+    def report() -> None:
+        while True:
+            signum = signal.sigwaitinfo(signals).si_signo
+            try:
+                print(signal.Signals(signum).name, flush=True)
+            except (OSError, ValueError):  # poprun-lite is gone
+                os._exit(0)
+    threading.Thread(target=report, daemon=True).start()
+    while sys.stdin.buffer.read(4096):
+        pass
+    os._exit(0)
+
+
 def main(argv: list[str]) -> None:
     """``python -S hold_sigterm.py COMMAND [ARGS...]``: exec COMMAND with the held signals
     (:func:`held`) blocked; ``python -S hold_sigterm.py --srun ARGS...``: exec ``srun ARGS``
     with this file put before the argument that names ``hydra_pmi_proxy`` (and the step
-    named for the proxy, not for python)."""
+    named for the proxy, not for python); ``--watch``: :func:`watch`."""
+    if argv == ["--watch"]:
+        watch()
     if argv[:1] == ["--srun"]:
         args = argv[1:]
         at = next((i for i, arg in enumerate(args) if os.path.basename(arg) == "hydra_pmi_proxy"), None)

@@ -26,7 +26,9 @@ Slurm signals every process of a job's steps (``scancel --signal=SIG JOB``, ``sb
 --signal=SIG@N`` without ``B:``), or of the whole job (``scancel --full``, a cancel, a
 time limit): the job's other processes hold SIGTERM and the requeue signal
 (:mod:`popdist_lite_launcher.hold_sigterm`), and an agent that gets one tells
-poprun-lite with a ``signalled`` record (:meth:`Preemption.on_signalled`). One signal
+poprun-lite with a ``signalled`` record (:meth:`Preemption.on_signalled`); so does
+poprun-lite's watch step on its own node (:meth:`Preemption.watch_steps`), where Open
+MPI's ranks run outside any step. One signal
 reaches many processes, so poprun-lite counts **signal events**, not copies: for each
 signal, the most copies any one process (poprun-lite, or one agent) got
 (:meth:`Preemption.on_signal`). The first event asks for the checkpoint; a second one
@@ -67,6 +69,8 @@ from typing import Callable
 
 from popdist_lite import records
 
+from . import hold_sigterm
+
 AUTO, ON, OFF = "auto", "on", "off"
 MODES = (AUTO, ON, OFF)
 #: Default of ``--requeue-signal``.
@@ -92,6 +96,10 @@ REFUSED_SIGNALS = {"SIGTERM", "SIGINT", "SIGKILL", "SIGSTOP", "SIGCHLD", "SIGCON
 EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 #: The source of a signal poprun-lite itself got (an agent's is its rank).
 LAUNCHER = "poprun-lite"
+#: The source of a signal the watch step printed (:meth:`Preemption.watch_steps`).
+WATCH = "watch step"
+#: Seconds the watch step has to end after its standard input closed, before SIGKILL.
+WATCH_STOP_SECONDS = 2.0
 _KILL_WAIT = re.compile(r"^KillWait\s*=\s*([0-9]{1,6}) sec\s*$", re.M)
 _REQUEUE = re.compile(r"(?<!\S)Requeue=([01])(?!\S)")
 _END_TIME = re.compile(r"(?<!\S)EndTime=(\S*)")
@@ -362,6 +370,7 @@ class Preemption:
         self._sender: threading.Thread | None = None
         self._over = threading.Event()
         self._previous: dict[int, object] = {}
+        self._watch: subprocess.Popen | None = None
 
     @property
     def signals(self) -> tuple[int, ...]:
@@ -388,9 +397,18 @@ class Preemption:
                 self.on_signal(signum)
 
     def uninstall(self) -> None:
+        """Put the handlers back; end the watch step (:meth:`watch_steps`)."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        proc, self._watch = self._watch, None
+        if proc is not None:
+            try:
+                proc.stdin.close()  # the task reads the end of its input and exits
+                proc.wait(WATCH_STOP_SECONDS)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
 
     def _noted(self, signum, _frame=None) -> None:
         self.on_signal(signum)
@@ -441,24 +459,60 @@ class Preemption:
         process of the job's steps, :mod:`popdist_lite_launcher.hold_sigterm`). A new
         event is decided as poprun-lite's own signal is; a stop it decides is returned by
         the next :meth:`poll`. Signals that are not :attr:`signals` are ignored."""
+        sender = record.get("sender")
+        self._relayed(record.get("signal"), ("rank", record.get("rank")),
+                      f"rank {record.get('rank')} on {record.get('host')}" + (f" from pid {sender}" if sender else ""))
+
+    def _relayed(self, name, source, where: str) -> None:
+        """Signal ``name`` reported by another process (``source``, ``where`` in words)."""
         try:
-            signum = int(signal.Signals[record.get("signal")])
+            signum = int(signal.Signals[name])
         except KeyError:
             return
         if signum not in self.signals:
             return
         with self._lock:
             first = self.signum is None
-            new, events = self._event(signum, ("rank", record.get("rank")))
+            new, events = self._event(signum, source)
             if not new:
                 return
             why = self._decide(signum, events)
             if why:
                 self._stop = self._stop or why
         if first and self.signum is not None:
-            sender = record.get("sender")
-            self.say(f"{signal_name(signum)} reached rank {record.get('rank')} on {record.get('host')}"
-                     + (f" from pid {sender}" if sender else "") + " (as Slurm signals the job's steps)")
+            self.say(f"{signal_name(signum)} reached {where} (as Slurm signals the job's steps)")
+
+    def watch_steps(self, node: str | None = None, srun: str | None = None) -> bool:
+        """Inside a Slurm job, run poprun-lite's watch step on this node (``node``, default
+        ``$SLURMD_NODENAME``): ``srun --overlap`` of one task that holds :attr:`signals`
+        and prints each that comes (``hold_sigterm.py --watch``), read by a thread here as
+        one more process's copies: a signal Slurm sends the job's steps then reaches
+        poprun-lite even where no rank runs in a step on this node. srun starts with the
+        signals blocked, so that it forwards none of its own copies. Stopped by
+        :meth:`uninstall`. Whether it started."""
+        node = node or os.environ.get("SLURMD_NODENAME")
+        srun = srun or shutil.which("srun")
+        if not self.signals or self.settings.job_id is None or not node or not srun or self._watch is not None:
+            return False
+        from .agent import child_preexec
+
+        command = [srun, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--mpi=none", "--quiet",
+                   "--job-name=poprun-lite-signals", sys.executable, "-S", hold_sigterm.__file__, "--watch"]
+        try:
+            self._watch = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                env={**os.environ, hold_sigterm.ENV: hold_sigterm.env_value(self.signals)},
+                start_new_session=True, preexec_fn=child_preexec(lambda: hold_sigterm.block(self.signals)))
+        except OSError as exc:
+            self.say(f"no watch step for the job's steps' signals on this node: {exc}")
+            return False
+        threading.Thread(target=self._read_watch, args=(self._watch, node), daemon=True,
+                         name="poprun-lite watch step").start()
+        return True
+
+    def _read_watch(self, proc, node: str) -> None:
+        for line in proc.stdout:
+            self._relayed(line.decode("ascii", "replace").strip()[:16], WATCH, f"the watch step on {node}")
 
     def _all_announced(self) -> bool:
         """Whether every replica announced its boundary, as the last :meth:`poll` saw (a

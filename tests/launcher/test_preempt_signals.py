@@ -10,7 +10,8 @@ children's dispositions). The forms that need Slurm itself run on the test clust
   inside a step when it comes still checkpoint, and the job is requeued.
 - SIGUSR1 to every process below poprun-lite (``scancel --signal=USR1 JOB``: the steps),
   and to poprun-lite too (``scancel --full``): mpirun holds it, the agents report it, the
-  job checkpoints once and is requeued.
+  job checkpoints once and is requeued; to poprun-lite's watch step alone (a one-node
+  job under Open MPI, whose ranks run in no step): the same.
 - a second SIGUSR1 once every replica announced its boundary waits for the save; a third
   stops the job without it.
 - the program holds the signals, its children (a subprocess, one in its own session, a
@@ -110,8 +111,9 @@ def no_slurm(monkeypatch):
 def stand_in(tmp_path):
     """The environment of a stand-in Slurm job 17 on this host: its ``scontrol`` first on
     PATH (``show hostnames`` waits for the file ``release-hostnames`` once the file
-    ``block-hostnames`` exists, after writing ``in-hostnames``); returns (env, directory,
-    log of the scontrol calls)."""
+    ``block-hostnames`` exists, after writing ``in-hostnames``), and an ``srun`` that runs
+    its command here (poprun-lite's watch step); returns (env, directory, log of the
+    scontrol calls)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "scontrol.log"
@@ -131,8 +133,11 @@ case "$1 $2" in
 esac
 """)
     (bin_dir / "scontrol").chmod(0o755)
+    (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n')
+    (bin_dir / "srun").chmod(0o755)  # the watch step's srun: runs the task here
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "17",
-           "SLURM_JOB_NODELIST": HOST, "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NUM_NODES": "1"}
+           "SLURM_JOB_NODELIST": HOST, "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NUM_NODES": "1",
+           "SLURMD_NODENAME": HOST}
     return env, tmp_path, log
 
 
@@ -175,12 +180,33 @@ def test_usr1_to_every_process(tmp_path, stand_in, launcher_too):
     text = run.text
     assert code == 138, text
     if not launcher_too:
-        assert re.search(rf"poprun-lite: SIGUSR1 reached rank [01] on {HOST} from pid \d+ \(as Slurm signals "
-                         rf"the job's steps\)", text), text
+        assert re.search(rf"poprun-lite: SIGUSR1 reached (rank [01] on {HOST} from pid \d+|the watch step on "
+                         rf"{HOST}) \(as Slurm signals the job's steps\)", text), text
     assert "STOPPED 4" in text and run.checkpoints() == [4], text
     assert "poprun-lite: job stopped at a step boundary after SIGUSR1 (checkpoint saved); requeued " \
            "(scontrol requeue 17) (exit code 138)" in text, text
     assert "second" not in text and "lost" not in text and "restarting" not in text, text
+    assert _calls(log).count("requeue 17") == 1
+
+
+@timeout_for(1)
+def test_watch_step_reports_the_steps_signal(tmp_path, stand_in):
+    """Inside a Slurm job poprun-lite runs a watch step on its node: where no rank runs in
+    a step (Open MPI's ranks on the batch node are mpirun's children), a signal Slurm
+    sends the job's steps reaches that step alone, and the job checkpoints and is
+    requeued."""
+    env, _, log = stand_in
+    run = Run(tmp_path, prog_args=["--hold", "3"], env=env)
+    run.wait_line("STEP 3 ", count=2)
+    watch = [pid for pid in _descendants(run.proc.pid) if b"--watch" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(watch) == 1, (watch, run.text)
+    os.kill(watch[0], signal.SIGUSR1)
+    code = run.finish()
+    text = run.text
+    assert code == 138, text
+    assert f"poprun-lite: SIGUSR1 reached the watch step on {HOST} (as Slurm signals the job's steps)" in text, text
+    assert "poprun-lite: job stopped at a step boundary after SIGUSR1 (checkpoint saved); requeued " \
+           "(scontrol requeue 17) (exit code 138)" in text, text
     assert _calls(log).count("requeue 17") == 1
 
 

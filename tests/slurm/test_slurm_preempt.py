@@ -24,6 +24,8 @@ and 4; ``--busy 0:5`` keeps them inside step 5 instead (no boundary in time).
   on the same nodes. Under both MPIs: the ranks on pdls2 start through each MPI's own
   Slurm launch (its daemons hold the signal), and every requeued run launches again
   through it.
+- SIGUSR1 to the steps of a one-node job under Open MPI, whose ranks run in no step:
+  poprun-lite's watch step gets it, and the replicas checkpoint (``--no-requeue``).
 - SIGTERM: the same checkpoint, no requeue (the job leaves the queue); also when Slurm
   signals the job's processes instead of poprun-lite (launcher/hold_sigterm.py):
   ``scancel --signal=TERM ID`` (the steps, as a preemption's GraceTime does) under both
@@ -244,9 +246,9 @@ def test_usr1_in_every_form_checkpoints_requeues_and_resumes(cluster, mpi):
     assert "preemption on: SIGUSR1 -> checkpoint and requeue (grace until the job's end (EndTime) less 2 s), " \
            "SIGTERM -> checkpoint (grace 3 s: Slurm's KillWait 5 s, less 2 s to report)" in runs[0], text
     assert "reached rank" not in runs[0], text                 # the batch shell: no process of a step
-    for run in (1, 3):                                         # the steps: the agents on pdls2 at least
-        assert re.search(r"poprun-lite: SIGUSR1 reached rank \d on pdls\d from pid \d+ \(as Slurm signals the "
-                         r"job's steps\)", runs[run]), text
+    for run in (1, 3):                                         # the steps: agents, or the watch step
+        assert re.search(r"poprun-lite: SIGUSR1 reached (rank \d on pdls\d from pid \d+|the watch step on pdls1) "
+                         r"\(as Slurm signals the job's steps\)", runs[run]), text
     assert re.search(r"SIGUSR1: asking the replicas to checkpoint at their next step boundary \(within \d+ s: "
                      r"until the job's end at [0-9:]+ less 2 s\)", runs[3]), text
     assert "RESUMED 8 4" in runs[4] and f"DONE {STEPS}" in runs[4], text
@@ -261,6 +263,26 @@ def test_usr1_in_every_form_checkpoints_requeues_and_resumes(cluster, mpi):
     assert np.array_equal(got["seen/weights"], np.ones((SAMPLES, 1), np.float32)), got["seen/weights"].ravel()
     for name in ARRAYS:
         assert got[name].dtype == want[name].dtype and got[name].tobytes() == want[name].tobytes(), name
+
+
+@pytest.mark.timeout(400)
+def test_usr1_to_the_steps_of_a_one_node_job(cluster):
+    """``scancel --signal=USR1 ID`` (``sbatch --signal=USR1@N``) on a one-node job under
+    Open MPI: its ranks are mpirun's own children, in the batch step, which that signal
+    skips; poprun-lite's watch step on the node gets it, and the replicas checkpoint."""
+    job = Job(cluster, "openmpi", "steps-usr1-1", "--hold", "0:5", nodes=1, sbatch=["--requeue"],
+              options=["--no-requeue"])
+    try:
+        job.wait_held()
+        job.signal("USR1", batch=False)
+        job.wait_gone()
+    finally:
+        job.cancel()
+    text = job.text()
+    assert "poprun-lite: SIGUSR1 reached the watch step on pdls1 (as Slurm signals the job's steps)" in text, text
+    assert "STOPPED 6" in text and job.checkpoints() == [2, 4, 6], text
+    assert "poprun-lite: job stopped at a step boundary after SIGUSR1 (checkpoint saved); not requeued " \
+           "(--no-requeue) (exit code 138)" in text, text
 
 
 @pytest.mark.timeout(400)
