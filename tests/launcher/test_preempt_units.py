@@ -362,3 +362,17 @@ def test_the_loop_ends_a_preempted_job(tmp_path, capsys, keep_sigterm):
     assert "poprun-lite: job SIGUSR1 came while no replica was running: nothing to save; requeued " \
            "(scontrol requeue 17) (exit code 138)" in capsys.readouterr().err
     assert log.read_text().splitlines() == ["show job -o 17", "requeue 17"]
+
+
+def test_held_signals_named_in_the_environment():
+    """POPRUN_LITE_HOLD_SIGNALS names the held signals; SIGTERM is always held, SIGKILL and
+    SIGSTOP never, names that are not signals are left out, and nothing named means the
+    default (SIGTERM, SIGUSR1)."""
+    from popdist_lite import records
+    from popdist_lite_launcher import hold_sigterm
+
+    assert hold_sigterm.ENV == records.HOLD_ENV
+    assert hold_sigterm.env_value((USR1, TERM)) == "SIGUSR1,SIGTERM"
+    for text, want in (("SIGTERM,SIGUSR2", (TERM, int(signal.SIGUSR2))), ("SIGUSR1", (TERM, USR1)),
+                       ("SIGKILL,SIGSTOP,NOSUCH,1", (TERM, USR1)), ("", (TERM, USR1))):
+        assert hold_sigterm.held({hold_sigterm.ENV: text}) == want, text
