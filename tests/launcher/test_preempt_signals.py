@@ -56,6 +56,7 @@ class Run:
             cmd[len(LAUNCHER):len(LAUNCHER)] = ["--num-replicas", str(replicas)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      stdin=subprocess.DEVNULL, env=env)
+        _RUNS.append(self.proc)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(
             line.rstrip("\n") for line in self.proc.stdout), daemon=True)
@@ -101,10 +102,20 @@ class Run:
         return sorted(int(p.name.split("-")[1]) for p in self.ckpt.glob("step-*"))
 
 
+_RUNS: list[subprocess.Popen] = []
+
+
 @pytest.fixture(autouse=True)
 def no_slurm(monkeypatch):
+    """No Slurm variables from outside; a poprun-lite a failed test left running is killed."""
     for name in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(name)
+    yield
+    while _RUNS:
+        proc = _RUNS.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture
