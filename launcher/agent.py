@@ -39,11 +39,12 @@ and a key the program could still find (a file whose agent never started) would 
 spent. An agent that cannot enrol does not start its program and exits with
 :data:`NOT_STARTED`.
 
-With ``POPRUN_LITE_HOLD_SIGTERM=1`` (preemption on, :mod:`popdist_lite_launcher.hold_sigterm`)
-the agent holds SIGTERM: one from its parent (the MPI daemon ending the job), or a
-SIGINT, stops the program with SIGKILL, one from anyone else (Slurm signalling the job's steps) becomes a
-``signalled`` record, on which the launcher asks every replica for a checkpoint; the
-program starts with SIGTERM and SIGINT ignored.
+With ``POPRUN_LITE_HOLD_SIGNALS`` set (preemption on, :mod:`popdist_lite_launcher.hold_sigterm`)
+the agent holds those signals (SIGTERM and the requeue signal): SIGTERM from its parent
+(the MPI daemon ending the job), or a SIGINT, stops the program with SIGKILL; a held
+signal from anyone else (Slurm signalling the job's steps) becomes a ``signalled``
+record naming it, on which the launcher decides (a checkpoint, a requeue); the program
+starts with them and SIGINT ignored, until ``popdist_lite.init()`` holds them itself.
 
 The launcher's death ends the program: when the connection to the collector ends (end of
 file or an error, the launcher was killed or closed it) the agent SIGKILLs its program
@@ -53,7 +54,7 @@ Environment read here (set by the launcher):
     POPRUN_LITE_COLLECTOR                   the collector's host:port (no records if unset)
     POPRUN_LITE_KEY_FILE                    the file holding the job's key (hex), removed
     POPRUN_LITE_STALL_INSPECTOR             "1": record and forward the program's progress
-    POPRUN_LITE_HOLD_SIGTERM                "1": hold SIGTERM (see above)
+    POPRUN_LITE_HOLD_SIGNALS                the signals to hold (see above)
     POPDIST_LITE_ROLE                       "replica" (default) or "feeder"
     POPDIST_LITE_FEEDER_OF / _FEEDER_INDEX  on a feeder: the replica it feeds, its index
     POPDIST_REPLICA_INDEX_OFFSET            this rank's replica (= instance) index
@@ -441,9 +442,10 @@ def run(program: list[str]) -> int:
     not raise for failures of the program.
     """
     environ = os.environ
-    holds_term = environ.get(hold_sigterm.ENV) == "1"
-    if holds_term:  # before any thread starts: every thread of the agent blocks SIGTERM
-        hold_sigterm.block()
+    holds_term = bool(environ.get(hold_sigterm.ENV))
+    held = hold_sigterm.held(environ) if holds_term else ()
+    if holds_term:  # before any thread starts: every thread of the agent blocks them
+        hold_sigterm.block(held)
     key = channel.take_key(environ)  # the key file is gone before anything is started
     ident = records.env_identity(environ)
     shown = _is_shown(environ)
@@ -492,22 +494,24 @@ def run(program: list[str]) -> int:
     stop["link"] = link
     if holds_term:
         hold_sigterm.Watch(os.getppid(), lambda: forward(signal.SIGTERM, None),
-                           lambda _pid: link.send(records.make("signalled", {**ident, "time": time.time()},
-                                                               signal="SIGTERM"))).start()
+                           lambda signum, pid: link.send(records.make(
+                               "signalled", {**ident, "time": time.time()}, signal=_signal_name(signum),
+                               sender=pid or None)),
+                           held).start()
     else:
         signal.signal(signal.SIGTERM, forward)
-    held = not link.ready.is_set()  # a launcher to enrol with: hold the program until then
+    waits = not link.ready.is_set()  # a launcher to enrol with: hold the program until then
 
     read_fd, write_fd = os.pipe()
     stdout = None if shown else subprocess.DEVNULL
     relay = None
     try:
-        if held and shutil.which(program[0]) is None:
+        if waits and shutil.which(program[0]) is None:
             raise FileNotFoundError(f"{program[0]}: no such executable")
-        command = [*HOLD, str(theirs.fileno()), *program] if held else program
+        command = [*HOLD, str(theirs.fileno()), *program] if waits else program
         child = subprocess.Popen(
             command, env=child_env, stdout=stdout, stderr=write_fd, pass_fds=pass_fds,
-            preexec_fn=child_preexec(hold_sigterm.ignore_in_child if holds_term else None))
+            preexec_fn=child_preexec((lambda: hold_sigterm.ignore_in_child(held)) if holds_term else None))
     except OSError as exc:
         os.close(read_fd)
         os.close(write_fd)
@@ -523,7 +527,7 @@ def run(program: list[str]) -> int:
         ident["pid"] = child.pid
         stop["child"] = child
         link.start(ident, on_request, on_lost)
-        if held:
+        if waits:
             while not link.ready.wait(0.1) and child.poll() is None:
                 pass
             if link.session is None:  # not enrolled: the held shell reads EOF, runs nothing

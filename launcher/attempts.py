@@ -21,6 +21,11 @@ every job:
   ``--max-restarts``, at once on a signal, ``--timeout``, an internal error or an
   :class:`AttemptError` (exit code 2).
 
+A scheduler's signal (``--preemption``, :mod:`popdist_lite_launcher.preempt`) ends the
+job: during an attempt once the replicas stopped at their boundary (or failed to), and
+one noted while no attempt runs before the next one starts (requeued after the requeue
+signal: there is nothing to save).
+
 Every failed attempt prints its report; the job's last report ends with the attempts
 (``attempts:``, one line each: membership, why it has it, how it ended), and a job that
 succeeded after more than one attempt prints them too. An exception anywhere in the loop
@@ -280,6 +285,13 @@ class AttemptsLoop:
                     lines.append(format_attempts(self.history))
                 print("\n".join(lines), file=sys.stderr, flush=True)
                 return membership.code
+            if self.preemption is not None and self.preemption.asked:  # a signal while no replica ran
+                code, text = self.preemption.end_unstarted()
+                lines = [f"poprun-lite: job {text} (exit code {code})"]
+                if self.history:
+                    lines.append(format_attempts(self.history))
+                print("\n".join(lines), file=sys.stderr, flush=True)
+                return code
             record = AttemptRecord(len(self.history) + 1, membership, why)
             self.history.append(record)
             if self.policy.elastic or record.number > 1:
@@ -318,7 +330,7 @@ class AttemptsLoop:
         preempted = self.preemption is not None and self.preemption.asked
         unasked = outcome.resize_stops if asked is None and not preempted else []
         if clean and preempted and outcome.resize_stops:  # stopped for the scheduler (preempt.py)
-            code, record.outcome = self.preemption.finish()
+            code, record.outcome = self.preemption.finish(result.saved)
             print(f"poprun-lite: job {record.outcome} (exit code {code}); {format_attempts(self.history)}",
                   file=sys.stderr, flush=True)
             return code, ""

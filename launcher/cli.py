@@ -208,14 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--requeue-signal", default=preempt.DEFAULT_SIGNAL, metavar="SIG",
                        help="the signal that asks for a checkpoint and then `scontrol requeue` "
                             f"(default {preempt.DEFAULT_SIGNAL}; send it with sbatch "
-                            "--signal=B:USR1@SECONDS or scancel --signal=USR1 --batch)")
+                            "--signal=[B:]USR1@SECONDS or scancel --signal=USR1 [--batch|--full])")
     sched.add_argument("--no-requeue", dest="requeue", action="store_false",
                        help="after the requeue signal's checkpoint, end the job without "
                             "`scontrol requeue`")
+    sched.add_argument("--preemption-grace", type=_non_negative_float, default=None, metavar="SECONDS",
+                       help="how long the replicas have to reach a step boundary after the requeue "
+                            "signal before the job is stopped without a checkpoint (default: until "
+                            f"the job's end, EndTime in `scontrol show job`, less "
+                            f"{preempt.END_MARGIN_SECONDS:g} s; no limit without one)")
     sched.add_argument("--grace-period", type=_non_negative_float, default=None, metavar="SECONDS",
-                       help="how long the replicas have to reach a step boundary after a signal "
+                       help="how long the replicas have to reach a step boundary after SIGTERM "
                             "before the job is stopped without a checkpoint (default: Slurm's "
-                            f"KillWait, else {preempt.DEFAULT_GRACE_SECONDS:g})")
+                            f"KillWait less {preempt.REPORT_SECONDS:g} s, else "
+                            f"{preempt.DEFAULT_GRACE_SECONDS:g})")
 
     grow = parser.add_argument_group("elastic jobs (docs/elastic.md)")
     grow.add_argument("--min-replicas", type=_positive_int, default=None, metavar="N",
@@ -255,7 +261,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         opts.num_replicas = 1
     try:
         opts.preempt = preempt.settings(opts.preemption, opts.requeue_signal, opts.requeue,
-                                        opts.grace_period, slurm.job_id(os.environ))
+                                        opts.grace_period, slurm.job_id(os.environ), opts.preemption_grace)
     except (ValueError, LauncherError) as exc:
         parser.error(str(exc))
     if opts.stall_timeout is None:
@@ -326,22 +332,29 @@ def main(argv: list[str] | None = None) -> None:
     SIGKILLs what is left of one, and of the discovery and probe processes) and
     connections or records the collectors did not believe are counted in one line at
     the end."""
-    opts = parse_args(argv)
+    early = preempt.catch_early()  # the scheduler's signals while the options and Slurm are read
+    preemption = loop = None
     try:
-        mpirun = find_mpirun(opts.mpirun)
-        implementation = detect_implementation(mpirun)
-    except LauncherError as exc:
-        print(f"poprun-lite: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    policy = slurm_nodes.make_policy(opts) or (
-        attempts.ElasticPolicy(opts) if opts.elastic else attempts.FixedPolicy(opts))
-    launcher_class = slurm.SlurmLauncher if opts.launcher == slurm.SLURM else SshLauncher
-    preemption = preempt.Preemption(opts.preempt) if opts.preempt.enabled else None
-    loop = attempts.AttemptsLoop(opts, launcher_class(opts, mpirun, implementation, preemption), policy,
-                                 preemption=preemption)
+        opts = parse_args(argv)
+        if opts.preempt.enabled:
+            preemption = preempt.Preemption(opts.preempt)  # reads Slurm's KillWait
+            preemption.install(early)
+    finally:
+        early.release(preemption.signals if preemption is not None else ())
     try:
         if preemption is not None:
-            preemption.install()
+            preemption.watch_steps()  # inside a Slurm job: the steps' signals on this node
+        try:
+            mpirun = find_mpirun(opts.mpirun)
+            implementation = detect_implementation(mpirun)
+        except LauncherError as exc:
+            print(f"poprun-lite: error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        policy = slurm_nodes.make_policy(opts) or (
+            attempts.ElasticPolicy(opts) if opts.elastic else attempts.FixedPolicy(opts))
+        launcher_class = slurm.SlurmLauncher if opts.launcher == slurm.SLURM else SshLauncher
+        loop = attempts.AttemptsLoop(opts, launcher_class(opts, mpirun, implementation, preemption), policy,
+                                     preemption=preemption)
         code = loop.run()
     except KeyboardInterrupt:  # outside run_job, which handles SIGINT itself
         code = 128 + signal.SIGINT
@@ -351,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         children.kill_all()
         if preemption is not None:
             preemption.uninstall()
-    line = report.format_ignored(loop.refused, loop.dropped)
+    line = report.format_ignored(loop.refused, loop.dropped) if loop is not None else ""
     if line:
         print(line, file=sys.stderr, flush=True)
     sys.exit(code)

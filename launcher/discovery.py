@@ -20,11 +20,6 @@ the line or the exit code and the end of its stderr. What the launcher does with
 
 from __future__ import annotations
 
-import os
-import selectors
-import subprocess
-import time
-
 from . import children, hosts
 from .mpirun import LauncherError
 
@@ -83,39 +78,11 @@ def discover(script: str, timeout: float = DISCOVERY_TIMEOUT_SECONDS) -> list[tu
             :data:`MAX_OUTPUT_BYTES` or a line that is not a host (:func:`parse`).
     """
     try:
-        proc = children.start([script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
+        done, problem = children.run_bounded([script], timeout=timeout, max_bytes=MAX_OUTPUT_BYTES,
+                                             tail_bytes=_STDERR_TAIL_BYTES)
     except OSError as exc:
         raise DiscoveryError(f"host discovery script {script} cannot be run: {exc}") from None
-    try:
-        out, err, problem = bytearray(), bytearray(), None
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as selector:
-            selector.register(proc.stdout, selectors.EVENT_READ, out)
-            selector.register(proc.stderr, selectors.EVENT_READ, err)
-            while selector.get_map() and problem is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    problem = f"still running after {timeout:g} s (killed)"
-                    break
-                for key, _ in selector.select(left):
-                    chunk = os.read(key.fileobj.fileno(), 65536)
-                    if not chunk:
-                        selector.unregister(key.fileobj)
-                        continue
-                    key.data.extend(chunk)
-                    if len(out) > MAX_OUTPUT_BYTES:
-                        problem = f"printed more than {MAX_OUTPUT_BYTES} bytes (killed)"
-                    del err[:-_STDERR_TAIL_BYTES]
-        if problem is None:
-            try:
-                code = proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                problem = f"still running after {timeout:g} s (killed)"
-    finally:
-        children.finish(proc)  # its group, whatever it left running, and the reaping
-        proc.stdout.close()
-        proc.stderr.close()
+    out, err, code = done.stdout, done.stderr, done.returncode
     said = err.decode("utf-8", "replace").strip().splitlines()[-3:]
     said = ": " + " / ".join(said) if said else ""
     if problem is not None:
@@ -123,5 +90,5 @@ def discover(script: str, timeout: float = DISCOVERY_TIMEOUT_SECONDS) -> list[tu
     if code != 0:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         raise DiscoveryError(f"host discovery script {script} {how}{said}")
-    return parse(bytes(out), script)
+    return parse(out, script)
 

@@ -53,6 +53,7 @@ class JobResult:
     refused: dict = field(default_factory=dict)  # connections the collector refused, by reason
     dropped: dict = field(default_factory=dict)  # lines it dropped, by reason
     resize_stops: int = 0                # resize_stop records: the replicas stopped for a resize
+    saved: set = field(default_factory=set)  # replica ranks that sent checkpoint_saved (preempt.py)
 
 
 def session_pids(sid: int) -> list[int]:
@@ -117,8 +118,10 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     its signals ask the replicas for a checkpoint instead of stopping mpirun, and it is
     polled every 0.1 s too: when it returns a reason (grace over, a second signal) the
     job is stopped with that reason; its first signal is :attr:`JobResult.stop_signal`.
-    With ``preemption``, mpirun starts with SIGTERM blocked and every stop sends it
-    SIGINT instead (:mod:`popdist_lite_launcher.hold_sigterm`).
+    With ``preemption``, mpirun starts with its signals (SIGTERM, the requeue signal)
+    blocked and every stop sends it SIGINT instead
+    (:mod:`popdist_lite_launcher.hold_sigterm`); the replica ranks that reported their
+    checkpoint saved are :attr:`JobResult.saved`.
     In every case the whole session is SIGKILLed if still
     alive ``SESSION_KILL_DELAY_SECONDS`` later. An exception while supervising (a bug
     in the launcher) SIGKILLs the session at once (in a ``finally``: the job is never
@@ -166,7 +169,8 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
         session_dirs.remove_stale(env)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, env=env,
-                                preexec_fn=child_preexec(hold_sigterm.block if preemption is not None else None))
+                                preexec_fn=child_preexec((lambda: hold_sigterm.block(preemption.signals))
+                                                         if preemption is not None else None))
     except BaseException:
         _restore(previous)
         raise
@@ -200,6 +204,7 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
         collector.wait_closed(2.0)
         collector.finish()
         result.failures = report.merge_records(collector.failure_records())
+        result.saved = {r.get("rank") for r in collector.records("checkpoint_saved") if r.get("role") == "replica"}
     except Exception as exc:  # noqa: BLE001 - report what is known
         result.internal_error = result.internal_error or describe(exc)
     return result

@@ -6,6 +6,14 @@ launcher over the job's network with the check's key (the probe,
 
 ``--network-interface`` takes an interface name (``eth1``) or a CIDR (``10.1.0.0/16``),
 as horovodrun's option of that name and Open MPI's ``*_if_include`` parameters do.
+
+poprun-lite itself needs a host's address only to find its own on the job's network
+(:func:`launcher_address`, without ``--network-interface``): every other contact with a
+host goes through the launch agent (ssh, or srun inside a Slurm allocation), and the
+hosts reach the launcher at that address, never by name. Inside a Slurm allocation a
+node whose name does not resolve (cloud and container clusters often name nodes only
+in ``slurm.conf``) is reached at the address Slurm has for it, its ``NodeAddr``
+(:func:`popdist_lite_launcher.scontrol.node_address`).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import fcntl
 import ipaddress
+import os
 import shlex
 import socket
 import struct
@@ -20,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from . import children
+from . import children, scontrol
 from .mpirun import LauncherError
 
 _SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
@@ -55,10 +64,13 @@ def interface_addresses() -> dict[str, str]:
 def launcher_address(network: str | None, hosts: list[str]) -> str:
     """The launcher's address the ranks on ``hosts`` reach it at: its address in
     ``network`` (a CIDR or an interface name), else the source address of its route to
-    the first host (a UDP ``connect``, which sends nothing).
+    the first host (a UDP ``connect``, which sends nothing), at the host's address: its
+    name resolved here, else inside a Slurm allocation the node's ``NodeAddr``
+    (:func:`route_target`).
 
     Raises:
-        LauncherError: no local address in that network / no such interface / no route.
+        LauncherError: no local address in that network / no such interface / no route
+            / no address for the host.
     """
     if network:
         addresses = interface_addresses()
@@ -73,12 +85,40 @@ def launcher_address(network: str | None, hosts: list[str]) -> str:
             return addresses[network]
         raise LauncherError(f"--network-interface {network}: no such interface with an IPv4 "
                             f"address here (have: {', '.join(sorted(addresses)) or 'none'})")
+    target = route_target(hosts[0])
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((hosts[0], 9))
+            probe.connect((target, 9))
             return probe.getsockname()[0]
     except OSError as exc:
-        raise LauncherError(f"no route to host {hosts[0]!r}: {exc}") from exc
+        at = "" if target == hosts[0] else f" at {target}"
+        raise LauncherError(f"no route to host {hosts[0]!r}{at}: {exc}") from exc
+
+
+def route_target(host: str) -> str:
+    """The IPv4 address to route to to reach ``host``: ``host`` itself when it is one,
+    else its name resolved here (``/etc/hosts``, DNS), else inside a Slurm allocation
+    (``SLURM_JOB_ID`` set) the node's ``NodeAddr``
+    (:func:`popdist_lite_launcher.scontrol.node_address`, itself resolved when a name).
+
+    Raises:
+        LauncherError: the name does not resolve, and there is no allocation or Slurm
+            has no address for it (both named).
+    """
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    except OSError as exc:  # socket.gaierror: the name does not resolve here
+        unresolved = f"no route to host {host!r}: {exc}"
+    if scontrol.job_id(os.environ) is None:
+        raise LauncherError(unresolved)
+    try:
+        address = scontrol.node_address(host)
+    except LauncherError as exc:
+        raise LauncherError(f"{unresolved}; nor has Slurm an address for it: {exc}") from None
+    try:
+        return socket.getaddrinfo(address, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    except OSError as exc:
+        raise LauncherError(f"{unresolved}; its NodeAddr in Slurm, {address}: {exc}") from None
 
 
 def check_command(launch_agent: str, host: str, command=("true",)) -> list[str]:

@@ -18,22 +18,32 @@ process of the job on every node and Slurm's accounting lists the steps. ``ssh``
 mpirun over ssh (``--launch-agent``), outside Slurm's control; ``auto`` (the default)
 is ``slurm`` inside an allocation without ``-H``/``--hostfile``, else ``ssh``.
 
-Every value read from Slurm's environment and from ``scontrol`` is checked before it is
-used (node names with the grammar of :mod:`popdist_lite_launcher.hosts`); a bad one
-raises :class:`~popdist_lite_launcher.mpirun.LauncherError` naming the variable.
+Every value read from Slurm's environment and from Slurm's commands is checked before
+it is used (node names with the grammar of :mod:`popdist_lite_launcher.hosts`), and
+bounded before it costs memory: the environment's texts at :data:`MAX_TEXT_CHARS`, the
+commands' output read as it comes and stopped at a limit (:func:`query`; the node list
+at :data:`MAX_NODES` names), tasks at :data:`MAX_TASKS_PER_NODE` a node and
+:data:`MAX_TASKS` in all. A bad one raises
+:class:`~popdist_lite_launcher.mpirun.LauncherError` naming the variable or command.
+
+A node's name need not resolve on the nodes (cloud and container clusters often name
+nodes only in ``slurm.conf``): Slurm, srun and mpirun's Slurm launch reach a node by
+the address Slurm has for it, and so does poprun-lite, where it needs one
+(:func:`node_address`, used by :func:`popdist_lite_launcher.network.launcher_address`).
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import hold_sigterm
-from .hosts import check_host
+from .hosts import MAX_HOSTNAME_CHARS, check_host
 from .mpirun import OPENMPI, LauncherError
+from .scontrol import (MAX_NODE_OUTPUT_BYTES, SCONTROL_TIMEOUT_SECONDS, _clipped, _shown, job_id,  # noqa: F401
+                       node_address, query)
 from .ssh_launch import SshLauncher
 
 AUTO, SSH, SLURM = "auto", "ssh", "slurm"
@@ -42,21 +52,17 @@ LAUNCHERS = (AUTO, SSH, SLURM)
 #: The launch agent for nodes of the allocation: ``srun-agent [options] [--] HOST COMMAND``.
 SRUN_AGENT = str(Path(__file__).with_name("srun-agent"))
 
-#: Longest node list, tasks-per-node text and node count accepted.
+#: Longest node list and tasks-per-node text accepted.
 MAX_TEXT_CHARS = 65536
+#: Most nodes of an allocation: ``scontrol show hostnames`` is stopped at the name after.
 MAX_NODES = 65536
-#: Seconds ``scontrol show hostnames`` may take.
-SCONTROL_TIMEOUT_SECONDS = 30.0
-_JOB_ID = re.compile(r"[0-9]{1,20}")
+#: Most tasks on one node: the ceiling of Slurm's own ``MaxTasksPerNode`` (slurm.conf(5)).
+MAX_TASKS_PER_NODE = 65533
+#: Most tasks of an allocation in all, so the most replicas it gives a job: far more
+#: than one mpirun command holds (an MPMD context of some 600 bytes a rank).
+MAX_TASKS = 65536
 _NODELIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.,\[\]-]*")
 _TASKS = re.compile(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?")
-_SHOWN_CHARS = 80
-
-
-def _shown(text: str) -> str:
-    return repr(text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "...")
-
-
 @dataclass(frozen=True)
 class Allocation:
     """A Slurm job's allocation: its id, its nodes in Slurm's order and the tasks
@@ -82,19 +88,15 @@ class Allocation:
                 f"{self.total_tasks} task(s): {per_node}")
 
 
-def job_id(environ) -> str | None:
-    """The allocation's job id (``SLURM_JOB_ID``, else ``SLURM_JOBID``), None outside one.
-
-    Raises:
-        LauncherError: it is set but not a job id (digits).
-    """
-    for name in ("SLURM_JOB_ID", "SLURM_JOBID"):
-        value = environ.get(name)
-        if value is not None:
-            if not _JOB_ID.fullmatch(value):
-                raise LauncherError(f"${name} is not a Slurm job id (digits): {_shown(value)}")
-            return value
-    return None
+def _check_tasks(count: int, total: int, name: str, text: str) -> None:
+    """Refuse a node's task ``count`` past :data:`MAX_TASKS_PER_NODE`, or a ``total``
+    so far past :data:`MAX_TASKS` (naming ``name`` and its value ``text``)."""
+    if count > MAX_TASKS_PER_NODE:
+        raise LauncherError(f"${name} {_shown(text)}: {count} tasks on a node, more than the "
+                            f"{MAX_TASKS_PER_NODE} Slurm allows (MaxTasksPerNode)")
+    if total > MAX_TASKS:
+        raise LauncherError(f"${name} {_shown(text)}: more than {MAX_TASKS} tasks in all, the "
+                            f"most replicas poprun-lite takes from an allocation")
 
 
 def parse_tasks_per_node(text: str, nodes: int, name: str = "SLURM_TASKS_PER_NODE") -> list[int]:
@@ -103,8 +105,9 @@ def parse_tasks_per_node(text: str, nodes: int, name: str = "SLURM_TASKS_PER_NOD
     node.
 
     Raises:
-        LauncherError: naming ``name``: not that form, a count below 1, or counts for a
-            number of nodes other than ``nodes``.
+        LauncherError: naming ``name``: not that form, a count below 1 or above
+            :data:`MAX_TASKS_PER_NODE`, more than :data:`MAX_TASKS` in all, or counts for
+            a number of nodes other than ``nodes``.
     """
     if len(text) > MAX_TEXT_CHARS:
         raise LauncherError(f"${name} is longer than {MAX_TEXT_CHARS} characters")
@@ -112,8 +115,10 @@ def parse_tasks_per_node(text: str, nodes: int, name: str = "SLURM_TASKS_PER_NOD
         match = _TASKS.fullmatch(text.strip())
         if not match or match[2] is not None or int(match[1]) < 1:
             raise LauncherError(f"${name}: expected a count of at least 1, got {_shown(text)}")
+        _check_tasks(int(match[1]), int(match[1]) * nodes, name, text)
         return [int(match[1])] * nodes
     counts: list[int] = []
+    total = 0
     for entry in text.split(","):
         match = _TASKS.fullmatch(entry.strip())
         if not match:
@@ -125,6 +130,8 @@ def parse_tasks_per_node(text: str, nodes: int, name: str = "SLURM_TASKS_PER_NOD
         if len(counts) + repeat > nodes:
             raise LauncherError(f"${name} {_shown(text)} names more nodes than the "
                                 f"allocation's {nodes}")
+        total += count * repeat
+        _check_tasks(count, total, name, text)
         counts += [count] * repeat
     if len(counts) != nodes:
         raise LauncherError(f"${name} {_shown(text)} gives tasks for {len(counts)} node(s), "
@@ -170,24 +177,24 @@ def parse_hostnames(output: str, name: str = "scontrol show hostnames") -> list[
 
 def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
     """The nodes of a Slurm host list, in order, as ``scontrol show hostnames`` expands
-    it (its output checked by :func:`parse_hostnames`).
+    it: read as it prints them and stopped at the name after :data:`MAX_NODES` (a list
+    of a few thousand characters can name millions), then checked by
+    :func:`parse_hostnames`.
 
     Raises:
-        LauncherError: a bad list, no ``scontrol``, or it failed or printed bad names.
+        LauncherError: a bad list, no ``scontrol``, or it failed, printed more than
+            :data:`MAX_NODES` names or bad names.
     """
     check_nodelist(nodelist)
     scontrol = scontrol or shutil.which("scontrol")
     if not scontrol:
         raise LauncherError("inside a Slurm allocation, but `scontrol` is not on PATH (needed to "
                             "expand $SLURM_JOB_NODELIST); pass -H/--hostfile and --launcher ssh")
-    try:
-        proc = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
-                              text=True, stdin=subprocess.DEVNULL, timeout=SCONTROL_TIMEOUT_SECONDS)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise LauncherError(f"cannot run `scontrol show hostnames`: {exc}") from None
+    proc = query([scontrol, "show", "hostnames", nodelist], max_lines=MAX_NODES, lines_are="node names",
+                 max_bytes=MAX_NODES * (MAX_HOSTNAME_CHARS + 1))
     if proc.returncode != 0:
         said = (proc.stderr.strip() or proc.stdout.strip())[-300:]
-        raise LauncherError(f"`scontrol show hostnames {nodelist}` exited with "
+        raise LauncherError(f"`scontrol show hostnames {_clipped(nodelist)}` exited with "
                             f"{proc.returncode}: {said}")
     return parse_hostnames(proc.stdout)
 
@@ -298,10 +305,13 @@ class SlurmLauncher(SshLauncher):
 
     def local_launch(self) -> list[str]:
         """MPICH's hydra starts its proxy with srun on this node too (it finds the
-        allocation itself), so with SIGTERM held it gets :func:`mpirun_args` here as well."""
-        if self.implementation == OPENMPI or not self.holds_sigterm:
+        allocation itself), so with SIGTERM held it gets :func:`mpirun_args` here as well;
+        and ``-localhost 127.0.0.1``, the address that proxy calls hydra back at (else
+        this node's name, which need not resolve: docs/slurm.md, "Node names and
+        addresses")."""
+        if self.implementation == OPENMPI:
             return []
-        return mpirun_args(self.implementation, True)
+        return [*(mpirun_args(self.implementation, True) if self.holds_sigterm else []), "-localhost", "127.0.0.1"]
 
     def environment(self, env: dict[str, str]) -> dict[str, str]:
         """``env`` with ``SLURM_OVERLAP=1``: the steps mpirun starts with ``srun`` (its

@@ -32,13 +32,14 @@ it names one of the allocation's nodes and its state fits the grammar ``word[fla
 Output that does not pass leaves a node without a state (not usable; why names the
 failed ``squeue`` too, if it failed), or the job's node list unknown (then the
 allocation's nodes are kept, their states deciding); when ``sinfo`` itself fails,
-the states are unknown and only the probe decides.
+the states are unknown and only the probe decides. Each query's output is read as it
+comes and stopped past :data:`MAX_OUTPUT_CHARS` (:func:`popdist_lite_launcher.slurm.query`):
+a query stopped so has failed.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 
 from . import network
@@ -46,11 +47,11 @@ from .attempts import ElasticPolicy, FixedPolicy
 from .elastic import Cluster, Membership, capacity, size_attempt
 from .mpirun import LauncherError
 from .options import Options
-from .slurm import SLURM, expand_nodelist
+from .slurm import SLURM, expand_nodelist, query
 
 #: Seconds one ``squeue``/``sinfo`` may take.
 QUERY_TIMEOUT_SECONDS = 30.0
-#: Most characters read from one query's output.
+#: Most bytes read from one query's output.
 MAX_OUTPUT_CHARS = 1 << 20
 #: Slurm node states (``sinfo %T``, flags removed) in which a node runs steps.
 USABLE_STATES = frozenset({"allocated", "mixed", "idle", "completing", "planned"})
@@ -92,7 +93,7 @@ class Nodes:
     """The nodes of Slurm job ``job_id`` (an :class:`~popdist_lite_launcher.slurm.Allocation`'s
     id and nodes) as Slurm and a probe see them now. ``run(argv)`` runs a query and
     returns its :class:`subprocess.CompletedProcess` (default: the real command, under
-    :data:`QUERY_TIMEOUT_SECONDS`); ``expand(nodelist)`` expands a Slurm host list
+    :data:`QUERY_TIMEOUT_SECONDS`, its output bounded: :func:`_run`); ``expand(nodelist)`` expands a Slurm host list
     (default :func:`popdist_lite_launcher.slurm.expand_nodelist`)."""
 
     def __init__(self, job_id: str, nodes: list[str], launch_agent: str, network_interface=None,
@@ -108,8 +109,8 @@ class Nodes:
         in the allocation's order, and a problem with the query (then all of them)."""
         try:
             proc = self._run(["squeue", "-h", "-j", self.job_id, "-o", "%N"])
-        except (OSError, subprocess.SubprocessError) as exc:
-            return list(self.nodes), f"cannot run squeue: {exc}"
+        except (OSError, subprocess.SubprocessError, LauncherError) as exc:
+            return list(self.nodes), f"squeue: {exc}"
         text = proc.stdout[:MAX_OUTPUT_CHARS].strip()
         if proc.returncode != 0 or not text:
             said = (proc.stderr or "").strip()[-200:]
@@ -129,7 +130,7 @@ class Nodes:
             return {}
         try:
             proc = self._run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T"])
-        except (OSError, subprocess.SubprocessError):
+        except (OSError, subprocess.SubprocessError, LauncherError):
             return None
         return parse_states(proc.stdout, nodes) if proc.returncode == 0 else None
 
@@ -173,11 +174,13 @@ class Nodes:
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
-    tool = shutil.which(argv[0])
-    if tool is None:
-        raise OSError(f"{argv[0]} is not on PATH")
-    return subprocess.run([tool, *argv[1:]], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=QUERY_TIMEOUT_SECONDS)
+    """``argv`` run with :func:`popdist_lite_launcher.slurm.query`: at most
+    :data:`MAX_OUTPUT_CHARS` bytes of output read, :data:`QUERY_TIMEOUT_SECONDS`.
+
+    Raises:
+        LauncherError: as that function.
+    """
+    return query(argv, max_bytes=MAX_OUTPUT_CHARS, timeout=QUERY_TIMEOUT_SECONDS)
 
 
 def nodes_of(opts: Options) -> Nodes:

@@ -114,7 +114,8 @@ class SshLauncher:
                 print(self.preemption.settings.describe(), flush=True)
         env = self.environment(job_environment(collector, mark, opts.launch_agent if remote else None))
         if self.holds_sigterm:
-            env.update({hold_sigterm.ENV: "1", hold_sigterm.PYTHON_ENV: sys.executable})
+            env.update({hold_sigterm.ENV: hold_sigterm.env_value(self.preemption.signals),
+                        hold_sigterm.PYTHON_ENV: sys.executable})
             collector.subscribe("signalled", self.preemption.on_signalled)
         if opts.verbose:
             shown = [f"{name}={env[name]}" for name in (cleanup.LAUNCH_AGENT_ENV, cleanup.MARK_ENV)

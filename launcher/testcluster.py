@@ -9,7 +9,10 @@ each running a ``slurmd`` in its network namespace with its own hostname (UTS
 namespace) and a private tmpfs on ``/tmp`` (mount namespace), and one more test host,
 the login node ``pdls(N+1)`` (:attr:`TestCluster.login`), where no slurmd runs: what is
 started there (:meth:`TestCluster.on_node`, e.g. ``salloc``) is removed with the hosts. ``slurmctld`` and a
-``munged`` run on this machine, on the bridge's address. Everything lives in
+``munged`` run on this machine, on the bridge's address. The nodes' names resolve
+nowhere (no /etc/hosts lines, as on cloud and container clusters that name their nodes
+only in ``slurm.conf``): Slurm and whatever runs on the cluster reach a node by its
+``NodeAddr``. Everything lives in
 :data:`DIRECTORY`: the munge key and socket, ``slurm.conf`` (clients find it through
 ``SLURM_CONF``, :meth:`TestCluster.env`), state, spool, pid and log files, the
 accounting's MariaDB and ``slurmdbd.conf`` (where Debian's ``slurmdbd`` and
@@ -22,7 +25,7 @@ The nodes are entered with ``nsenter --net=/run/netns/NODE unshare --uts --mount
 Setup removes the leftovers of an earlier, killed run first; :meth:`TestCluster.teardown`
 (also on a failed setup, and on leaving the ``with`` block) cancels every job, stops
 the daemons by their pid files, kills what is left on each node and removes the nodes,
-the bridge, their /etc/hosts lines and :data:`DIRECTORY`.
+the bridge and :data:`DIRECTORY`.
 """
 
 from __future__ import annotations
@@ -185,7 +188,7 @@ class TestCluster:
 
     def __init__(self, n: int = 2, cpus: int = 2):
         self.hosts = testhosts.TestHosts(n + 1, prefix=PREFIX, bridge=BRIDGE, subnet=SUBNET,
-                                         mark=MARK, lock_file=LOCK_FILE)
+                                         mark=MARK, lock_file=LOCK_FILE, hosts_file=False)
         self.nodes = list(self.hosts.names[:n])
         self.login = self.hosts.names[n]
         self.cpus = cpus

@@ -8,7 +8,8 @@ paths on one machine: they need root.
 Needs root, iproute2 (``ip``) and util-linux's ``unshare``. :func:`unavailable` says why
 not when they are missing. Host ``NAME`` is a network namespace with a veth pair
 (``eth0`` inside, on the bridge :data:`BRIDGE` outside), address
-``10.250.0.(10+i)/24``, an ``ADDR NAME`` line in /etc/hosts, and every command started
+``10.250.0.(10+i)/24``, an ``ADDR NAME`` line in /etc/hosts (not for the Slurm test
+cluster's nodes, :mod:`popdist_lite_launcher.testcluster`), and every command started
 by :data:`LAUNCH_AGENT` runs there with its own UTS namespace (``hostname`` = NAME) and
 mount namespace with a fresh tmpfs on /tmp. The launcher's side of the network is the
 bridge address :data:`LAUNCHER_ADDRESS`; traffic never leaves these addresses.
@@ -107,12 +108,14 @@ class TestHosts:
     of hosts that can exist beside these (the Slurm test cluster's) names its own
     ``prefix`` (host names, and veths ``PREFIXv1..``), ``bridge``, ``subnet`` (the first
     three octets; the bridge is ``.1``, host ``i`` ``.(10+i)``), /etc/hosts ``mark`` and
-    ``lock_file``."""
+    ``lock_file``; with ``hosts_file=False`` the hosts get no /etc/hosts lines (their
+    names resolve nowhere; :attr:`addresses` reaches them)."""
 
     def __init__(self, n: int, *, prefix: str = PREFIX, bridge: str = BRIDGE,
-                 subnet: str = SUBNET, mark: str = MARK, lock_file: str = LOCK_FILE):
+                 subnet: str = SUBNET, mark: str = MARK, lock_file: str = LOCK_FILE,
+                 hosts_file: bool = True):
         self.prefix, self.bridge, self.subnet, self.mark = prefix, bridge, subnet, mark
-        self.lock_file = lock_file
+        self.lock_file, self.hosts_file = lock_file, hosts_file
         self.bridge_address = f"{subnet}.1"
         self.names = [f"{prefix}{i + 1}" for i in range(n)]
         self.addresses = {name: f"{subnet}.{11 + i}" for i, name in enumerate(self.names)}
@@ -147,9 +150,10 @@ class TestHosts:
             _ip("-n", name, "addr", "add", f"{self.addresses[name]}/24", "dev", "eth0")
             _ip("-n", name, "link", "set", "eth0", "up")
             _ip("-n", name, "link", "set", "lo", "up")
-        with open(HOSTS_FILE, "a") as f:
-            for name in self.names:
-                f.write(f"{self.addresses[name]} {name} {self.mark}\n")
+        if self.hosts_file:
+            with open(HOSTS_FILE, "a") as f:
+                for name in self.names:
+                    f.write(f"{self.addresses[name]} {name} {self.mark}\n")
 
     def _veth(self, host: str) -> str:
         return f"{self.prefix}v{host[len(self.prefix):]}"

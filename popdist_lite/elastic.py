@@ -1,4 +1,5 @@
-"""Elastic jobs, the program's side: :func:`should_checkpoint`.
+"""Elastic jobs and preemption, the program's side: :func:`should_checkpoint` and the
+``checkpoint_saved`` report (:func:`report_saved`).
 
 ``poprun-lite --min-replicas N`` (docs/elastic.md) restarts a job at another replica
 count when hosts are lost or come back. A loss ends the attempt at once (the program
@@ -19,6 +20,13 @@ The first True also sends the launcher a
 then not the end of the job). Horovod Elastic's ``State.commit()`` checks for host
 changes at the same place (and raises ``HostsUpdatedInterrupt``); torchrun's agent
 restarts the workers of a changed membership without asking them.
+
+A save that begins after the first True (:func:`stopping`) sends the launcher a
+``checkpoint_saved`` record once committed (:func:`report_saved`): a preempted job's
+report says "(checkpoint saved)" only when every replica sent one.
+
+The signals the scheduler sends every process of a job are held by
+:mod:`popdist_lite.held_signals`.
 """
 
 from __future__ import annotations
@@ -69,3 +77,19 @@ def should_checkpoint() -> bool:
 
 #: Seconds :func:`should_checkpoint` waits for its agent to pass ``resize_stop`` on.
 RECORD_TIMEOUT_SECONDS = 5.0
+
+
+def stopping() -> bool:
+    """Whether :func:`should_checkpoint` answered True in this process: the replicas are
+    stopping at this step boundary (a save begun now is the one the launcher waits for)."""
+    return _state["announced"]
+
+
+def report_saved(step: int) -> None:
+    """Tell the launcher this replica's part of checkpoint ``step`` is committed
+    (``checkpoint_saved``; :func:`popdist_lite.save_checkpoint` calls it for a save begun
+    once :func:`stopping`). Nothing outside poprun-lite."""
+    topo = topology.current()
+    records.send(records.make("checkpoint_saved", records.identity(
+        rank=records.env_rank(), replica=topo.replica_id, role=topo.role, feeder=topo.feeder_index,
+        pid=os.getpid()), step=int(step)), timeout=RECORD_TIMEOUT_SECONDS)

@@ -9,7 +9,7 @@ legs:
   ``POPDIST_LITE_RECORD_FD``; :func:`send` writes a record there. The agent answers every
   line with one byte once it has passed the record on, so a rank that is about to abort
   the job (the excepthook) knows its record has left the host. A program may send only
-  ``error`` and ``resize_stop`` records (:data:`FROM_PROGRAM`); the agent replaces their
+  ``error``, ``resize_stop`` and ``checkpoint_saved`` records (:data:`FROM_PROGRAM`); the agent replaces their
   identity fields with its own, so a program cannot speak for another rank. The other
   way, the socket carries single bytes: :data:`ACK` (one per line passed on) and
   :data:`RESIZE` (the launcher asked for a resize), which :func:`resize_requested` reads.
@@ -73,10 +73,17 @@ receiver drops what does not match. Kinds (fields besides ``kind``):
     the signal (sent by :func:`popdist_lite.should_checkpoint` when it first answers
     True), so the attempt's clean end is a resize or a preemption, not the end of the
     job's work.
+``checkpoint_saved`` (rank -> agent -> launcher)
+    identity + ``step``: this replica's part of checkpoint ``step`` is committed, in a
+    save that began after :func:`popdist_lite.should_checkpoint` answered True (sent by
+    :func:`popdist_lite.save_checkpoint`); the launcher says a preempted job's checkpoint
+    was saved only when every replica sent one.
 ``signalled`` (agent -> launcher; preemption, launcher/hold_sigterm.py)
-    identity + ``signal`` (``"SIGTERM"``): the agent got that signal from another process
-    than its parent (Slurm signalling the job's steps); the launcher then asks the
-    replicas for a checkpoint, as on its own SIGTERM.
+    identity + ``signal`` (a signal's name, e.g. ``"SIGTERM"``, ``"SIGUSR1"``) and
+    ``sender`` (the pid that sent it, None when the kernel did): the agent got that held
+    signal from another process than its parent (Slurm signalling the job's steps, or
+    any process of the job's user); the launcher counts it with the other copies of the same signal and
+    decides (launcher/preempt.py), ignoring a signal it does not hold.
 
 Identity fields: ``rank`` (MPI rank or None), ``replica`` (the replica driven, or fed by a
 feeder), ``role`` (``"replica"`` or ``"feeder"``), ``feeder`` (a feeder's index, else
@@ -105,6 +112,10 @@ RECORD_FD_ENV = "POPDIST_LITE_RECORD_FD"
 #: Set to ``"1"`` by poprun-lite when its stall inspector is on: agents then record and
 #: forward their rank's progress.
 INSPECTOR_ENV = "POPRUN_LITE_STALL_INSPECTOR"
+#: The signals the job's processes hold while preemption is on, comma-separated names
+#: (set by poprun-lite, read by its agents and by :func:`popdist_lite.held_signals.hold_signals`;
+#: launcher/hold_sigterm.py).
+HOLD_ENV = "POPRUN_LITE_HOLD_SIGNALS"
 #: Seconds between an agent's heartbeats.
 HEARTBEAT_SECONDS = 1.0
 #: Variables holding the MPI rank, first set wins (Open MPI, MPICH/hydra, PMIx).
@@ -146,7 +157,8 @@ SCHEMA = {
     "stack": {**IDENTITY, "request": "count", "text": "text"},
     "resize_request": {"replicas": "count"},
     "resize_stop": {**IDENTITY},
-    "signalled": {**IDENTITY, "signal": "signal"},
+    "checkpoint_saved": {**IDENTITY, "step": "count"},
+    "signalled": {**IDENTITY, "signal": "name", "sender": "count?"},
 }
 #: Fields a kind may carry besides those of :data:`SCHEMA` (absent, or of this type):
 #: ``storage`` a dict of exactly :data:`popdist_lite.progress.STORAGE_FIELDS`, counts and
@@ -155,11 +167,11 @@ OPTIONAL = {"progress": {"storage": "storage"}}
 IDENTITY_FIELDS = tuple(IDENTITY)
 FIELDS = {kind: tuple(fields) + tuple(OPTIONAL.get(kind, ())) for kind, fields in SCHEMA.items()}
 #: Kinds an agent may send the launcher after its ``hello``.
-FROM_AGENT = ("heartbeat", "error", "exit", "progress", "stack", "resize_stop", "signalled")
+FROM_AGENT = ("heartbeat", "error", "exit", "progress", "stack", "resize_stop", "checkpoint_saved", "signalled")
 #: Kinds the launcher may send an agent after its ``welcome`` (requests).
 TO_AGENT = ("signal", "stack_request", "resize_request")
 #: Kinds a program may send its agent.
-FROM_PROGRAM = ("error", "resize_stop")
+FROM_PROGRAM = ("error", "resize_stop", "checkpoint_saved")
 #: The bytes an agent writes to its program's socket: one ``ACK`` per line it passed on,
 #: ``RESIZE`` when the launcher asked for a resize (``resize_request``).
 ACK, RESIZE = b"\x06", b"\x05"

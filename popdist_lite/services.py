@@ -1,6 +1,8 @@
 """The per-rank runtime services :func:`popdist_lite.init` starts once the topology is
 known (:mod:`popdist_lite.topology` only discovers it):
 
+- the scheduler's signals held for this process only, not its children, while
+  poprun-lite's preemption is on (:mod:`popdist_lite.held_signals`);
 - the failure hook (:mod:`popdist_lite._excepthook`): an uncaught exception on any rank
   prints the rank's traceback, records it for poprun-lite's report and aborts the whole
   job, as ``python -m mpi4py`` does;
@@ -21,7 +23,7 @@ from __future__ import annotations
 import atexit
 import os
 
-from . import _excepthook, progress
+from . import _excepthook, held_signals, progress
 
 
 def start(topo) -> None:
@@ -31,6 +33,7 @@ def start(topo) -> None:
     Raises:
         ValueError: ``POPDIST_LITE_STALL_TIMEOUT`` is set but not a number.
     """
+    held_signals.hold_signals()
     _excepthook.install(replica_index=topo.replica_id, role=topo.role, feeder_index=topo.feeder_index)
     progress.enable_from_env()
     if topo.role != "replica":

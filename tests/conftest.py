@@ -11,6 +11,8 @@
 import os
 from pathlib import Path
 
+import pytest
+
 # The suite runs outside any Slurm allocation, also when started inside one (salloc, a CI
 # runner under Slurm): poprun-lite and mpirun would otherwise take their hosts from it.
 # The Slurm tests (tests/slurm/) run their jobs on a cluster of their own.
@@ -23,3 +25,17 @@ def pytest_ignore_collect(collection_path: Path, config):
     if "mpi" in collection_path.parts[-2:-1] and not config.getoption("with_mpi", False):
         return True
     return None
+
+
+@pytest.fixture(scope="session")
+def torchrec():
+    """The ``torchrec`` module, or the test is skipped with the reason TorchRec cannot be
+    used here (``helpers.torchrec_unavailable``; ``helpers.requires_torchrec`` is the mark)."""
+    from helpers import torchrec_unavailable
+
+    reason = torchrec_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    import torchrec as module
+
+    return module

@@ -1,9 +1,10 @@
 """Helpers shared by the test modules (no test module imports another): the project's
-paths, a clean environment, running Python or an MPI job under a timeout, and the
-checkpoint test program's driver."""
+paths, a clean environment, running Python or an MPI job under a timeout, the
+checkpoint test program's driver, and the mark for tests that need TorchRec."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -55,6 +56,31 @@ def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProces
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("POPDIST", "OMPI_", "PMIX_", "PMI_"))}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=JOB_SECONDS,
                           env={**clean, **(env or {})}, cwd=ROOT)
+
+
+# ------------------------------------------------------------------------- TorchRec
+
+def torchrec_unavailable() -> str | None:
+    """Why TorchRec cannot be used here (None: it can). ``scripts/test`` installs it with
+    ``--no-deps`` (scripts/_env.sh's ensure_torchrec), checks that it imports, and where
+    that fails uninstalls it and leaves the reason in the venv's
+    ``torchrec-unavailable.txt``, quoted here. Cheap (no import): a module's mark is
+    evaluated when pytest collects it."""
+    if importlib.util.find_spec("torchrec") and importlib.util.find_spec("fbgemm_gpu"):
+        return None
+    reason = ("TorchRec is not installed (scripts/test installs torchrec and fbgemm-gpu-cpu with --no-deps, "
+              "pinned in pyproject.toml's [tool.popdist-lite])")
+    note = Path(sys.prefix) / "torchrec-unavailable.txt"
+    if note.is_file():
+        reason += f"; its installation failed: {note.read_text().strip()}"
+    return reason
+
+
+#: Mark for a test (or a module's ``pytestmark``) that needs TorchRec: skipped with
+#: :func:`torchrec_unavailable`'s reason where it is not installed. A test that takes the
+#: ``torchrec`` fixture (tests/conftest.py) is skipped alike and gets the module.
+_TORCHREC_UNAVAILABLE = torchrec_unavailable()
+requires_torchrec = pytest.mark.skipif(_TORCHREC_UNAVAILABLE is not None, reason=str(_TORCHREC_UNAVAILABLE))
 
 
 # ------------------------------------------------------------------------- MPI jobs

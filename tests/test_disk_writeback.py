@@ -11,7 +11,8 @@ MPI.COMM_SELF, every value against a numpy reference of the table:
   lookup of it waits for nothing;
 - a background write-back that fails (ENOSPC) keeps its records: the evicted rows read
   back updated (by a lookup and by a later prefetch), the error is raised by the next
-  agreement, and the sync afterwards writes every row to the file.
+  agreement, and the sync afterwards writes every row to the file; when even keeping
+  them fails (a MemoryError), the table is broken: every later call says so.
 
 The background thread is held by an event inside the file's write (the uncounted
 writes, ``count=False``, are the background thread's), and the lookup's wait is seen
@@ -173,7 +174,7 @@ def test_a_failed_background_write_back_is_kept_served_and_raised_by_the_next_ag
 
     def fail(rows):
         raise OSError(errno.ENOSPC, "No space left on device (ENOSPC) writing rows of the partition file",
-                      table.file.path)
+                      table.file.name)
 
     _background_writes(table, fail)
     _train(table, reference, np.arange(CAPACITY), seed=3)
@@ -200,3 +201,30 @@ def test_a_failed_background_write_back_is_kept_served_and_raised_by_the_next_ag
     assert table.cache.unwritten is None
     np.testing.assert_array_equal(np.asarray(table.weights), reference)
     np.testing.assert_array_equal(_lookup(table, np.arange(ROWS)[::6]), reference[::6])
+
+
+def test_a_failed_write_back_whose_records_cannot_be_kept_breaks_the_table(table):
+    """The write-back fails and keeping its records fails too (a MemoryError): those rows
+    are nowhere, so the next agreement raises the write's error and every later call
+    that the table must be made again; the background thread is done, nothing waits."""
+    reference = np.zeros((ROWS, COLS), np.float32)
+
+    def fail(rows):
+        raise OSError(errno.ENOSPC, "No space left on device (ENOSPC) writing rows of the partition file",
+                      table.file.name)
+
+    def no_memory(rows, records):
+        raise MemoryError("injected")
+
+    _background_writes(table, fail)
+    table.cache._keep_unwritten = no_memory
+    _train(table, reference, np.arange(CAPACITY), seed=5)
+    assert table.prefetch(np.arange(40, 46), ahead=1).wait(DEADLINE)
+    with pytest.raises(RuntimeError, match="ENOSPC"):
+        table.agree(COMM)
+    broken = r"the cache of rows is unusable: its background thread failed \(MemoryError: injected\)"
+    table.take(np.arange(3), np.float32)
+    with pytest.raises(RuntimeError, match=broken):
+        table.agree(COMM)
+    with pytest.raises(RuntimeError, match=broken):
+        table.sync()

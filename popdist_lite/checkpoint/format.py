@@ -142,7 +142,9 @@ def write_npy(path: Path, array: np.ndarray, replica: int, slow: float = 0.0, sy
     header = npy_header(array.shape, array.dtype)
     crc = zlib.crc32(header)
     total = len(header)
-    rows = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(-1) if array.ndim else array.reshape(1)
+    # (rows, the rest) without -1: a part with no rows (a replica of a table smaller than the replica count) has size 0
+    rows = array.reshape(array.shape[0], int(np.prod(array.shape[1:]))) if array.ndim > 1 else \
+        array.reshape(-1) if array.ndim else array.reshape(1)
     row_bytes = max(1, rows[0:1].nbytes) if len(rows) else 1
     step = max(1, CHUNK_BYTES // row_bytes)
     with open(path, "wb", buffering=0) as f:

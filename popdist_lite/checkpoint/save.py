@@ -116,9 +116,10 @@ def save_checkpoint(directory, state: dict, step: int, keep: int | None = None, 
             written), or a write or the commit failed (the previous checkpoints are
             intact); or an earlier background save failed.
     """
-    from .. import topology
+    from .. import elastic, topology
 
     topology.init()
+    stopping = elastic.stopping()  # the save a preempted job's launcher waits for
     comm = topology.replica_comm() if comm is None else comm
     r, k = comm.Get_size(), comm.Get_rank()
     wait()
@@ -138,7 +139,7 @@ def save_checkpoint(directory, state: dict, step: int, keep: int | None = None, 
     final = directory / step_dir_name(step)
     slow = float(os.environ.get(SLOW_WRITE_ENV, "0") or 0)
     if blocking:
-        _write_and_commit(comm, description, tmp, final, step, keep, slow, what)
+        _write_and_commit(comm, description, tmp, final, step, keep, slow, what, stopping)
         return final
     global _pending
     cache = comm_cache(comm)
@@ -151,8 +152,8 @@ def save_checkpoint(directory, state: dict, step: int, keep: int | None = None, 
     snapshot = Description([_copy(e, r, k) for e in entries], description.values, description.replica_values,
                            description.objects)
     background = cache[_DUPLICATE]
-    _pending = _Background(lambda: _write_and_commit(background, snapshot, tmp, final, step, keep, slow, what),
-                           step)
+    _pending = _Background(lambda: _write_and_commit(background, snapshot, tmp, final, step, keep, slow, what,
+                                                     stopping), step)
     return final
 
 
@@ -211,9 +212,12 @@ def _prepare(comm, directory: Path, step: int, what: str) -> Path:
 
 
 def _write_and_commit(comm, description: Description, tmp: Path, final: Path, step: int, keep: int | None,
-                      slow: float, what: str) -> None:
+                      slow: float, what: str, stopping: bool = False) -> None:
     """Steps 2-4. Each file is fsynced by a helper thread while the next one is
-    checksummed and written, so the checksums cost little beyond the disk's time."""
+    checksummed and written, so the checksums cost little beyond the disk's time. With
+    ``stopping`` (the save began after ``should_checkpoint()`` answered True), every
+    replica tells poprun-lite once the commit is done
+    (:func:`popdist_lite.elastic.report_saved`)."""
     r, k = comm.Get_size(), comm.Get_rank()
     problem, files, syncs = None, {}, []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="popdist-lite-fsync") as pool:
@@ -244,6 +248,10 @@ def _write_and_commit(comm, description: Description, tmp: Path, final: Path, st
     outcome = numbered(comm, "checkpoint_bcast", comm.bcast, outcome, root=0)
     if outcome is not None:
         raise CheckpointError(f"{what} failed: {outcome}; the previous checkpoints are intact")
+    if stopping:
+        from ..elastic import report_saved
+
+        report_saved(step)
 
 
 def _describe_error(exc: BaseException) -> str:

@@ -45,7 +45,6 @@ from .shard import default_blocks, different_table, initial_table
 from .sparse import SparseExchange
 from .stacks import Stack, build_stacks
 from .state import TableState
-from ..checkpoint.stateful import Partitioned, PerReplica
 
 _ESCAPE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -160,10 +159,12 @@ class ShardedTable:
         mine = {key: (a[rows] if layouts[key] in ("table", "row") else a) for key, a in arrays.items()}
         strategy = {ShardingType.ROW_WISE: "TOKEN", ShardingType.COLUMN_WISE: "ENCODING"}.get(
             self.sharding.sharding_type, self.partition_strategy)
+        layout = self._slot.layout
         return TableState(name=self.name, shape=self.shape, dtype=self.dtype, master_dtype=self.master_dtype,
                           partition_strategy=strategy, num_replicas=self._collection.comm.size,
                           replica=self._collection.comm.rank, arrays=mine, layouts=layouts,
-                          generators=shard.stochastic_rounding.generator_states())
+                          generators=shard.stochastic_rounding.generator_states(),
+                          partitions={"table": layout.table_partition(), "row": layout.row_partition()})
 
     def get_embedding_tensor(self, master: bool = False) -> np.ndarray:
         """The whole ``(t, e)`` table on every replica. Collective (an all-gather of
@@ -222,31 +223,9 @@ class ShardedTable:
         """Live views of this replica's rows (weights, optimizer slots) as
         :class:`~popdist_lite.checkpoint.Partitioned` arrays split as the placement
         splits them (row-wise cyclic, column-wise block, table-wise one replica's,
-        data-parallel replicated), and the rounding streams' states. Local."""
-        state = self.state()
-        layout = self._slot.layout
-        tree: dict = {"optimizer": {}}
-        for key, array in state.arrays.items():
-            kind = state.layouts[key]
-            if kind == "table":
-                part, shape = layout.table_partition(), self.shape
-            elif kind == "row":
-                part, shape = layout.row_partition(), (self.shape[0],)
-            else:
-                part, shape = None, array.shape
-            meta = {"strategy": self.partition_strategy, "layout": kind}
-            value = array if part is None or part.kind == "replicated" else Partitioned(array, shape, part, meta)
-            if part is not None and part.kind == "replicated":
-                value = Partitioned(array, shape, part, meta)
-            if key.startswith("optimizer/"):
-                tree["optimizer"][key[len("optimizer/"):]] = value
-            else:
-                tree[key] = value
-        if not tree["optimizer"]:
-            del tree["optimizer"]
-        tree["generators"] = {kind: PerReplica(s) if kind == "per_replica" else s
-                              for kind, s in state.generators.items()}
-        return tree
+        data-parallel replicated), and the rounding streams' states
+        (:meth:`TableState.state_dict`). Local."""
+        return self.state().state_dict()
 
     def validate_state_dict(self, state_dict: dict, saved) -> None:
         """Refuse a checkpoint of a table of another shape, or generator states its stack
@@ -332,29 +311,17 @@ class TableCollection:
                                  f"{str(item)[:300]} against {str(seen[0])[:300]}; every replica must pass the same")
         if planner is None:
             planner = EmbeddingShardingPlanner()
-        self.plan: ShardingPlan = planner.plan(configs, comm=comm, fixed=given)
-        seen = agree_objects(f"{self._name}: plan", self.plan.record(), comm)
+        problem = None
+        try:  # a replica's own planning error (another planner, say) is raised on every replica
+            self.plan: ShardingPlan = planner.plan(configs, comm=comm, fixed=given)
+        except (ValueError, TypeError) as exc:
+            problem = Problem.of(exc)
+        seen = agree_objects(f"{self._name}: plan", None if problem else self.plan.record(), comm, problem=problem)
         for j, item in enumerate(seen):
             if item != seen[0]:
                 raise ValueError(f"{self._name}: replica {j} planned another placement than replica 0 (give every "
                                  f"replica the same planner and topology): {str(item)[:300]} against "
                                  f"{str(seen[0])[:300]}")
-        self.configs = configs
-        self.features = [name for c in configs for name in c.feature_names]
-        self._features = [_Feature(name, i, isinstance(c, EmbeddingBagConfig),
-                                   c.combiner if isinstance(c, EmbeddingBagConfig) else None)
-                          for i, c in enumerate(configs) for name in c.feature_names]
-        self._feature_index = {f.name: i for i, f in enumerate(self._features)}
-        self.stacks = build_stacks(configs, self.plan.shardings, comm, self._name)
-        self._initialize(configs)
-        self.tables: dict[str, ShardedTable] = {}
-        self._slot_of = {}
-        for stack in self.stacks:
-            for slot in stack.slots:
-                self._slot_of[slot.index] = (stack, slot)
-        for i, c in enumerate(configs):
-            stack, slot = self._slot_of[i]
-            self.tables[c.name] = ShardedTable(self, stack, slot)
         code = _code([c.name for c in configs])
         limited = []
         for i, c in enumerate(configs):
@@ -366,6 +333,21 @@ class TableCollection:
                 limited.append(LimitedTable(i, c.name, c.spec.id_limits, sharding.owner
                                             if sharding.sharding_type is ShardingType.TABLE_WISE else None))
         self._limits = BatchLimits(limited, comm, self._name, code) if limited else None
+        self.configs = configs
+        self.features = [name for c in configs for name in c.feature_names]
+        self._features = [_Feature(name, i, isinstance(c, EmbeddingBagConfig),
+                                   c.combiner if isinstance(c, EmbeddingBagConfig) else None)
+                          for i, c in enumerate(configs) for name in c.feature_names]
+        self.stacks = build_stacks(configs, self.plan.shardings, comm, self._name)
+        self._initialize(configs)
+        self.tables: dict[str, ShardedTable] = {}
+        self._slot_of = {}
+        for stack in self.stacks:
+            for slot in stack.slots:
+                self._slot_of[slot.index] = (stack, slot)
+        for i, c in enumerate(configs):
+            stack, slot = self._slot_of[i]
+            self.tables[c.name] = ShardedTable(self, stack, slot)
         self._exchange = SparseExchange([s.exchange_stack for s in self.stacks], comm, self._name, code,
                                         self._bad_index, self._other_collection)
         self._code = code
@@ -657,7 +639,7 @@ class TableCollection:
         ok = problem is None and bad is None
         masks, dropped = self._passes("lookup", call if ok else None)
         serving = [s.shard.serving for s in self.stacks]
-        if masks == [None]:
+        if masks[0] is None:
             gids = self._stack_gids(call)[0] if ok else [None] * len(self.stacks)
             rows, routes, context = self._exchange.lookup(serving, gids, problem, bad, keep=keep, what=what)
             self._after_lookup()
@@ -703,7 +685,7 @@ class TableCollection:
         masks, dropped = self._passes("update", call if ok else None)
         if not ok:
             return None, [([None] * len(self.stacks), None)]
-        if masks == [None]:
+        if masks[0] is None:
             routes = self._exchange.route("update", self._stack_gids(call)[0])
             return [(route.inverse, route.u) for route in routes], [(routes, [0] * len(routes))]
         passes = []
@@ -913,12 +895,12 @@ class TableCollection:
             problem = _problem(exc)
         if problem is not None:
             self._exchange.backward(_dummy(self._exchange), [], problem, what=f"{self._name}.backward")
-        context.used = True
         sums = self._sums(context.maps, per_stack)
         for exchange, offsets in zip(context.exchange, context.offsets):
             part = [None if total is None else total[o:o + route.u]
                     for total, o, route in zip(sums, offsets, exchange.routes)]
             pairs = self._exchange.backward(exchange, part, None, what=f"{self._name}.backward")
+            context.used = True  # the first update ran: the context's IDs are spent
             self._apply(pairs, loss_scale)
         counters.record("update", start, kind=counters.PHASE, detail=self._name)
 
@@ -1107,6 +1089,7 @@ class EmbeddingBagCollection(TableCollection):
         out = aligned_empty((b, sum(dims)), dtype)
         at = np.zeros(len(dims) + 1, np.int64)
         np.cumsum(dims, out=at[1:])
+        same = len(set(dims)) == 1  # one dim: the output is (B, F, e), a stack's features a gather of it
         for stack, members, m, unique in zip(self.stacks, self._stack_features, maps, rows):
             first, last = members[0], members[-1]
             contiguous = members == list(range(first, last + 1))
@@ -1114,6 +1097,9 @@ class EmbeddingBagCollection(TableCollection):
                 m.forward(unique, out=out.reshape(b * len(members), stack.e))  # the whole output, in place
                 continue
             result = m.forward(unique).reshape(b, len(members), stack.e)
+            if same:
+                out.reshape(b, len(dims), stack.e)[:, members] = result
+                continue
             for i, j in enumerate(members):
                 out[:, at[j]:at[j + 1]] = result[:, i]
         return KeyedArray(list(self.features), dims, out)
@@ -1140,6 +1126,7 @@ class EmbeddingBagCollection(TableCollection):
         else:
             per_feature = self._grads_by_feature(context, grads)
         out = []
+        same = len(set(dims)) == 1
         for stack, members in zip(self.stacks, self._stack_features):
             if not stack.trainable:
                 out.append(None)
@@ -1148,6 +1135,9 @@ class EmbeddingBagCollection(TableCollection):
             if per_feature is None and members == list(range(first, last + 1)):
                 block = whole[:, at[first]:at[last + 1]]  # (b, f) rows: bag b of the stack's features side by side
                 out.append(np.ascontiguousarray(block).reshape(b * len(members), stack.e))
+                continue
+            if per_feature is None and same:
+                out.append(whole.reshape(b, len(dims), stack.e)[:, members].reshape(b * len(members), stack.e))
                 continue
             if per_feature is None:
                 per_feature = self._grads_by_feature(context, grads)

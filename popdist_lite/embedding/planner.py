@@ -12,18 +12,25 @@ stored and which replica serves and updates them:
 1. **Fixed placements first**: a table whose placement the collection's ``plan`` or a
    :class:`ParameterConstraints` with one sharding type (and, table-wise, one rank)
    fixes is placed so.
-2. **Data-parallel** for small tables: a table whose storage (weights, serving copy,
-   optimizer state) is at most ``data_parallel_max_bytes`` (default 1 MiB) is
-   replicated, if every replica has room: its lookups read the local copy (no
-   exchange) and its update is a sparse all-reduce of at most ``t`` rows.
+2. **Data-parallel** for small tables when all of them are: when every table left to
+   place is at most ``data_parallel_max_bytes`` (default 1 MiB: weights, serving copy,
+   optimizer state) and every replica has room, all are replicated: lookups then read
+   local copies and exchange no rows, and an update is a sparse all-reduce of at most
+   ``t`` rows per table. Beside larger tables a small table is placed as they are (3,
+   4): in one exchange for every table, replicating it would save no bytes (at two
+   replicas its gradient sums move as many bytes as its IDs and rows would, above two
+   more, as every replica's sums reach every replica) and would add a stack, with its
+   copies, to every call.
 3. **Table-wise, balanced**: the other tables by decreasing expected load (the bytes
    their IDs, rows and gradients move per step), each whole to the replica with the
-   least load so far that has room for it, while that replica's load stays within
-   ``balance`` (default 1.1) of an even share of all the tables' load: many tables
-   then spread over the replicas, and each table's rows are served and updated by one
-   replica.
-4. **Row-wise** for the rest: tables whose load or storage is too large for one
-   replica's share, split over every replica (the TOKEN strategy).
+   least load so far that has room for it (leaving room for the tables still waiting),
+   while that replica's load stays within ``balance`` (default 1.1) of an even share
+   of all these tables' load and the table is no larger than ``balance`` times an
+   even share of their storage: many tables then spread over the replicas, and each
+   table's rows are served and updated by one replica.
+4. **Row-wise** for the rest: tables whose load or storage is above one replica's
+   share, split over every replica (the TOKEN strategy); a table that fits nowhere
+   split stays whole where it fits.
 5. **Column-wise** only where a constraint asks for it: it stores what row-wise stores
    and moves the same row bytes, but sends every ID to every replica.
 
@@ -263,6 +270,8 @@ def _table(rows: list) -> list[str]:
 
 
 def _bytes(n: float) -> str:
+    if n >= 1 << 61:
+        return "unlimited"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -399,36 +408,55 @@ class EmbeddingShardingPlanner:
             if given.sharding_type is ShardingType.TABLE_WISE and given.ranks is None:
                 given = ParameterSharding(ShardingType.TABLE_WISE,
                                           (least_loaded(c, estimates[c.name].ranks or range(r)),))
-            place(c, given.check(r, f"table {c.name!r}"), "fixed by the plan or a constraint")
-        # 2. small tables replicated
-        big = []
-        for c in rest:
+            place(c, given.check(r, f"table {c.name!r}"), "fixed (plan or constraint)")
+        # 2. small tables replicated, when all are small
+        def small(c) -> bool:
             est = estimates[c.name]
             full = est.storage_full()
-            if ShardingType.DATA_PARALLEL in est.allowed and c.storage is None and r > 1 and \
-                    full[0] <= self.data_parallel_max_bytes and all(full[0] <= f for f in free_m):
+            return ShardingType.DATA_PARALLEL in est.allowed and c.storage is None and \
+                full[0] <= self.data_parallel_max_bytes
+        big = list(rest)
+        if r > 1 and rest and all(small(c) for c in rest) and \
+                all(sum(estimates[c.name].storage_full()[0] for c in rest) <= f for f in free_m):
+            for c in rest:
+                full = estimates[c.name].storage_full()[0]
                 place(c, ParameterSharding(ShardingType.DATA_PARALLEL, tuple(range(r))),
-                      f"small ({_bytes(full[0])} <= {_bytes(self.data_parallel_max_bytes)}): replicated")
-            else:
-                big.append(c)
+                      f"small ({_bytes(full)}) as every table")
+            big = []
         # 3. table-wise while balanced, 4. else row-wise (5. column-wise when it is all that is allowed)
         share = (sum(load) + r * sum(estimates[c.name].load for c in big)) / r
-        for c in sorted(big, key=lambda c: (-estimates[c.name].load, names.index(c.name))):
+        stored = sum(estimates[c.name].storage_full()[0] + estimates[c.name].storage_full()[1] for c in big) / r
+        waiting = sorted(big, key=lambda c: (-estimates[c.name].load, -sum(estimates[c.name].storage_full()),
+                                             names.index(c.name)))
+        for i, c in enumerate(waiting):
             est = estimates[c.name]
+            whole = None
             if r > 1 and ShardingType.TABLE_WISE in est.allowed:
-                candidates = [k for k in (est.ranks or range(r))
-                              if est.storage(ParameterSharding(ShardingType.TABLE_WISE, (k,)))[0][k] <= free_m[k]
-                              and est.storage(ParameterSharding(ShardingType.TABLE_WISE, (k,)))[1][k] <= free_d[k]]
-                if candidates:
-                    k = min(candidates, key=lambda j: (load[j], j))
-                    if load[k] + r * est.load <= self.balance * share or ShardingType.ROW_WISE not in est.allowed:
-                        place(c, ParameterSharding(ShardingType.TABLE_WISE, (k,)),
-                              f"whole on the least-loaded replica (load within {self.balance:g}x an even share)")
+                # room for the table whole, and enough left over all replicas for the tables still waiting
+                later = [est_w.storage(ParameterSharding(ShardingType.ROW_WISE, tuple(range(r))))
+                         for est_w in (estimates[w.name] for w in waiting[i + 1:])]
+                needed = (sum(sum(x[0]) for x in later), sum(sum(x[1]) for x in later))
+                fits = []
+                for k in (est.ranks or range(r)):
+                    m, d = est.storage(ParameterSharding(ShardingType.TABLE_WISE, (k,)))
+                    if m[k] <= free_m[k] and d[k] <= free_d[k]:
+                        fits.append(k)
+                if fits:
+                    whole = min(fits, key=lambda j: (load[j], j))
+                    m, d = est.storage(ParameterSharding(ShardingType.TABLE_WISE, (whole,)))
+                    room = sum(free_m) - m[whole] >= needed[0] and sum(free_d) - d[whole] >= needed[1]
+                    balanced = load[whole] + r * est.load <= self.balance * share and \
+                        sum(est.storage_full()) <= self.balance * stored and room
+                    split_fits = all(a <= f for a, f in zip(est.storage(
+                        ParameterSharding(ShardingType.ROW_WISE, tuple(range(r))))[0], free_m))
+                    if balanced or ShardingType.ROW_WISE not in est.allowed or not split_fits:
+                        place(c, ParameterSharding(ShardingType.TABLE_WISE, (whole,)),
+                              "whole: least-loaded replica with room" if balanced else "whole: would not fit split")
                         continue
             kind = ShardingType.ROW_WISE if ShardingType.ROW_WISE in est.allowed else ShardingType.COLUMN_WISE
-            why = "split: too large for one replica's share" if r > 1 else "one replica"
+            why = "split: above one replica's share" if r > 1 else "one replica"
             if kind is ShardingType.COLUMN_WISE:
-                why = "column-wise: the only placement its constraint allows"
+                why = "the only placement allowed"
             place(c, ParameterSharding(kind, tuple(range(r))), why)
         ordered = {name: out[name] for name in names}
         return ShardingPlan({name: t.sharding for name, t in ordered.items()}, r, ordered, (memory, disk))
@@ -443,6 +471,9 @@ class _Estimate:
         allowed = c.sharding_types or (ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE, ShardingType.ROW_WISE)
         if config.storage is not None:  # a disk table is never replicated
             allowed = tuple(t for t in allowed if t is not ShardingType.DATA_PARALLEL) or (ShardingType.ROW_WISE,)
+        if config.spec.id_limits.limited:  # ID limits hold per owner: row-wise and table-wise tables
+            allowed = tuple(t for t in allowed if t in (ShardingType.ROW_WISE, ShardingType.TABLE_WISE)) \
+                or (ShardingType.ROW_WISE,)
         self.allowed = tuple(t for t in _ORDER if t in allowed)
         self.ranks = c.ranks
         bags = c.batch_size or batch_size

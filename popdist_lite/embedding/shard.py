@@ -75,7 +75,8 @@ class Shard:
         if storage is None:
             self.weights = np.zeros(self.shape, dtype=self.master_dtype)
             self.optimizer_state = optimizer_spec.init_state(self.shape) if self.trainable else {}
-        else:
+        else:  # a partition file holds one row at least (a table-wise table's replicas without it: one unused)
+            self.shape = (max(self.shape[0], 1), self.shape[1])
             self.disk = _open_disk(name, self.shape, self.master_dtype, optimizer_spec, storage, comm)
             self.weights, self.optimizer_state = self.disk.weights, self.disk.slots
         self.serving = None  # set by initialized()

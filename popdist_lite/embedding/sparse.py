@@ -182,7 +182,7 @@ class StackRouter:
             local, owner = np.divmod(gid, r)
             return owner, local
         rw = gid < self.rw_space
-        owner, local = np.divmod(gid, r)
+        local, owner = np.divmod(gid, r)
         tw = np.flatnonzero(~rw)
         if tw.size:
             g = gid[tw]
@@ -330,6 +330,17 @@ class _Layout:
         self.peer_bytes = sizes.sum(axis=1).tolist()
         self.total = int(flat[-1])
 
+    def rows_of(self, buf: np.ndarray, s: int, dtype, width: int) -> np.ndarray:
+        """Stack ``s``'s rows from every peer, in peer order: a view when its regions
+        follow one another (the other stacks have nothing there), else a copy."""
+        counts, ends = self.counts[:, s], self.offsets[:, s] + self.counts[:, s] * self.row_bytes[s]
+        if (self.offsets[1:, s] == ends[:-1]).all():
+            start = int(self.offsets[0, s])
+            n = int(counts.sum())
+            return buf[start:start + n * width * np.dtype(dtype).itemsize].view(dtype).reshape(n, width)
+        parts = [self.view(buf, p, s, dtype, width) for p in range(len(counts)) if counts[p]]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros((0, width), dtype)
+
     def view(self, buf: np.ndarray, p: int, s: int, dtype, width: int) -> np.ndarray:
         """Region ``(p, s)`` of the byte buffer ``buf`` as ``(rows, width)`` of ``dtype``."""
         start, n = int(self.offsets[p, s]), int(self.counts[p, s])
@@ -388,14 +399,21 @@ class SparseExchange:
         start = perf_counter()
         r, k = self.r, self.k
         payload = np.zeros(_COUNTS + r, dtype=np.int64)
-        per_stack = np.zeros((r, len(self.stacks)), np.int64)  # this replica's counts per destination and stack
+        per_stack = None  # this replica's counts per destination and stack (several stacks)
         if bad is not None:
             payload[_BAD], payload[_BAD_TABLE], payload[_BAD_VALUE] = 1, bad[0], bad[1]
         elif problem is None:
-            for s, route in enumerate(routes):
-                if route is not None and (sending is None or sending[s]):
-                    per_stack[:, s] = route.counts
-            payload[_COUNTS:] = per_stack.sum(axis=1)
+            if self.single:
+                if routes[0] is not None and (sending is None or sending[0]):
+                    payload[_COUNTS:] = routes[0].counts
+            else:
+                per_stack = np.zeros((r, len(self.stacks)), np.int64)
+                for s, route in enumerate(routes):
+                    if route is not None and (sending is None or sending[s]):
+                        per_stack[:, s] = route.counts
+                payload[_COUNTS:] = per_stack.sum(axis=1)
+        if per_stack is None and not self.single:
+            per_stack = np.zeros((r, len(self.stacks)), np.int64)
         payload[_SEQ] = seq
         signatures = agree("embedding_" + op, None, self.comm, problem=problem, extra=self.code, payload=payload,
                            what=what)
@@ -403,8 +421,9 @@ class SparseExchange:
         n_bytes = signatures.itemsize * (r - 1)
         counters.record(f"{op}.header", start, n_bytes, n_bytes, kind=counters.PHASE, detail=self.name)
         codes = signatures["extra"]
-        if np.count_nonzero(header[:, _BAD]) or codes.tobytes() != self._codes or \
-                np.count_nonzero(header[:, _SEQ] != seq):
+        flags = header[:, :_COUNTS]  # bad, its table and value, the lookup's number: all 0 but the number
+        wrong = (flags[:, :_SEQ].any() or (flags[:, _SEQ] != seq).any()) if seq else flags.any()
+        if wrong or codes.tobytes() != self._codes:
             self.other_tables(codes, op)
             bad = np.flatnonzero(header[:, _BAD])
             if bad.size:
@@ -423,6 +442,17 @@ class SparseExchange:
         routes = [None if gid is None else s.router.route(gid, need_groups, send) for s, gid in zip(self.stacks, gids)]
         counters.record(f"{op}.route", start, kind=counters.PHASE, detail=self.name)
         return routes
+
+    def _safe_route(self, op: str, gids: list, need_groups: bool, send: bool, problem, bad):
+        """:meth:`route` when this replica's input is good; an unexpected error there
+        becomes this replica's problem, raised on every replica by the header (never a
+        replica alone while the others wait in it)."""
+        if problem is not None or bad is not None:
+            return [None] * len(self.stacks), problem
+        try:
+            return self.route(op, gids, need_groups, send), None
+        except Exception as exc:  # noqa: BLE001 - raised on every replica by the agreement
+            return [None] * len(self.stacks), Problem.of(exc)
 
     # -- the messages ---------------------------------------------------------------------------
     def _send_ids(self, routes: list, send_counts: list, sending) -> np.ndarray:
@@ -490,8 +520,7 @@ class SparseExchange:
             TypeError, ValueError: on every replica, for any replica's ``problem``.
             RuntimeError: replicas exchanging other tables, or calls out of step.
         """
-        ok = problem is None and bad is None
-        routes = self.route("lookup", gids, False, keep) if ok else [None] * len(self.stacks)
+        routes, problem = self._safe_route("lookup", gids, False, keep, problem, bad)
         sending = [s.kind != REPLICATED or keep for s in self.stacks]
         # raises on every replica for any replica's problem: past it, every replica's input is good
         send_counts, recv_counts, per_stack = self._header("lookup", routes, problem, bad, sending=sending,
@@ -588,9 +617,7 @@ class SparseExchange:
             elif stack.kind == REPLICATED:
                 out.append(serving[s].take(route.values, axis=0, mode="clip"))
             elif stack.kind == ROUTED:
-                parts = [asked.view(rows, o, s, stack.dtype, stack.width) for o in range(r) if route.counts[o]]
-                out.append(parts[0] if len(parts) == 1 else np.concatenate(parts) if parts
-                           else np.zeros((0, stack.e), stack.dtype))
+                out.append(asked.rows_of(rows, s, stack.dtype, stack.width))
             else:  # columns of every replica side by side, the padding sliced off
                 full = np.empty((route.u, r * stack.width), stack.dtype)
                 for o in range(r):
@@ -619,8 +646,7 @@ class SparseExchange:
         Raises:
             as :meth:`lookup`; nothing is returned (so nothing is updated) on error.
         """
-        ok = problem is None and bad is None
-        routes = self.route("update", gids, True, True) if ok else [None] * len(self.stacks)
+        routes, problem = self._safe_route("update", gids, True, True, problem, bad)
         return self.update(routes, None, problem, bad, grads=grads)
 
     def update(self, routes: list, sums: list | None, problem: Problem | None = None, bad=None, *, grads=None,
@@ -687,7 +713,7 @@ class SparseExchange:
             if not stack.trainable:
                 return [None]
             mine = sums[0] if sums[0] is not None else np.zeros((0, e), acc)
-            send_counts = per_stack[:, 0].tolist()
+            send_counts = [routes[0].counts[o] for o in range(r)] if routes[0] is not None else [0] * r
             received = exchange_rows(mine, send_counts, recv_counts, self.comm,
                                      out=self.buffers.get("their_sums", (sum(recv_counts), e), acc))
             self._phase("update.exchange", start, send_counts, recv_counts, e * acc.itemsize, moved)
@@ -729,9 +755,7 @@ class SparseExchange:
                 continue
             width = stack.width if stack.kind == COLUMN else stack.e
             ids = their_ids[s][0]
-            parts = [got.view(received, j, s, stack.acc, width) for j in range(r) if theirs[j, s]]
-            values = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts \
-                else np.zeros((0, width), stack.acc)
+            values = got.rows_of(received, s, stack.acc, width)
             rows, perm, starts = group(ids)
             out.append((rows.astype(np.intp), sum_groups(values, perm, starts)))
         counters.record("update.sum", start, kind=counters.PHASE, detail=self.name)

@@ -51,6 +51,10 @@ class TableState:
         generators: ``Generator.bit_generator.state`` (JSON-able dicts) of the
             stochastic-rounding streams: ``"per_replica"`` (differs per replica) and
             ``"replica_identical"`` (the same on every replica).
+        partitions: how ``"table"`` and ``"row"`` arrays are split when the table's
+            placement is not a strategy's (a collection's table-wise or data-parallel
+            table: :meth:`~popdist_lite.embedding.placement.TableLayout.table_partition`),
+            else empty.
     """
 
     name: str
@@ -63,6 +67,7 @@ class TableState:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     layouts: dict[str, str] = field(default_factory=dict)
     generators: dict[str, dict] = field(default_factory=dict)
+    partitions: dict[str, Partition] = field(default_factory=dict)
 
     def partition(self, key: str) -> tuple[Partition, tuple]:
         """How array ``key`` is split over the replicas and its whole shape: ``table``
@@ -70,6 +75,8 @@ class TableState:
         ``row`` arrays TOKEN ``cyclic`` of ``(t,)`` / ENCODING replicated;
         ``replicated`` arrays as they are."""
         layout, local = self.layouts[key], self.arrays[key]
+        if layout in self.partitions:
+            return self.partitions[layout], tuple(self.shape) if layout == "table" else (self.shape[0],)
         token = self.partition_strategy == "TOKEN"
         if layout == "table":
             return (Partition("cyclic", 0) if token else Partition("block", 1)), tuple(self.shape)

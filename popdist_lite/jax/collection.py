@@ -45,7 +45,10 @@ class EmbeddingCollection:
 
     Attributes:
         feature_specs: the specs, in the order features are processed.
-        tables: table name -> :class:`popdist_lite.jax.HostEmbedding`.
+        tables: table name -> :class:`popdist_lite.jax.HostEmbedding` (its ``table`` the
+            core collection's :class:`popdist_lite.ShardedTable`).
+        core: the :class:`popdist_lite.TableCollection` holding the tables (one
+            exchange for all of them per call).
 
     Inputs of one step (per replica): ``features`` maps each feature name to its IDs,
     an integer array of ``input_shape`` (JAX or numpy; ``-1`` pads bags) or, for a
@@ -84,7 +87,7 @@ class EmbeddingCollection:
     # -- the split API --------------------------------------------------------------
     def lookup(self, features: Mapping, weights: Mapping | None = None) -> dict[str, jax.Array]:
         """Every feature's activation: name -> ``jax.Array`` of its ``output_shape``, in
-        the table's lookup dtype (as JAX uses it). Collective (one exchange per table).
+        the table's lookup dtype (as JAX uses it). Collective (one exchange for every table).
 
         Raises:
             KeyError, ValueError, TypeError: on every replica, for any replica's

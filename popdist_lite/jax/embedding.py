@@ -28,7 +28,9 @@ class HostEmbedding:
     every replica calls it in the same order (indices may differ in shape between replicas).
 
     Attributes:
-        table: the :class:`popdist_lite.HostEmbedding` (numpy API, checkpoints, ``state()``).
+        table: the :class:`popdist_lite.HostEmbedding` (numpy API, checkpoints, ``state()``),
+            or, for a table of an :class:`~popdist_lite.jax.EmbeddingCollection`, the
+            core collection's :class:`popdist_lite.ShardedTable` (the same methods).
     """
 
     def __init__(self, table: pl.HostEmbedding):

@@ -116,8 +116,8 @@ def test_sigterm_to_every_process(tmp_path, monkeypatch, launcher_too):
     steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "ckpt").glob("step-*"))
     assert code == 143, text
     if not launcher_too:  # else whichever comes first asks; the agents' then change nothing
-        assert re.search(r"poprun-lite: SIGTERM reached rank [01] on \S+ \(Slurm signalled the job's steps\)",
-                         text), text
+        assert re.search(r"poprun-lite: SIGTERM reached rank [01] on \S+ from pid \d+ \(as Slurm signals the "
+                         r"job's steps\)", text), text
     assert "STOPPED 4" in text and steps == [2, 4], text
     assert "poprun-lite: job stopped at a step boundary after SIGTERM (checkpoint saved); not requeued " \
            "(SIGTERM) (exit code 143)" in text, text

@@ -137,9 +137,10 @@ def test_missing_fields_and_kinds_not_accepted():
     assert records.validate({"kind": "custom", "x": 1}) == {"kind": "custom", "x": 1}
     with pytest.raises(ValueError, match="field 'signal' is not signal"):  # not an allowed one
         records.validate({"kind": "signal", "signal": "SIGSTOP"}, records.TO_AGENT)
-    # a program reports its own error and its replicas' agreement to stop for a resize,
-    # nothing that speaks for its agent or the launcher (exit, lost, progress, heartbeat)
-    assert records.FROM_PROGRAM == ("error", "resize_stop") and "lost" not in records.FROM_AGENT
+    # a program reports its own error, its replicas' agreement to stop for a resize and its
+    # save after it, nothing that speaks for its agent or the launcher (exit, lost,
+    # progress, heartbeat, signalled)
+    assert records.FROM_PROGRAM == ("error", "resize_stop", "checkpoint_saved") and "lost" not in records.FROM_AGENT
 
 
 @pytest.mark.parametrize("line", [

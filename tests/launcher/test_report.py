@@ -444,23 +444,27 @@ def test_agent_forwards_sigterm_escalates_and_marks_terminated(tmp_path):
 
 
 def test_agent_holding_sigterm(tmp_path):
-    """With SIGTERM held (preemption on, launcher/hold_sigterm.py): the program starts
-    with SIGTERM and SIGINT ignored; a SIGTERM from another process than the agent's
-    parent (Slurm signalling the job's steps; here ``kill``) becomes a ``signalled``
-    record and the program runs on; one from the parent (the MPI daemon; here this test)
-    ends the program with SIGKILL at once, the exit record marked ``terminated``."""
+    """With SIGTERM and SIGUSR1 held (preemption on, launcher/hold_sigterm.py): the
+    program starts with them and SIGINT ignored; each from another process than the
+    agent's parent (Slurm signalling the job's steps; here ``kill``) becomes a
+    ``signalled`` record naming it and its sender, and the program runs on; SIGTERM from
+    the parent (the MPI daemon; here this test) ends the program with SIGKILL at once, the
+    exit record marked ``terminated``."""
     ready = tmp_path / "ready"
     code = ("import pathlib, time; status = pathlib.Path('/proc/self/status').read_text(); "
             f"pathlib.Path({str(ready)!r}).write_text(status); time.sleep(60)")
     with Collector() as collector:
         proc = run_agent(collector, code, {"PMI_RANK": "1", "POPDIST_REPLICA_INDEX_OFFSET": "1",
-                                           hold_sigterm.ENV: "1"}, stderr=subprocess.PIPE)
+                                           hold_sigterm.ENV: "SIGTERM,SIGUSR1"}, stderr=subprocess.PIPE)
         try:
             while_running(proc, lambda: ready.exists() and ready.read_text())
             ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", ready.read_text(), re.M)[1], 16)
-            assert ignored >> (signal.SIGTERM - 1) & 1 and ignored >> (signal.SIGINT - 1) & 1, hex(ignored)
-            subprocess.run(["kill", "-TERM", str(proc.pid)], check=True)
+            assert all(ignored >> (s - 1) & 1 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)), hex(ignored)
+            kill = subprocess.Popen(["kill", "-TERM", str(proc.pid)])
+            assert kill.wait() == 0
             while_running(proc, lambda: collector.records("signalled"))
+            subprocess.run(["kill", "-USR1", str(proc.pid)], check=True)
+            while_running(proc, lambda: len(collector.records("signalled")) == 2)
             assert proc.poll() is None  # the program runs on
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
@@ -469,8 +473,9 @@ def test_agent_holding_sigterm(tmp_path):
                 proc.kill()
             proc.communicate()
         assert collector.wait_closed(60)
-        signalled, exit_record = collector.records("signalled")[0], collector.records("exit")[0]
-    assert signalled["signal"] == "SIGTERM" and signalled["rank"] == 1
+        signalled, exit_record = collector.records("signalled"), collector.records("exit")[0]
+    assert [(r["signal"], r["rank"]) for r in signalled] == [("SIGTERM", 1), ("SIGUSR1", 1)]
+    assert signalled[0]["sender"] == kill.pid
     assert proc.returncode == 128 + signal.SIGKILL
     assert exit_record["terminated"] is True and exit_record["signal"] == "SIGKILL"
 

@@ -229,3 +229,19 @@ def test_launch_through_slurm(in_allocation, monkeypatch, capsys, implementation
     cmd = _command(monkeypatch, ssh_launch.SshLauncher, opts, implementation)
     assert "slurm" not in cmd and cleanup.ATTEMPT_AGENT in " ".join(cmd), cmd
     assert "; launcher ssh\nreplica" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_hydra_on_this_node_alone_calls_back_at_an_address(in_allocation, hold):
+    """Every rank on the batch script's node (a job left with one node): MPICH's hydra
+    still starts its proxy with srun, and the proxy must call hydra back at an address,
+    not at this node's name, which need not resolve (the test cluster's do not)."""
+    from types import SimpleNamespace
+
+    from popdist_lite_launcher import cli
+    opts = cli.parse_args(["prog"])
+    preemption = SimpleNamespace(settings=SimpleNamespace(enabled=hold))
+    local = slurm.SlurmLauncher(opts, "mpiexec", "mpich", preemption).local_launch()
+    assert local[-2:] == ["-localhost", "127.0.0.1"], local
+    assert ("-launcher-exec" in local) == hold, local
+    assert slurm.SlurmLauncher(opts, "mpirun", "openmpi", preemption).local_launch() == []

@@ -188,6 +188,41 @@ def test_mismatch_after_the_same_call_agreed(comm, case):
     assert pl.all_reduce(x)[0] == comm.size  # still in step
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_replica_that_skipped_a_call_is_named(comm):
+    """The last replica's call number runs one ahead, as if it had skipped a collective:
+    its next all_reduce meets the others' and every replica raises, naming both call
+    numbers, instead of summing two different calls."""
+    from popdist_lite.collectives import next_call_number
+
+    work, last = comm.Dup(), comm.size - 1
+    x = np.ones(3, np.float32)
+    for _ in range(2):  # calls #0 and #1, agreed: the next is a repeat (the fast path)
+        assert pl.all_reduce(x, comm=work)[0] == comm.size
+    if comm.rank == last:
+        next_call_number(work, "all_reduce")  # call #2 taken, never made
+    with pytest.raises(RuntimeError, match=rf"collective mismatch: replica 0 called all_reduce \(collective call "
+                                           rf"#2\) but replica {last} called all_reduce \(call #3\)"):
+        pl.all_reduce(x, comm=work)
+    work.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("call", ["all_gather_v", "all_to_all_v"])
+def test_ragged_collectives_refuse_another_trailing_shape(comm, call):
+    """Replica 0 passes shape (2, 3), the others (3, 4): the first dimensions may
+    differ, the trailing ones may not; the same ValueError, naming replica 1, on every
+    replica, before any data moves."""
+    x = np.zeros((2, 3) if comm.rank == 0 else (3, 4), np.float32)
+    with pytest.raises(ValueError, match=rf"{call}: argument x: replica 1 passed shape \(3, 4\), expected the "
+                                         rf"same shape after axis 0 as replica 0, which passed \(2, 3\)"):
+        if call == "all_gather_v":
+            pl.all_gather_v(x)
+        else:
+            pl.all_to_all_v(x, [len(x)] + [0] * (comm.size - 1))
+    assert pl.all_reduce(np.array([1.0]))[0] == comm.size  # still in step
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64])
 def test_out_receives_the_result(comm, rng, dtype):

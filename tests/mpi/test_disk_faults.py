@@ -106,7 +106,7 @@ def test_full_disk_when_the_file_is_made(full, comm, shared, tmp_path):
         fault, errno_name = small_tmpfs(where, comm.rank == last, comm), r"No space left on device \(ENOSPC\)"
     with fault:
         with pytest.raises(RuntimeError, match=rf"create_host_embedding\('made'.*: replica {last}: {errno_name} "
-                                               rf"reserving \d+ bytes for the partition file: .*popdist-made-r{last}-"):
+                                               rf"reserving \d+ bytes for the partition file: popdist-made-r{last} in .*full-r{last}"):
             disk("made", where)
         assert not list(where.iterdir())  # nothing left behind
     again = disk("made", tmp_path / "second", seed=9)
@@ -130,7 +130,7 @@ def test_full_disk_when_rows_are_written_back(comm, shared, tmp_path):
     train([table, twin], comm, rng, 4)  # the cache (40 rows) is full of updated, dirty rows
     fresh = np.arange(2048, 2048 + IDS * r)  # 32 rows of every partition, mostly not cached
     wrote = (rf"replica {last}: File too large \(EFBIG\) writing rows \d+\.\.\d+ of the partition file: "
-             rf".*popdist-wb-r{last}-")
+             rf"popdist-wb-r{last} in ")
     with file_size_limit(1, comm.rank == last):
         with pytest.raises(RuntimeError, match=rf"host embedding 'wb' \(disk storage\): {wrote}"):
             table.lookup(fresh)

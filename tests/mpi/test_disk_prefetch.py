@@ -3,7 +3,11 @@ replica count: training with the feed's prefetch is bit-identical to the in-memo
 table; a step whose prefetch has completed (waited on, never on time) looks up
 without a miss, and the same step without prefetch misses; a cache just big enough for
 the batches in flight never evicts a prefetched row before its update; a cache too
-small for them is an error on every replica; the counters reach the timeline."""
+small for them is an error on every replica; the counters reach the timeline; a failed
+background read and a failure anywhere in the background thread (a MemoryError) are
+raised on every replica by the next agreement, and nothing waits for ever."""
+
+import threading
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ from popdist_lite import counters
 from disk_cache import cache_bytes
 
 T, E, IDS, STEPS, DEPTH = 1200, 8, 16, 200, 3
+DEADLINE = 120  # seconds; only reached when the code under test is wrong
 SPECS = {"sgd": lambda: pl.HostEmbeddingOptimizerSpec(0.3),
          "adam": lambda: pl.HostEmbeddingAdamOptimizerSpec(0.05, beta1=0.9, beta2=0.99, epsilon=1e-8)}
 PRECISIONS = {"fp32": {"dtype": np.float32},
@@ -251,7 +256,7 @@ def test_failed_prefetch_read_is_met_by_the_lookup_on_every_replica(comm, tmp_pa
     disk = pl.create_host_embedding("f-d", [T, E], optimizer_spec=spec, seed=8,
                                     storage=storage(kw, spec, r, 32, tmp_path), **kw)
     if k == 0:
-        os.truncate(disk._disk.file.path, 100)
+        os.ftruncate(disk._disk.file.fd, 100)
     comm.Barrier()
     ids = cold_batch(1, r, k, 4)
     handle = disk.prefetch(ids, ahead=0)
@@ -263,3 +268,74 @@ def test_failed_prefetch_read_is_met_by_the_lookup_on_every_replica(comm, tmp_pa
         disk.lookup(ids)
     disk.drop_prefetches()
     assert not disk._disk.cache.held.any()  # each hold dropped once: none left, none negative
+
+
+def _fail_in_the_background(disk, where, gate):
+    """Make the table's background thread meet ``MemoryError("injected")`` once it is let
+    through ``gate`` (after the prefetch call, whose own agreement comes first):
+    ``"read"`` in its read of the rows, ``"publish"`` in counting them once they are in
+    the cache, ``"thread"`` in the thread itself, outside the cache's read and write."""
+    rows = disk._disk
+    read, count, load = rows.file.read, rows.file.count, rows.cache.load
+
+    def held_read(rows_, out, count=True):
+        if not count:  # the background thread's (uncounted) read
+            assert gate.wait(DEADLINE)
+            if where == "read":
+                raise MemoryError("injected")
+        return read(rows_, out, count)
+
+    def failing_count(what, rows_, start, phase=True):
+        if not phase and where == "publish":  # the background thread's count
+            raise MemoryError("injected")
+        return count(what, rows_, start, phase)
+
+    def failing_load(slots, rows_):
+        assert gate.wait(DEADLINE)
+        raise MemoryError("injected")
+
+    rows.file.read, rows.file.count = held_read, failing_count
+    if where == "thread":
+        rows.cache.load = failing_load
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where", ["read", "publish", "thread"])
+def test_background_thread_failure_is_raised_on_every_replica(where, comm, tmp_path):
+    """The last replica's background thread meets a MemoryError while it prefetches a
+    cold batch: its prefetch handle is done and says so, the lookup of the batch does
+    not wait for ever, and its agreement raises the error on every replica, once,
+    naming the replica. After a failure in the read or in counting it, the table
+    serves and trains on as its in-memory twin (the lookup read the rows itself, or
+    they were in place); after one in the thread itself, rows may be left half-read,
+    so every later call raises on every replica that the table must be made again."""
+    r, k = comm.size, comm.rank
+    last = r - 1
+    kw = {"partition_strategy": "TOKEN", "dtype": np.float32}
+    spec = SPECS["sgd"]()
+    memory = pl.create_host_embedding("b-m", [T, E], optimizer_spec=spec, seed=8, **kw)
+    disk = pl.create_host_embedding("b-d", [T, E], optimizer_spec=spec, seed=8,
+                                    storage=storage(kw, spec, r, 32, tmp_path), **kw)
+    gate = threading.Event()
+    if k == last:
+        _fail_in_the_background(disk, where, gate)
+    ids = cold_batch(0, r, k, 4)
+    handle = disk.prefetch(ids, ahead=0)
+    gate.set()
+    assert handle.wait(timeout=DEADLINE)
+    assert isinstance(handle.error, MemoryError) if k == last else handle.error is None
+    failed = rf"host embedding 'b-d' \(disk storage\): replica {last}: "
+    if where == "thread":
+        broken = failed + r"the cache of rows is unusable: its background thread failed \(MemoryError: injected\)"
+        with pytest.raises(RuntimeError, match=broken):
+            disk.lookup(ids)
+        with pytest.raises(RuntimeError, match=broken):  # and so is every later call
+            disk.lookup(ids)
+        return
+    with pytest.raises(RuntimeError, match=failed + "the background prefetch thread failed: MemoryError: injected"):
+        disk.lookup(ids)
+    grads = np.full((len(ids), E), 0.5, np.float32)
+    assert disk.lookup(ids).tobytes() == memory.lookup(ids).tobytes()  # raised once
+    for table in (memory, disk):
+        table.apply_gradients(ids, grads)
+    assert disk.get_embedding_tensor().tobytes() == memory.get_embedding_tensor().tobytes()

@@ -2,9 +2,11 @@
 every replica count: the same lookups and the same weights and optimizer state, bit
 for bit, with a cache a fraction of the partition so rows are evicted and read back;
 the errors of a cache too small, a truncated partition file, a directory that cannot
-be written; a partition file removed under the table; checkpoints between disk and in-memory tables, resharded."""
+be written or that another user could change; a partition file with no name in its
+directory; checkpoints between disk and in-memory tables, resharded."""
 
 import dataclasses
+import mmap
 import os
 
 import numpy as np
@@ -56,6 +58,13 @@ def make_pair(name, strategy, spec_name, precision, comm, tmp_path, policy="lru"
     storage = pl.DiskStorage(cache_bytes(kw, spec, comm.size, rows), cache_policy=policy, directory=str(tmp_path))
     disk = pl.create_host_embedding(f"{name}-m", [T, E], optimizer_spec=spec, seed=3, storage=storage, **kw)
     return memory, disk
+
+
+def mapped(array) -> bool:
+    """Whether ``array`` is a view of a memory map (of a file)."""
+    while isinstance(array, np.ndarray):
+        array = array.base
+    return isinstance(array, mmap.mmap)
 
 
 def assert_same_state(memory, disk):
@@ -144,39 +153,49 @@ def test_truncated_partition_file_fails_on_every_replica(comm, tmp_path):
     table = pl.create_host_embedding("cut", [T, E], optimizer_spec=spec, seed=1,
                                      storage=pl.DiskStorage(cache_bytes(kw, spec, comm.size), directory=str(tmp_path)))
     if comm.rank == 0:
-        os.truncate(table._disk.file.path, 100)
+        os.ftruncate(table._disk.file.fd, 100)
     comm.Barrier()
     ids = np.arange(comm.size * 4)  # every replica reads rows of every partition (cold cache)
     with pytest.raises(RuntimeError, match=r"replica 0: short read .* truncated"):
         table.lookup(ids)
     if comm.rank == 0:
-        with pytest.raises(RuntimeError, match="truncated or replaced"):
+        with pytest.raises(RuntimeError, match="it was truncated"):
             table.state()
 
 
 @pytest.mark.mpi
-def test_partition_file_removed_under_the_table_loses_nothing(comm, shared, tmp_path):
-    """The partition file is a working copy reached through the table's open descriptor
-    and memory map, never by its name again: a file removed under a running table (a
-    temporary-files cleaner, a user) loses no row. Training goes on bit for bit with the
-    in-memory table's, and the checkpoint saved afterwards holds every row."""
+def test_partition_file_has_no_name_to_remove_or_replace(comm, shared, tmp_path):
+    """The partition file has no name in its directory (O_TMPFILE, or unlinked once
+    made) and is reached only through the table's descriptor and memory map: the
+    directory is empty while the table trains, so a temporary-files cleaner or a user
+    has nothing to remove, and files put there under the names partition files take
+    are never read nor written. Training goes on bit for bit with the in-memory
+    table's, and the checkpoint saved afterwards holds every row."""
     r, k = comm.size, comm.rank
     memory, disk = make_pair("gone", "TOKEN", "adam", "fp32", comm, tmp_path)
+    assert os.listdir(tmp_path) == []
+    planted = {tmp_path / f"popdist-gone-m-r{k}-{i}.rows": bytes([i + 1]) * 4096 for i in range(3)}
     rng = np.random.default_rng(13)
     for step in range(16):
-        if step == 6 and k == 0:
-            os.unlink(disk._disk.file.path)
+        if step == 6:
+            assert os.listdir(tmp_path) == []
+            for path, data in planted.items():
+                path.write_bytes(data)
         ids = zipf_ids(rng, (r, IDS))[k]
         grads = rng.standard_normal((r, IDS, E)).astype(np.float32)[k]
         assert memory.lookup(ids).tobytes() == disk.lookup(ids).tobytes(), f"step {step}"
         memory.apply_gradients(ids, grads)
         disk.apply_gradients(ids, grads)
-    assert disk.storage_stats["rows_written"] > 0  # rows went to the removed file and back
+    assert disk.storage_stats["rows_written"] > 0  # rows went to the file and back
     assert_same_state(memory, disk)
     path = pl.save_checkpoint(shared, {"emb": disk}, step=1)
     restored = pl.create_host_embedding("gone-m", [T, E], optimizer_spec=SPECS["adam"](), seed=9)
     pl.load_checkpoint(path, {"emb": restored})
     assert_same_state(memory, restored)
+    pl.load_checkpoint(path, {"emb": disk})
+    assert_same_state(memory, disk)
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in planted)
+    assert all(path.read_bytes() == data for path, data in planted.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +279,23 @@ def test_bad_directory_or_optimizer_fails_on_every_replica(comm, tmp_path):
 
 
 @pytest.mark.mpi
+def test_directory_every_user_may_write_is_refused_on_every_replica(comm, tmp_path):
+    """The last replica's directory is mode 0777 without the sticky bit (another user
+    could rename the files in it): the table is not made, on every replica, and the
+    error names the replica, the directory (each replica has its own) and why; nothing
+    is made in any directory."""
+    last = comm.rank == comm.size - 1
+    directory = tmp_path / "open"
+    directory.mkdir()
+    directory.chmod(0o777 if last else 0o700)
+    with pytest.raises(RuntimeError, match=rf"replica {comm.size - 1}: refused as the directory for partition "
+                                           rf"files: every user may write to it \(mode 0777\) and it has no "
+                                           r"sticky bit .*: /\S+/open$"):
+        pl.create_host_embedding("open", [T, E], storage=pl.DiskStorage(1 << 16, directory=str(directory)))
+    assert os.listdir(directory) == []
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("source, target", [("disk", "memory"), ("memory", "disk")])
 def test_checkpoint_between_disk_and_memory_reshards(source, target, comm, shared, tmp_path):
     """Train a TOKEN table, save it; load it into a table of the other storage as an
@@ -283,7 +319,7 @@ def test_checkpoint_between_disk_and_memory_reshards(source, target, comm, share
     probe = np.arange(0, T, 5)  # 48 rows: within the cache (64 rows) on every replica
     want_rows = table.lookup(probe)
     if source == "disk":  # the checkpoint reads the partition file's maps in chunks, not a copy in RAM
-        assert all(isinstance(a, np.memmap) for a in table.state().arrays.values())
+        assert all(mapped(a) for a in table.state().arrays.values())
     path = pl.save_checkpoint(shared, {"emb": table}, step=1)
     enc = {**kw, "partition_strategy": "ENCODING"}
     other = pl.create_host_embedding("ck", [T, E], optimizer_spec=spec, seed=9, storage=storage(target, enc, r), **enc)

@@ -181,3 +181,30 @@ def test_float16_table(comm, rng):
 def test_callable_initializer(comm):
     emb = pl.create_host_embedding("call", shape=[5, 3], initializer=lambda shape, dtype: np.arange(15, dtype=dtype).reshape(shape))
     np.testing.assert_array_equal(emb.get_embedding_tensor(), np.arange(15, dtype=np.float32).reshape(5, 3))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_bags_whose_divisor_is_zero_pool_to_zeros(comm, rng, strategy, combiner):
+    """Bags weighted [0, 0] (a divisor of 0 under mean and sqrtn) and [1, -1] (0 under
+    mean) pool to zeros and pass no gradient to their IDs, as the reference's
+    ``s / d if d else 0`` (the combiners' module docstring); the bag beside them pools as
+    usual. Every replica passes the same bags, so each ID's update is r times one's."""
+    r, t, e, lr = comm.size, 9, 3, 0.5
+    full = table(rng, t, e)
+    emb = pl.create_host_embedding("zero", shape=[t, e], partition_strategy=strategy, initializer=full,
+                                   optimizer_spec=pl.HostEmbeddingOptimizerSpec(lr))
+    values = np.array([[1, 2], [3, 4], [5, 6]])
+    weights = np.array([[0.0, 0.0], [1.0, -1.0], [2.0, 0.5]])
+    grads = rng.standard_normal((3, e)).astype(np.float32)
+    want, acc = np.zeros((3, e)), np.zeros((t, e))
+    for b, (ids, w) in enumerate(zip(values, weights)):
+        d = w.sum() if combiner == "mean" else np.sqrt((w * w).sum())
+        scale = w / d if d else np.zeros_like(w)
+        want[b] = (full[ids].astype(np.float64) * scale[:, None]).sum(axis=0)
+        np.add.at(acc, ids, r * grads[b].astype(np.float64) * scale[:, None])
+    got = emb.lookup_bags(values, weights=weights, combiner=combiner)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    emb.apply_bag_gradients(values, grads, weights=weights, combiner=combiner)
+    np.testing.assert_allclose(emb.get_embedding_tensor(), full - lr * acc, rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 
 import pytest
@@ -32,7 +33,12 @@ def check_run(output: str, mpi: str, replicas: int = 4) -> None:
 
 @pytest.mark.parametrize("mpi", MPIS)
 def test_sbatch(cluster, mpi):
-    """``sbatch -N 2``: poprun-lite in the batch script on pdls1, with ``--timeline``."""
+    """``sbatch -N 2``: poprun-lite in the batch script on pdls1, with ``--timeline``. The
+    nodes' names do not resolve (only Slurm knows their addresses, ``NodeAddr``), as in
+    every test on this cluster."""
+    for node in cluster.nodes:
+        with pytest.raises(socket.gaierror):
+            socket.getaddrinfo(node, None)
     out, trace = cluster.work / f"sbatch-{mpi}.out", cluster.work / f"sbatch-{mpi}.json"
     script = batch_script(cluster, f"sbatch-{mpi}", poprun_command(cluster, mpi, 3, "--timeline", str(trace)))
     done = cluster.run(["sbatch", "--wait", "-N", "2", "--ntasks-per-node", "2", "-o", str(out),

@@ -37,13 +37,19 @@ class DiskStorage:
             a replica keeps 4 bytes per row of its partition (the row -> cache slot index).
         cache_policy: ``"lru"`` (evict the least recently used rows) or ``"lfu"`` (the
             least frequently used while cached; ties by slot).
-        directory: where the partition files go (local disk; created if missing);
-            ``None``: :func:`tempfile.gettempdir`. A file is the table's working copy,
-            removed when the table is garbage-collected or the process exits; the truth
-            across restarts is the checkpoint.
+        directory: where the partition files go (local disk; created, mode 0700, if
+            missing); ``None``: :func:`tempfile.gettempdir`. A file is the table's
+            working copy, with no name in the directory (``O_TMPFILE``, or unlinked right
+            after it is made) and reached only through its descriptor: nobody can swap
+            it, and its blocks are freed when the table is garbage-collected or the
+            process ends, however it ends; the truth across restarts is the checkpoint.
+            A directory writable by every user without the sticky bit, or owned by
+            another user than this one or root, is refused.
 
     Raises:
-        ValueError: ``cache_bytes`` not an integer >= 1 or an unknown ``cache_policy``.
+        ValueError: ``cache_bytes`` not an integer >= 1 or an unknown ``cache_policy``
+            (here); a refused ``directory`` is a ``RuntimeError`` on every replica when
+            the table is made.
     """
 
     cache_bytes: int

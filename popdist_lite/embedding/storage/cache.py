@@ -35,6 +35,15 @@ The file's bytes of a row are read only when they are its truth:
   error (``failure``, taken by :meth:`take_failure`): a read of those rows, by a
   lookup or a prefetch, takes their records from there (the slot is then dirty), and
   :meth:`flush` writes the rest.
+
+Every failure of the background thread ends in ``failure`` (the table's next agreement
+raises it on every replica) and wakes whoever waits: :meth:`load` and :meth:`store`
+catch any exception (an ``OSError``, a ``MemoryError``) and always publish (a read
+that did not complete unmaps its rows, which a lookup then reads itself; a write-back
+that did not complete keeps its records), and a failure outside them, which may leave
+a slot ``loading`` or a write-back ``pending`` for ever, breaks the cache
+(:meth:`break_down`): every wait and every later call raises :class:`CacheBroken`. So
+does a failed write-back whose records could not be kept either (they are nowhere).
 """
 
 from __future__ import annotations
@@ -58,6 +67,11 @@ class CacheTooSmall(ValueError):
         self.rows = rows
 
 
+class CacheBroken(RuntimeError):
+    """The cache's background thread failed where the cache could not recover (see the
+    module docstring): the table cannot be used any more."""
+
+
 class RowCache:
     """Up to ``capacity`` records of ``file`` in RAM.
 
@@ -76,8 +90,9 @@ class RowCache:
             yet done (:meth:`store`).
         unwritten: ``(rows int64[k] sorted, records)`` of failed background
             write-backs, or ``None``.
-        failure: the first failed background write-back's error, until
-            :meth:`take_failure`.
+        failure: the first failure of the background thread (a read, a write-back or
+            the thread itself), until :meth:`take_failure`.
+        broken: the failure that broke the cache (:meth:`break_down`), or ``None``.
     """
 
     def __init__(self, file, capacity: int, policy: str, stats: dict):
@@ -96,7 +111,8 @@ class RowCache:
         self.loaded = threading.Condition(self.lock)  # notified when a job's write-back or read is published
         self.pending = 0  # write-backs handed to the background thread, not yet done
         self.unwritten: tuple[np.ndarray, np.ndarray] | None = None  # (rows, records) of failed write-backs
-        self.failure: BaseException | None = None  # the first failed write-back, until take_failure
+        self.failure: BaseException | None = None  # the first background failure, until take_failure
+        self.broken: BaseException | None = None  # what broke the cache (break_down), for ever
 
     def slots(self, rows: np.ndarray, pin: bool) -> np.ndarray:
         """The slots holding sorted unique partition ``rows`` (``int64[n]``), reading the
@@ -109,6 +125,7 @@ class RowCache:
             OSError: the file could not be read or written.
         """
         with self.lock:
+            self._check()
             slots = self.slot_of[rows].astype(np.int64)
             missing = slots < 0
             late = np.zeros(len(rows), bool)
@@ -122,8 +139,7 @@ class RowCache:
                 if n_miss:
                     slots[missing] = self._fill(rows[missing], slots[~missing])
                 if n_late:
-                    while self.loading[slots[late]].any():
-                        self.loaded.wait()
+                    self._wait(lambda: self.loading[slots[late]].any())
                     gone = late & (self.slot_of[rows] != slots)  # unmapped: the prefetch's read failed
                     if gone.any():
                         slots[gone] = self._fill(rows[gone], slots[~gone])
@@ -204,22 +220,56 @@ class RowCache:
 
     def _wait_written(self) -> None:
         """Wait (under the lock) until no write-back is pending."""
-        while self.pending:
+        self._wait(lambda: self.pending)
+
+    def _wait(self, busy) -> None:
+        """Wait (under the lock) while ``busy()``; every wake-up comes from the background
+        thread's :meth:`load`, :meth:`store` or :meth:`break_down`.
+
+        Raises:
+            CacheBroken: the cache is or becomes broken."""
+        while True:
+            self._check()
+            if not busy():
+                return
             self.loaded.wait()
 
-    def _take_unwritten(self, rows: np.ndarray, block: np.ndarray, slots: np.ndarray) -> None:
-        """Put the kept records of failed write-backs among sorted ``rows`` into ``block``
-        (read from the file for ``slots``), mark those slots dirty and forget them there."""
+    def _check(self) -> None:
+        """Raise :class:`CacheBroken` if the cache is broken (under the lock)."""
+        if self.broken is not None:
+            raise CacheBroken(f"the cache of rows is unusable: its background thread failed "
+                              f"({type(self.broken).__name__}: {self.broken}) and left rows it was reading or "
+                              f"writing in an unknown state; make the table again (from a checkpoint)")
+
+    def _fail(self, error: BaseException) -> None:
+        """Keep ``error`` for :meth:`take_failure` unless an earlier one is kept (under the lock)."""
+        if self.failure is None:
+            self.failure = error
+
+    def break_down(self, error: BaseException) -> None:
+        """The background thread failed outside :meth:`load` and :meth:`store`: keep
+        ``error``, break the cache and wake every waiter (they raise :class:`CacheBroken`)."""
+        with self.lock:
+            if self.broken is None:
+                self.broken = error
+            self._fail(error)
+            self.loaded.notify_all()
+
+    def _take_unwritten(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Put the kept records of failed write-backs among sorted ``rows`` into their
+        ``slots`` (which hold the file's records), mark those slots dirty and forget them
+        there (last: until then they are still kept)."""
         if self.unwritten is None:
             return
         kept_rows, kept = self.unwritten
         here = np.isin(kept_rows, rows, assume_unique=True)
         if not here.any():
             return
-        at = np.searchsorted(rows, kept_rows[here])
-        block[at] = kept[here]
-        self.dirty[slots[at]] = True
-        self.unwritten = None if here.all() else (kept_rows[~here], kept[~here])
+        at = slots[np.searchsorted(rows, kept_rows[here])]
+        rest = None if here.all() else (kept_rows[~here], kept[~here])
+        self.records[at] = kept[here]
+        self.dirty[at] = True
+        self.unwritten = rest
 
     def _fill(self, rows: np.ndarray, keep: np.ndarray) -> np.ndarray:
         """Slots for the missing sorted ``rows``, read from the file now (see
@@ -233,8 +283,8 @@ class RowCache:
         except BaseException:
             self._unmap(new)
             raise
-        self._take_unwritten(rows, block, new)
         self.records[new] = block
+        self._take_unwritten(rows, new)
         return new
 
     def _unmap(self, slots: np.ndarray) -> None:
@@ -242,6 +292,7 @@ class RowCache:
         self.slot_of[self.row_of[slots]] = -1
         self.row_of[slots] = -1
         self.score[slots] = 0
+        self.dirty[slots] = False
 
     # -- prefetch ------------------------------------------------------------------------
     def reserve(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -263,6 +314,7 @@ class RowCache:
                 (nothing changed).
         """
         with self.lock:
+            self._check()
             start = perf_counter()
             slots = self.slot_of[rows].astype(np.int64)
             missing = slots < 0
@@ -282,12 +334,12 @@ class RowCache:
         """Write the records of a reservation's dirty victims (``rows`` sorted, as
         :meth:`reserve` returned them) to the file outside the lock, then count the
         write (``rows_written``, ``bytes_written``, ``disk_seconds``) and end its
-        ``pending`` under the lock. Called by the background thread.
+        ``pending`` under the lock. Called by the background thread; raises nothing.
 
         Returns:
-            ``(the write's start (perf_counter), error or None)``; on an error the
-            records are kept (``unwritten``: read from there, written by :meth:`flush`)
-            and the first such error in :attr:`failure`.
+            ``(the write's start (perf_counter), error or None)``; on an error the records
+            are kept (``unwritten``: read from there, written by :meth:`flush`; when even
+            that fails, the cache is broken) and the error is kept for :meth:`take_failure`.
         """
         start = perf_counter()
         error = None
@@ -296,53 +348,73 @@ class RowCache:
         except BaseException as exc:  # noqa: BLE001 - kept, and raised by the table's next agreement
             error = exc
         with self.lock:
-            if error is None:
-                self.file.count("written", rows, start, phase=False)
-            else:
-                if self.unwritten is not None:  # a row is in at most one of them (module docstring)
-                    rows = np.concatenate((self.unwritten[0], rows))
-                    records = np.concatenate((self.unwritten[1], records))
-                    order = np.argsort(rows, kind="stable")
-                    rows, records = rows[order], records[order]
-                self.unwritten = (rows, records)
-                if self.failure is None:
-                    self.failure = error
-            self.pending -= 1
-            self.loaded.notify_all()
+            try:
+                if error is None:
+                    self.file.count("written", rows, start, phase=False)
+                else:
+                    self._keep_unwritten(rows, records)
+            except BaseException as exc:  # noqa: BLE001 - as above (a count, or records that could not be kept)
+                if error is not None and self.broken is None:
+                    self.broken = exc  # the rows were written nowhere: the cache no longer holds the truth
+                error = error or exc
+            finally:
+                if error is not None:
+                    self._fail(error)
+                self.pending -= 1
+                self.loaded.notify_all()
         return start, error
 
+    def _keep_unwritten(self, rows: np.ndarray, records: np.ndarray) -> None:
+        """Add the records of a failed write-back to ``unwritten`` (under the lock)."""
+        if self.unwritten is not None:  # a row is in at most one of them (module docstring)
+            rows = np.concatenate((self.unwritten[0], rows))
+            records = np.concatenate((self.unwritten[1], records))
+            order = np.argsort(rows, kind="stable")
+            rows, records = rows[order], records[order]
+        self.unwritten = (rows, records)
+
     def take_failure(self) -> BaseException | None:
-        """The first background write-back that failed since the last call, or ``None``."""
+        """The first failure of the background thread since the last call, or ``None``."""
         with self.lock:
             failure, self.failure = self.failure, None
             return failure
 
     def load(self, slots: np.ndarray, rows: np.ndarray) -> tuple[float, BaseException | None]:
         """Read the records of reserved ``slots`` (rows ``rows``, sorted) from the file,
-        outside the lock, then publish them. Called by the background reader.
+        outside the lock, then publish them. Called by the background reader; raises
+        nothing.
 
         Returns:
-            ``(the read's start (perf_counter), error or None)``; on an error the rows are
-            unmapped (their slots stay held, empty, until the prefetch is let go), so a
-            lookup reads them itself and meets the error again or not.
+            ``(the read's start (perf_counter), error or None)``; on an error the error is
+            kept for :meth:`take_failure` and, unless the records were already in place
+            (an error in counting them), the rows are unmapped (their slots stay held,
+            empty, until the prefetch is let go), so a lookup reads them itself.
         """
-        block = np.empty(len(rows), self.file.record)
         start = perf_counter()
-        error = None
+        error, block = None, None
         try:
+            block = np.empty(len(rows), self.file.record)
             self.file.read(rows, block, count=False)
-        except BaseException as exc:  # noqa: BLE001 - a lookup meets it again and reports it
+        except BaseException as exc:  # noqa: BLE001 - kept, and raised by the table's next agreement
             error = exc
         with self.lock:
-            if error is None:
-                self._take_unwritten(rows, block, slots)
-                self.records[slots] = block
-                self.file.count("read", rows, start, phase=False)
-                self.stats["prefetched_rows"] += len(rows)
-            else:
-                self._unmap(slots)
-            self.loading[slots] = False
-            self.loaded.notify_all()
+            placed = False
+            try:
+                if error is None:
+                    self.records[slots] = block
+                    self._take_unwritten(rows, slots)
+                    placed = True
+                    self.file.count("read", rows, start, phase=False)
+                    self.stats["prefetched_rows"] += len(rows)
+            except BaseException as exc:  # noqa: BLE001 - as above
+                error = exc
+            finally:
+                if not placed:
+                    self._unmap(slots)
+                if error is not None:
+                    self._fail(error)
+                self.loading[slots] = False
+                self.loaded.notify_all()
         return start, error
 
     def release(self, slots: np.ndarray) -> None:
@@ -354,8 +426,7 @@ class RowCache:
         """Wait until no slot is loading and no write-back is pending (every prefetch's
         write-back and read published)."""
         with self.lock:
-            while self.loading.any() or self.pending:
-                self.loaded.wait()
+            self._wait(lambda: self.loading.any() or self.pending)
 
     def _write_back(self, slots: np.ndarray) -> None:
         """Write the dirty ones of ``slots`` to the file, sorted by row."""

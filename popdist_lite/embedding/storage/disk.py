@@ -16,8 +16,10 @@ every replica after the exchange.
 
 Prefetch (:meth:`DiskRows.prefetch`): the rows of a coming batch are reserved in the
 cache now; one background thread per table (:class:`_Reader`), FIFO, reads the batch's
-missing rows and then writes back the dirty rows the reservation evicted (a failed
-write-back is kept by the cache and raised by the next :meth:`DiskRows.agree`); each
+missing rows and then writes back the dirty rows the reservation evicted. Every
+failure of that thread (a read, a write-back, a ``MemoryError`` anywhere in it) is
+kept by the cache and raised by the next :meth:`DiskRows.agree` on every replica, and
+wakes whoever waits for the rows (:class:`~.cache.RowCache`); each
 prefetch is a :class:`Prefetch` whose holds on its slots are dropped by
 :meth:`DiskRows.release` once the table has been used (updated, or looked up when it is
 not trainable) as many times as the prefetch said (its ``due``).
@@ -26,7 +28,6 @@ not trainable) as many times as the prefetch said (its ``due``).
 from __future__ import annotations
 
 import collections
-import mmap
 import queue
 import threading
 import weakref
@@ -37,7 +38,7 @@ import numpy as np
 from ... import counters, progress
 from ...collectives import Problem
 from ...collectives.agreement import agree, register_op
-from .cache import SLOT_OVERHEAD, CacheTooSmall, RowCache
+from .cache import SLOT_OVERHEAD, CacheBroken, CacheTooSmall, RowCache
 from .rowfile import RowFile, RowFileError
 
 _OP = register_op("disk_rows")
@@ -102,11 +103,16 @@ class _Reader:
     def _run(self) -> None:
         while (item := self.jobs.get()) is not None:
             job, slots, rows, back = item
-            start, error = self.cache.load(slots, rows)
-            if back is not None:
-                self.cache.store(*back)  # an error is kept by the cache
-            job.read_span, job.error = (start, perf_counter()), error
-            job._done.set()
+            try:
+                start, job.error = self.cache.load(slots, rows)  # an error is kept by the cache
+                if back is not None:
+                    self.cache.store(*back)  # likewise
+                job.read_span = (start, perf_counter())
+            except BaseException as exc:  # noqa: BLE001 - outside load and store: the cache cannot recover
+                job.error = exc
+                self.cache.break_down(exc)
+            finally:
+                job._done.set()
 
     def stop(self) -> None:
         """Let the reader finish the reads queued and end (joined)."""
@@ -176,9 +182,9 @@ class DiskRows:
         self.uses = 0  # updates (a trainable table) or lookups (else) so far: what a Prefetch's due counts
         self.jobs: collections.deque[Prefetch] = collections.deque()  # prefetches not yet let go, by due
         self._published: dict = {}  # the stats last added to the progress slot
-        self._map = np.memmap(self.file.path, dtype=self.record, mode="r+", shape=(rows,))
-        self.weights = self._map["weights"]
-        self.slots = {slot: (self._map[f"s/{slot}"] if f"s/{slot}" in self.record.names else array)
+        records = self.file.map()  # through the descriptor: the file has no name
+        self.weights = records["weights"]
+        self.slots = {slot: (records[f"s/{slot}"] if f"s/{slot}" in self.record.names else array)
                       for slot, array in self._replicated.items()}
         self.problem: Problem | None = None
 
@@ -218,16 +224,25 @@ class DiskRows:
             if self.problem is not None:
                 raise CacheTooSmall(self.problem.message)
             slots = self.cache.slots(unique.astype(np.int64), self.pin)
-        except (CacheTooSmall, RowFileError, OSError) as exc:
+        except (CacheTooSmall, CacheBroken, RowFileError, OSError) as exc:
             self._keep(exc)
             out[...] = 0
             return out
         np.copyto(out, self.cache.records["weights"][slots[inverse]], casting="unsafe")
         return out
 
-    def _keep(self, exc: BaseException, prefetch: bool = False) -> None:
+    def _keep(self, exc: BaseException, prefetch: bool = False, background: bool = False) -> None:
+        """Keep ``exc`` as this replica's problem for :meth:`agree` (the first one kept
+        wins); ``background``: the background thread's."""
         if self.problem is None:
-            message = Problem.of(exc).message if isinstance(exc, OSError) else str(exc)
+            if isinstance(exc, OSError):
+                message = Problem.of(exc).message
+            elif isinstance(exc, (CacheTooSmall, CacheBroken, RowFileError)):
+                message = str(exc)
+            else:
+                message = f"{type(exc).__name__}: {exc}"
+            if background and not isinstance(exc, CacheBroken):
+                message = f"the background prefetch thread failed: {message}"
             if isinstance(exc, CacheTooSmall) and exc.rows:
                 fewer = ("prefetch fewer batches ahead (the feed's prefetch_depth) or send fewer distinct IDs per "
                          "batch" if prefetch or self.jobs else "send fewer distinct IDs per call")
@@ -238,11 +253,11 @@ class DiskRows:
     def agree(self, comm) -> None:
         """Raise the first replica's kept problem on every replica (collective: one
         small agreement); the problem is forgotten, the cache's pins released. A
-        background write-back that failed since the last agreement is such a problem
-        (its records stay in the cache: see :class:`RowCache`)."""
+        failure of the background thread since the last agreement is such a problem
+        (a failed write-back's records stay in the cache: see :class:`RowCache`)."""
         failure = self.cache.take_failure()
         if failure is not None:
-            self._keep(failure)
+            self._keep(failure, background=True)
         problem, self.problem = self.problem, None
         if problem is not None:
             self.cache.unpin()
@@ -259,7 +274,7 @@ class DiskRows:
         try:
             if self.problem is None:
                 slots = self.cache.slots(np.asarray(rows, np.int64), self.pin)
-        except (CacheTooSmall, RowFileError, OSError) as exc:
+        except (CacheTooSmall, CacheBroken, RowFileError, OSError) as exc:
             self._keep(exc)
         self.agree(comm)
         block = self.cache.records[slots]
@@ -288,7 +303,7 @@ class DiskRows:
             if self.problem is not None:
                 raise CacheTooSmall(self.problem.message)
             slots, new, new_rows, back = self.cache.reserve(np.asarray(rows, np.int64))
-        except (CacheTooSmall, RowFileError, OSError) as exc:
+        except (CacheTooSmall, CacheBroken, RowFileError, OSError) as exc:
             self._keep(exc, prefetch=True)
             return Prefetch(_NOTHING, 0, due)
         job = Prefetch(slots, len(new), due)
@@ -347,7 +362,8 @@ class DiskRows:
         the next lookup.
 
         Raises:
-            RowFileError: the file was truncated or replaced.
+            RowFileError: the file was truncated.
+            CacheBroken: the background thread broke the cache.
         """
         self.file.check_size()
         self.cache.wait_loaded()
@@ -362,15 +378,13 @@ class DiskRows:
         first unmapped from it (``MADV_DONTNEED``; the shared mapping's data is in the
         file after the flush): the kernel drops no page that is still mapped, so without
         this the advice would leave every page the maps touched in the page cache."""
-        self._map.flush()
-        mapped = getattr(self._map, "_mmap", None)  # numpy's memmap keeps its mmap.mmap there
-        if mapped is not None and hasattr(mapped, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            mapped.madvise(mmap.MADV_DONTNEED)
+        self.file.release_map()
         self.file.drop_pages()
 
     def close(self) -> None:
-        """Remove the file (the table is unusable afterwards)."""
-        self._map = self.weights = None
+        """Close the file (its blocks are freed once no array of its maps is left; the
+        table is unusable afterwards)."""
+        self.weights = None
         self.slots = {}
         self.jobs.clear()
         self._closer()

@@ -22,6 +22,16 @@ file is also advised ``POSIX_FADV_RANDOM``: the kernel's read-ahead would otherw
 far more than the rows asked for (a step's misses spread over the file pulled all of a
 73 MiB file into the page cache in one step), uncounted by :data:`DROP_BYTES`. Why not
 ``O_DIRECT``: ``docs/offload.md``.
+
+The file has no name: it is made with ``O_TMPFILE`` (a file in the directory's
+filesystem that is in no directory), or, on a filesystem without it, created under a
+random name and unlinked at once, and reached only through its descriptor (reads,
+writes and the memory map of :meth:`RowFile.map`), so nobody can swap it for another
+file, nothing is left behind when the process is killed, and a forked child's exit
+removes nothing. The directory is opened and checked through its descriptor before
+the file is made there (no path is looked up twice): one writable by every user
+without the sticky bit, or owned by a user other than this one or root, is refused
+(:func:`check_directory`).
 """
 
 from __future__ import annotations
@@ -29,6 +39,9 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import pwd
+import secrets
+import stat
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +53,9 @@ from ... import counters
 
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 _RANDOM = getattr(os, "POSIX_FADV_RANDOM", None)
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+#: ``os.O_TMPFILE`` where the platform has it (Linux); ``None`` makes every file the create-then-unlink way.
+TMPFILE = getattr(os, "O_TMPFILE", None)
 #: Bytes of the pages read or written between two advices (an advice walks the file's cached pages:
 #: about 10 ms per 8192-ID step for a 160 MB file when given after every batch).
 DROP_BYTES = 8 << 20
@@ -89,15 +105,18 @@ def _each(runs: list, transfer) -> None:
 
 
 class RowFileError(RuntimeError):
-    """The partition file is not what this table wrote (truncated, replaced)."""
+    """The partition file is not what this table wrote (truncated)."""
 
 
 class RowFile:
-    """``rows`` records of ``record`` (a numpy structured dtype) in a new file.
+    """``rows`` records of ``record`` (a numpy structured dtype) in a new file with no
+    name (module docstring).
 
     Args:
-        directory: where to create the file (created if missing).
-        prefix: the file name's prefix (table and replica).
+        directory: where to make the file (created, mode 0700, if missing); checked by
+            :func:`check_directory`.
+        prefix: the start of the file's name in errors, and of its short-lived name on a
+            filesystem without ``O_TMPFILE`` (table and replica).
         record: the record dtype (``itemsize`` bytes per row).
         rows: how many records.
         stats: dict of counters to add to (``rows_read``, ``rows_written``,
@@ -106,34 +125,54 @@ class RowFile:
             batch is also counted as the phase ``disk.read``/``disk.write`` of
             :mod:`popdist_lite.counters` (calls and seconds; no network bytes).
 
+    Attributes:
+        fd: the file's descriptor (``None`` once closed).
+        name: how errors name the file (``"<prefix> in <directory>"``; it has no path).
+
     Raises:
-        OSError: the directory cannot be made or written, or the disk cannot hold the
-            file (``posix_fallocate`` reserves every block up front: ``ENOSPC`` here, not
-            in the middle of a step).
+        PermissionError: the directory is refused (:func:`check_directory`).
+        OSError: the directory cannot be made, opened or written, or the disk cannot hold
+            the file (``posix_fallocate`` reserves every block up front: ``ENOSPC`` here,
+            not in the middle of a step).
     """
 
     def __init__(self, directory, prefix: str, record: np.dtype, rows: int, stats: dict, label: str | None = None):
         directory = tempfile.gettempdir() if directory is None else os.fspath(directory)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            fd, self.path = tempfile.mkstemp(prefix=prefix, suffix=".rows", dir=directory)
-        except OSError as exc:
-            raise _explained(exc, "creating the partition file", exc.filename or directory) from None
-        self.fd, self.record, self.rows, self.stats = fd, np.dtype(record), int(rows), stats
+        self.name = f"{prefix.rstrip('-')} in {directory}"
+        self.fd = _create(directory, prefix)
+        self.record, self.rows, self.stats = np.dtype(record), int(rows), stats
         self.size = self.rows * self.record.itemsize
         self.label = label
         self.moved = 0  # bytes of the pages read or written since the last advice
+        self._mmap: mmap.mmap | None = None
         try:
             if self.size:
                 try:
-                    os.posix_fallocate(fd, 0, self.size)
+                    os.posix_fallocate(self.fd, 0, self.size)
                 except OSError as exc:
-                    raise _explained(exc, f"reserving {self.size} bytes for the partition file", self.path) from None
+                    raise _explained(exc, f"reserving {self.size} bytes for the partition file", self.name) from None
             if _RANDOM is not None:
-                os.posix_fadvise(fd, 0, 0, _RANDOM)  # this descriptor's reads: no read-ahead
+                os.posix_fadvise(self.fd, 0, 0, _RANDOM)  # this descriptor's reads: no read-ahead
         except BaseException:
             self.close()
             raise
+
+    def map(self) -> np.ndarray:
+        """The whole file as a ``(rows,)`` array of records: a shared memory map of the
+        file's descriptor (writes to it reach the file; made once)."""
+        if not self.size:
+            return np.zeros(0, self.record)
+        if self._mmap is None:
+            self._mmap = mmap.mmap(self.fd, self.size)  # MAP_SHARED, read and write
+        return np.ndarray((self.rows,), self.record, buffer=self._mmap)
+
+    def release_map(self) -> None:
+        """Write the map's dirty pages to the file and unmap every page of it from this
+        process (``MADV_DONTNEED``; the next access maps them again from the file)."""
+        if self._mmap is not None:
+            self._mmap.flush()
+            if _MADV_DONTNEED is not None:
+                self._mmap.madvise(_MADV_DONTNEED)
 
     def check_size(self) -> None:
         """Raise :class:`RowFileError` unless the file still has its size (a file cut
@@ -141,10 +180,10 @@ class RowFile:
         try:
             size = os.fstat(self.fd).st_size
         except OSError as exc:
-            raise RowFileError(f"cannot stat the partition file {self.path}: {exc.strerror}") from None
+            raise RowFileError(f"cannot stat the partition file {self.name}: {exc.strerror}") from None
         if size != self.size:
-            raise RowFileError(f"the partition file {self.path} has {size} bytes, expected {self.size} "
-                               f"({self.rows} rows of {self.record.itemsize} bytes): it was truncated or replaced")
+            raise RowFileError(f"the partition file {self.name} has {size} bytes, expected {self.size} "
+                               f"({self.rows} rows of {self.record.itemsize} bytes): it was truncated")
 
     def read(self, rows: np.ndarray, out: np.ndarray, count: bool = True) -> None:
         """``out[i] = record rows[i]`` for sorted unique ``rows`` (``out``: C-contiguous
@@ -165,9 +204,9 @@ class RowFile:
             try:
                 got = os.preadv(self.fd, [view], first * size)
             except OSError as exc:
-                raise _explained(exc, f"reading rows {first}..{stop - 1} of the partition file", self.path) from None
+                raise _explained(exc, f"reading rows {first}..{stop - 1} of the partition file", self.name) from None
             if got != want:
-                raise RowFileError(f"short read of rows {first}..{stop - 1} of the partition file {self.path}: "
+                raise RowFileError(f"short read of rows {first}..{stop - 1} of the partition file {self.name}: "
                                    f"{got} of {want} bytes (the file was truncated)")
 
         _each(runs, read_run)
@@ -186,7 +225,7 @@ class RowFile:
                     done += os.pwrite(self.fd, view[done:], offset + done)
                 except OSError as exc:
                     doing = f"writing rows {first}..{stop - 1} of the partition file"
-                    raise _explained(exc, doing, self.path) from None
+                    raise _explained(exc, doing, self.name) from None
 
         runs = list(_runs(rows))
         if len(runs) >= PARALLEL_RUNS:  # the pages in first, in parallel (module docstring)
@@ -228,20 +267,93 @@ class RowFile:
                             detail=self.label)
 
     def close(self) -> None:
-        """Close and remove the file (idempotent)."""
+        """Close the descriptor and drop the memory map (idempotent): the file's blocks are
+        freed at once, or when the last array of :meth:`map` is gone (it keeps the map)."""
+        self._mmap = None  # unmapped now, or with the last array of it
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def check_directory(fd: int, directory: str) -> None:
+    """Refuse the directory open at ``fd`` (named ``directory``) for partition files
+    when another user could change its entries under this one: owned by a user other
+    than this process's effective user or root, or writable by every user without the
+    sticky bit (``/tmp``'s ``1777`` has it: there only a file's owner can rename or
+    remove it). A group-writable directory is taken: the file has no name its members
+    could reach.
+
+    Raises:
+        PermissionError: naming the directory, its owner or mode, and why.
+    """
+    st = os.fstat(fd)
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise PermissionError(errno.EPERM, f"refused as the directory for partition files: it belongs to "
+                                           f"{_user(st.st_uid)}, not to this user ({_user(me)}) or root", directory)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        raise PermissionError(errno.EPERM, f"refused as the directory for partition files: every user may write "
+                                           f"to it (mode {mode:04o}) and it has no sticky bit (as /tmp's 1777 "
+                                           f"has), so another user could replace the files in it", directory)
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name!r} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _create(directory: str, prefix: str) -> int:
+    """A new empty file with no name in ``directory`` (mode 0600), after
+    :func:`check_directory`: its descriptor."""
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise _explained(exc, "opening the directory for the partition file", exc.filename or directory) from None
+    try:
+        check_directory(dir_fd, directory)
+        if TMPFILE is not None:
             try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+                # O_EXCL: the file can never be given a name (no linkat through /proc/self/fd)
+                return os.open(".", os.O_RDWR | TMPFILE | os.O_EXCL, 0o600, dir_fd=dir_fd)
+            except OSError:
+                pass  # a filesystem without O_TMPFILE; a real error (EACCES, ENOSPC) is met again below
+        return _create_unlinked(dir_fd, directory, prefix)
+    finally:
+        os.close(dir_fd)
+
+
+def _create_unlinked(dir_fd: int, directory: str, prefix: str) -> int:
+    """A new file under a random name in the directory open at ``dir_fd``, unlinked at
+    once (after checking the name is still that file's)."""
+    for _ in range(100):
+        name = f"{prefix}{secrets.token_hex(6)}.rows"
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise _explained(exc, "creating the partition file", os.path.join(directory, name)) from None
+        try:
+            mine, there = os.fstat(fd), os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+                raise PermissionError(errno.EPERM, "the partition file was renamed by someone else before it "
+                                                   "was unlinked", os.path.join(directory, name))
+            os.unlink(name, dir_fd=dir_fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    raise FileExistsError(errno.EEXIST, "no free name for the partition file", os.path.join(directory, prefix))
 
 
 def _explained(exc: OSError, doing: str, path) -> OSError:
     """``exc`` again, saying what was being done, the errno's name and the file: its
     message (``Problem.of``'s ``"strerror: filename"``) reads e.g. ``No space left on
-    device (ENOSPC) reserving 4096 bytes for the partition file: /var/tmp/popdist-t-r0-x.rows``."""
+    device (ENOSPC) reserving 4096 bytes for the partition file: popdist-t-r0 in /var/tmp``."""
     name = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
     return type(exc)(exc.errno, f"{exc.strerror or os.strerror(exc.errno or 0)} ({name}) {doing}", path)
 
