@@ -19,9 +19,10 @@ Inputs and outputs are TorchRec's own types when the input is one: a
 ``torchrec.KeyedJaggedTensor`` in gives a ``torchrec.KeyedTensor``
 (:class:`EmbeddingBagCollection`) or ``{feature: torchrec.JaggedTensor}``
 (:class:`EmbeddingCollection`) out. A plain mapping of feature name to ``(values,
-lengths[, weights])`` tensors gives a plain ``{feature: (B, e) tensor}`` (what
-``KeyedTensor.to_dict()`` gives) or ``{feature: (values, lengths)}``, with or without
-torchrec installed. torchrec is never imported here: its types are recognised through
+lengths[, weights])`` tensors, or the library's :class:`popdist_lite.KeyedJaggedArray`
+(its ``KeyedJaggedTensor`` of numpy arrays: the keyed layout, checked at once for every
+feature), gives a plain ``{feature: (B, e) tensor}`` (what ``KeyedTensor.to_dict()``
+gives) or ``{feature: (values, lengths)}``, with or without torchrec installed. torchrec is never imported here: its types are recognised through
 the modules the caller already imported (``sys.modules``).
 
 Tensors cross into the core without copies (``Tensor.numpy()`` views, ``torch.from_numpy``
@@ -191,6 +192,10 @@ class _CollectionModule(torch.nn.Module):
         try:
             if kjt is not None and isinstance(features, kjt):
                 return (*self._from_kjt(features), True)
+            if isinstance(features, pl.KeyedJaggedArray):  # the library's own (numpy) KeyedJaggedTensor
+                if features.weights is not None and not self._uses_weights():
+                    features = pl.KeyedJaggedArray(features.keys, features.values, features.lengths)
+                return features, (), False
             if isinstance(features, Mapping):
                 return (*self._from_mapping(features), False)
         except (ValueError, TypeError, KeyError) as exc:
@@ -287,12 +292,13 @@ class EmbeddingBagCollection(_CollectionModule):
         comm: the replica communicator (default: the library's).
 
     Forward ``(features)``: a ``torchrec.KeyedJaggedTensor`` whose keys are exactly the
-    collection's features (any order, one stride ``B``), or a mapping of every feature
-    name to ``(values, lengths[, weights])`` (integer ``values`` ``[n]``, ``lengths``
-    ``[B]``, float ``weights`` ``[n]``; or a ``torchrec.JaggedTensor``). Returns, for a
-    ``KeyedJaggedTensor``, a ``torchrec.KeyedTensor`` (keys :attr:`feature_names`,
-    values ``(B, sum of dims)``), and for a mapping ``{feature: (B, e) tensor}`` (views
-    of one ``(B, sum of dims)`` tensor). Collective: the core's lookup.
+    collection's features (any order, one stride ``B``), a
+    :class:`popdist_lite.KeyedJaggedArray` alike, or a mapping of every feature name to
+    ``(values, lengths[, weights])`` (integer ``values`` ``[n]``, ``lengths`` ``[B]``,
+    float ``weights`` ``[n]``; or a ``torchrec.JaggedTensor``). Returns, for a
+    ``torchrec.KeyedJaggedTensor``, a ``torchrec.KeyedTensor`` (keys
+    :attr:`feature_names`, values ``(B, sum of dims)``), otherwise ``{feature: (B, e)
+    tensor}`` (views of one ``(B, sum of dims)`` tensor). Collective: the core's lookup.
 
     Training: in training mode with gradients enabled (and a trainable table), the
     backward of the output applies one optimizer step to the rows looked up: per row,
@@ -363,8 +369,8 @@ class EmbeddingCollection(_CollectionModule):
             :class:`EmbeddingBagCollection`.
 
     Forward ``(features)``: as :class:`EmbeddingBagCollection` (weights are ignored).
-    Returns, for a ``KeyedJaggedTensor``, ``{feature: torchrec.JaggedTensor(values=(n,
-    e), lengths=(B,))}``, and for a mapping ``{feature: (values (n, e), lengths (B,))}``.
+    Returns, for a ``torchrec.KeyedJaggedTensor``, ``{feature: torchrec.JaggedTensor(values=(n,
+    e), lengths=(B,))}``, otherwise ``{feature: (values (n, e), lengths (B,))}``.
     Collective: the core's lookup.
     """
 
