@@ -6,7 +6,7 @@ equivalent refused). The multi-replica behaviour is tests/mpi/test_torch_collect
 
 import pytest
 
-from helpers import run_python, timeout_for
+from helpers import requires_torchrec, run_python, timeout_for
 
 pytestmark = timeout_for(1)
 
@@ -88,9 +88,7 @@ print("OK")
 """
 
 
+@requires_torchrec
 def test_torchrec_configs_map_onto_the_cores():
-    pytest.importorskip("torch", reason="popdist_lite.torch needs PyTorch: pip install '.[torch]'")
-    pytest.importorskip("torchrec", reason="TorchRec is an optional test extra (torchrec==1.8.0, "
-                                           "fbgemm-gpu-cpu==1.8.0; scripts/test installs it)")
     r = run_python(CONFIGS)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

@@ -1,7 +1,8 @@
 """popdist_lite.torch's EmbeddingBagCollection and EmbeddingCollection at 1-3 replicas:
 
 - against TorchRec's own unsharded ``torchrec.EmbeddingBagCollection`` /
-  ``EmbeddingCollection`` (skipped without torchrec): the same initial weights copied
+  ``EmbeddingCollection`` (skipped with the reason where TorchRec is not installed: the
+  ``torchrec`` fixture of tests/conftest.py): the same initial weights copied
   in, every replica's batch as a ``KeyedJaggedTensor``, TorchRec's optimizer applied in
   backward (``torch.optim.SGD``, ``torchrec.optim.RowWiseAdagrad``) to the mean of the
   replicas' losses in one process; the outputs (a ``KeyedTensor``, ``JaggedTensor`` s)
@@ -29,13 +30,6 @@ import popdist_lite as pl  # noqa: E402
 import popdist_lite.torch as pt  # noqa: E402
 
 LR, EPS, B = 0.3, 1e-8, 4
-TORCHREC = "TorchRec is an optional test extra (torchrec==1.8.0, fbgemm-gpu-cpu==1.8.0; scripts/test installs it)"
-
-
-def torchrec_or_skip():
-    return pytest.importorskip("torchrec", reason=TORCHREC)
-
-
 def bags(rng, rows: dict, batch=B, weighted=False, sequence=False) -> dict:
     """One replica's batch: feature -> (values, lengths, weights or None), numpy;
     ragged bags with empty ones (sequence features: one bag per sample of 0-3 IDs)."""
@@ -99,12 +93,11 @@ BAG_TABLES = {  # name: (rows, dim, features)
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("optimizer, plan, weighted", [("sgd", "mixed", False), ("rowwise_adagrad", "column_wise", True)])
-def test_bags_match_torchrecs_embedding_bag_collection(comm, rng, optimizer, plan, weighted):
+def test_bags_match_torchrecs_embedding_bag_collection(comm, rng, torchrec, optimizer, plan, weighted):
     """Three steps: every replica's KeyedTensor equals TorchRec's for its batch, and the
     tables equal TorchRec's after its optimizer stepped on the mean of every replica's
     loss. SUM and MEAN pooling unweighted (MEAN with weights is not an nn.EmbeddingBag
     mode), SUM weighted."""
-    torchrec = torchrec_or_skip()
     from torchrec import KeyedTensor
 
     r, k = comm.size, comm.rank
@@ -138,10 +131,9 @@ def test_bags_match_torchrecs_embedding_bag_collection(comm, rng, optimizer, pla
 
 
 @pytest.mark.mpi
-def test_sequences_match_torchrecs_embedding_collection(comm, rng):
+def test_sequences_match_torchrecs_embedding_collection(comm, rng, torchrec):
     """An EmbeddingCollection (a table read by two features, need_indices) against
     TorchRec's: each feature's JaggedTensor, and the tables after three SGD steps."""
-    torchrec = torchrec_or_skip()
     from torchrec import JaggedTensor
 
     r, k = comm.size, comm.rank
@@ -214,14 +206,13 @@ def model_namespace(import_line: str) -> dict:
 
 
 @pytest.mark.mpi
-def test_a_torchrec_model_runs_with_one_import_changed(comm, rng):
+def test_a_torchrec_model_runs_with_one_import_changed(comm, rng, torchrec):
     """The same model source with ``from torchrec import EmbeddingBagCollection`` (one
     process, every replica's batch, the mean loss) and with ``from popdist_lite.torch
     import EmbeddingBagCollection`` (at r replicas, dense layers under
     DistributedDataParallel): the same losses, tables and dense weights after three
     steps. The tables' optimizer is the one difference outside the model: TorchRec's
     in backward on its parameters, ours a spec given to the collection."""
-    torchrec_or_skip()
     r, k = comm.size, comm.rank
     theirs = model_namespace("from torchrec import EmbeddingBagCollection")
     mine = model_namespace("from popdist_lite.torch import EmbeddingBagCollection")
