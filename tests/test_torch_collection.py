@@ -2,7 +2,8 @@
 lookup of plain mappings never import torchrec, and TorchRec's configs map onto the
 core's (pooling, FP16 as a float16 table with stochastic rounding and float32 outputs,
 empty feature_names, TorchRec's default and custom initialisers, options without an
-equivalent refused). The multi-replica behaviour is tests/mpi/test_torch_collection.py's."""
+equivalent refused); TorchRec's own ``torchrec.models.dlrm.DLRM`` trains on the
+collection. The multi-replica behaviour is tests/mpi/test_torch_collection.py's."""
 
 import pytest
 
@@ -84,6 +85,22 @@ for bad, message in [
     else:
         raise AssertionError(f"no error for {message}")
 pt.EmbeddingBagCollection([const], device="meta")  # TorchRec's idiom before DistributedModelParallel
+
+# TorchRec's own DLRM over this collection: logits, and a backward that updates the tables
+from torchrec.models.dlrm import DLRM
+dims = [torchrec.EmbeddingBagConfig(num_embeddings=9, embedding_dim=4, name=f"t{j}", feature_names=[f"f{j}"])
+        for j in range(3)]
+dlrm_ebc = pt.EmbeddingBagCollection(dims, optimizer=pl.HostEmbeddingOptimizerSpec(0.5))
+model = DLRM(embedding_bag_collection=dlrm_ebc, dense_in_features=2, dense_arch_layer_sizes=[8, 4],
+             over_arch_layer_sizes=[8, 1])
+kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2"], values=torch.tensor([1, 2, 3, 4, 5, 6]),
+                                                   lengths=torch.ones(6, dtype=torch.int64))
+before = dlrm_ebc.tables["t1"].get_embedding_tensor().copy()
+logits = model(torch.ones(2, 2), kjt)
+assert logits.shape == (2, 1)
+logits.sum().backward()
+moved = np.flatnonzero(np.abs(dlrm_ebc.tables["t1"].get_embedding_tensor() - before).sum(1))
+assert moved.tolist() == [3, 4], moved  # feature f1's IDs
 print("OK")
 """
 
