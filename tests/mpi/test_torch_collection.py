@@ -16,6 +16,8 @@
   loaded at every replica count under another: the same tables, and training continued
   from it equals training continued from the saved model; the collection alone loads
   into the core's numpy collection;
+- loss scaling: the update unscaled, and skipped on every replica after one replica's
+  overflow;
 - one replica's bad batch, weights that require a gradient, or other arguments, raised
   on every replica.
 
@@ -406,6 +408,31 @@ def test_checkpoints_reshard_across_replica_counts_and_plans(shared, comm):
     pl.load_checkpoint(shared / "step-00000002", {"tables": core})
     for name, table in core.tables.items():
         np.testing.assert_array_equal(table.get_embedding_tensor(), saved[name], err_msg=name)
+
+
+# -- loss scaling ---------------------------------------------------------------------------------------------------
+@pytest.mark.mpi
+def test_loss_scaling_unscales_and_skips_on_every_replica(comm):
+    """With a GradScaler of scale 8: the update is the unscaled one (numpy); an inf in
+    the last replica's loss skips the update on every replica and lowers the scale."""
+    r, k = comm.size, comm.rank
+    full = np.arange(10.0, dtype=np.float32).reshape(5, 2)
+    scaler = pt.GradScaler(init_scale=8.0)
+    ebc = pt.EmbeddingBagCollection([pt.EmbeddingBagConfig(num_embeddings=5, embedding_dim=2, name="t",
+                                                           feature_names=["f"], initializer=full)],
+                                    optimizer=pl.HostEmbeddingOptimizerSpec(LR), grad_scaler=scaler)
+    features = {"f": (torch.tensor([k % 5, 4]), torch.tensor([1, 1]))}  # replica k: IDs k % 5 and 4
+    scaler.scale(ebc(features)["f"].sum()).backward()
+    scaler.update()
+    want = full.astype(np.float64)
+    for j in range(r):
+        want[[j % 5, 4]] -= LR / r
+    np.testing.assert_allclose(ebc.tables["t"].get_embedding_tensor(), want, rtol=1e-6)
+    loss = ebc(features)["f"].sum() * (float("inf") if k == r - 1 else 1.0)
+    scaler.scale(loss).backward()
+    scaler.update()
+    np.testing.assert_allclose(ebc.tables["t"].get_embedding_tensor(), want, rtol=1e-6)
+    assert scaler.get_scale() == 4.0
 
 
 # -- errors on every replica -------------------------------------------------------------------------------------
