@@ -51,7 +51,7 @@ const = torchrec.EmbeddingBagConfig(num_embeddings=5, embedding_dim=2, name="con
 ebc = pt.EmbeddingBagCollection([half, const], optimizer=pl.HostEmbeddingOptimizerSpec(0.1))
 assert half.feature_names == ["half"] and ebc.feature_names == ["half", "c"]  # TorchRec's: the table's name
 table = ebc.tables["half"]
-assert table.dtype == np.float16 and table.stochastic_rounding.mode.name == "ON", (table.dtype, table.stochastic_rounding)
+assert table.dtype == np.float16 and table.stochastic_rounding.mode.name == "ON", table.stochastic_rounding
 assert ebc.core.configs[0].pooling.value == "MEAN" and ebc.embedding_bag_configs() == [half, const]
 values = table.get_embedding_tensor().astype(np.float64)
 bound = np.sqrt(1 / 1000)  # TorchRec's default init_fn: uniform in [-sqrt(1/t), sqrt(1/t))
@@ -76,8 +76,9 @@ for bad, message in [
         (lambda: pt.EmbeddingBagCollection([const], optimizer={"nope": pl.HostEmbeddingOptimizerSpec(1.0)}),
          "no table 'nope'"),
         (lambda: pt.EmbeddingBagCollection([pt.EmbeddingBagConfig(
-            num_embeddings=3, embedding_dim=2, name="o", feature_names=["o"], optimizer=pl.HostEmbeddingOptimizerSpec(1.0))],
-            optimizer={"o": pl.HostEmbeddingOptimizerSpec(2.0)}), "in one place")]:
+            num_embeddings=3, embedding_dim=2, name="o", feature_names=["o"],
+            optimizer=pl.HostEmbeddingOptimizerSpec(1.0))], optimizer={"o": pl.HostEmbeddingOptimizerSpec(2.0)}),
+         "in one place")]:
     try:
         bad()
     except (ValueError, TypeError) as exc:
@@ -85,6 +86,14 @@ for bad, message in [
     else:
         raise AssertionError(f"no error for {message}")
 pt.EmbeddingBagCollection([const], device="meta")  # TorchRec's idiom before DistributedModelParallel
+weighted = pt.EmbeddingBagCollection([const], is_weighted=True)
+try:
+    weighted(torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["c"], values=torch.tensor([1]),
+                                                          lengths=torch.tensor([1])))
+except ValueError as exc:
+    assert "replica 0" in str(exc) and "is_weighted=True" in str(exc), exc
+else:
+    raise AssertionError("no error for a weighted collection's unweighted batch")
 
 # TorchRec's own DLRM over this collection: logits, and a backward that updates the tables
 from torchrec.models.dlrm import DLRM

@@ -22,8 +22,9 @@ Inputs and outputs are TorchRec's own types when the input is one: a
 lengths[, weights])`` tensors, or the library's :class:`popdist_lite.KeyedJaggedArray`
 (its ``KeyedJaggedTensor`` of numpy arrays: the keyed layout, checked at once for every
 feature), gives a plain ``{feature: (B, e) tensor}`` (what ``KeyedTensor.to_dict()``
-gives) or ``{feature: (values, lengths)}``, with or without torchrec installed. torchrec is never imported here: its types are recognised through
-the modules the caller already imported (``sys.modules``).
+gives) or ``{feature: (values, lengths)}``, with or without torchrec installed. torchrec
+is never imported here: its types are recognised through the modules the caller already
+imported (``sys.modules``).
 
 Tensors cross into the core without copies (``Tensor.numpy()`` views, ``torch.from_numpy``
 of the outputs), and the binding adds no collective to a step and no work per table.
@@ -207,6 +208,9 @@ class _CollectionModule(torch.nn.Module):
             raise ValueError("argument features: a KeyedJaggedTensor with a variable batch size per feature is not "
                              "supported; every feature needs the same stride")
         values, lengths = kjt.values(), kjt.lengths()
+        if self._uses_weights() and kjt.weights_or_none() is None:
+            raise ValueError("argument features: is_weighted=True, so expected a KeyedJaggedTensor with weights, got "
+                             "one without")
         weights = self._weights(kjt.weights_or_none(), "the KeyedJaggedTensor's")
         tensors = tuple(t for t in (values, lengths, weights) if t is not None)
         return pl.KeyedJaggedArray(kjt.keys(), _numpy(values), _numpy(lengths),

@@ -94,7 +94,8 @@ BAG_TABLES = {  # name: (rows, dim, features)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("optimizer, plan, weighted", [("sgd", "mixed", False), ("rowwise_adagrad", "column_wise", True)])
+@pytest.mark.parametrize("optimizer, plan, weighted",
+                         [("sgd", "mixed", False), ("rowwise_adagrad", "column_wise", True)])
 def test_bags_match_torchrecs_embedding_bag_collection(comm, rng, torchrec, optimizer, plan, weighted):
     """Three steps: every replica's KeyedTensor equals TorchRec's for its batch, and the
     tables equal TorchRec's after its optimizer stepped on the mean of every replica's
