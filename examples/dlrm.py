@@ -18,8 +18,10 @@ builds it, with TorchRec's module names:
 * ``DenseArch``: an MLP (ReLU after every layer) over the 13 dense features,
   ``log(1 + x)`` of Criteo's integers, to ``embedding_dim``;
 * ``SparseArch``: an ``EmbeddingBagCollection`` of 26 tables, one per categorical
-  feature, pooled to ``(B, 26, embedding_dim)``; the tables are sharded over the
-  replicas and updated by their own optimizer in the backward pass;
+  feature, pooled to ``(B, 26, embedding_dim)``: ``popdist_lite.torch``'s, whose tables
+  are placed over the replicas (row-wise by default; ``--sharding``) and updated by
+  their own optimizer in the backward pass, every table's IDs, rows and gradients in
+  one exchange;
 * ``InteractionArch``: the dense output and the 26 pooled vectors, pairwise dot
   products (the upper triangle), concatenated with the dense output;
 * ``OverArch``: an MLP (ReLU but after the last layer) to one logit; the loss is binary
@@ -48,10 +50,10 @@ the example asks ``popdist_lite.should_checkpoint()`` at every step boundary, th
 and stops) neither repeats nor skips a sample. ``--emb-cache-kib`` keeps the larger
 tables on local disk behind a cache (``popdist_lite.DiskStorage``, docs/offload.md).
 
-The embedding seam: the sparse tables are built in one place, ``make_tables`` below,
-from ``embedding_bags`` (a TorchRec-style collection of one
-``popdist_lite.torch.HostEmbeddingBag`` per table); the library's own collection takes
-its place by changing that import.
+The sparse tables are built in one place, ``make_tables`` below, as TorchRec builds
+them (``EmbeddingBagConfig`` s into an ``EmbeddingBagCollection``); a TorchRec
+collection would take their place by changing the import and the optimizer's spelling
+(docs/torch.md, "Coming from TorchRec").
 """
 
 from __future__ import annotations
@@ -75,8 +77,7 @@ import popdist_lite as pl  # noqa: E402
 import torch  # noqa: E402
 import popdist_lite.torch as pt  # noqa: E402
 
-# ---- the embedding seam: popdist_lite.torch's EmbeddingBagCollection replaces this import
-from embedding_bags import EmbeddingBagCollection, EmbeddingBagConfig, features_from_ids  # noqa: E402
+from popdist_lite.torch import EmbeddingBagCollection, EmbeddingBagConfig  # noqa: E402
 
 F = torch.nn.functional
 DEFAULT_DATA = ROOT / "data" / "criteo-synthetic"
@@ -174,21 +175,34 @@ class DLRM(torch.nn.Module):
         return self.over_arch(self.inter_arch(dense, self.sparse_arch(sparse_features)))
 
 
-def make_tables(sizes: list[int], dim: int, args) -> torch.nn.Module:
-    """The embedding seam: the 26 tables, one per categorical feature (table ``t_cat_j``
-    looks up feature ``cat_j``), as a TorchRec-style ``EmbeddingBagCollection``."""
+def make_tables(sizes: list[int], dim: int, args) -> EmbeddingBagCollection:
+    """The 26 tables, one per categorical feature (table ``t_cat_j`` looks up feature
+    ``cat_j``, initialised with seed ``args.seed + j``), in one ``EmbeddingBagCollection``
+    placed by ``--sharding``; with ``--emb-cache-kib``, the tables whose weights per
+    replica exceed the cache on local disk, sharing one cache of that size per table."""
     row_wise_adagrad = args.optimizer == "adagrad"
     spec = (pl.HostEmbeddingAdagradOptimizerSpec(args.emb_lr, rowwise=True) if row_wise_adagrad
             else pl.HostEmbeddingOptimizerSpec(args.emb_lr))
-    tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=n, feature_names=[name])
-              for name, n in zip(criteo.CAT_NAMES, sizes)]
+    tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=n, feature_names=[name],
+                                 seed=args.seed + j)
+              for j, (name, n) in enumerate(zip(criteo.CAT_NAMES, sizes))]
     storage = {}
-    if args.emb_cache_kib is not None:  # tables whose weights per replica exceed the cache go to disk
+    if args.emb_cache_kib is not None:
         cache = int(args.emb_cache_kib * 1024)
-        disk = pl.DiskStorage(cache, directory=None if args.emb_dir is None else str(args.emb_dir))
-        storage = {t.name: disk for t in tables if -(-t.num_embeddings // pl.num_replicas()) * dim * 4 > cache}
-    return EmbeddingBagCollection(tables=tables, optimizer_spec=spec, seed=args.seed, storage=storage,
-                                  partition_strategy=args.partition_strategy)
+        big = [t.name for t in tables if -(-t.num_embeddings // pl.num_replicas()) * dim * 4 > cache]
+        if big:  # one disk stack: its cache is that of the tables it holds
+            disk = pl.DiskStorage(cache * len(big), directory=None if args.emb_dir is None else str(args.emb_dir))
+            storage = {name: disk for name in big}
+    plan = None if args.sharding == "planner" else {t.name: args.sharding for t in tables}
+    planner = pl.EmbeddingShardingPlanner(batch_size=args.batch_size)  # one ID per bag and feature
+    return EmbeddingBagCollection(tables=tables, optimizer=spec, storage=storage, plan=plan, planner=planner)
+
+
+def sparse_features(ids: np.ndarray) -> pl.KeyedJaggedArray:
+    """The feed's ``(B, 26)`` IDs as the collection's keyed input: one ID per bag,
+    feature after feature (``KeyedJaggedTensor.from_lengths_sync``'s layout)."""
+    return pl.KeyedJaggedArray.from_lengths(criteo.CAT_NAMES, np.ascontiguousarray(ids.T).reshape(-1),
+                                            np.ones(ids.size, np.int64))
 
 
 # --------------------------------------------------------------------------------------
@@ -273,8 +287,10 @@ def parse_args(argv=None):
                    help="dense: torch.optim's SGD or Adagrad; tables: SGD or row-wise Adagrad")
     p.add_argument("--lr", type=float, default=0.05, help="dense learning rate")
     p.add_argument("--emb-lr", type=float, default=1.0, help="the tables' learning rate")
-    p.add_argument("--partition-strategy", choices=["TOKEN", "ENCODING"], default="TOKEN",
-                   help="how each table is split across replicas")
+    p.add_argument("--sharding", choices=["row_wise", "column_wise", "table_wise", "data_parallel", "planner"],
+                   default="row_wise",
+                   help="every table's placement over the replicas (row_wise: TOKEN, column_wise: ENCODING), or "
+                        "each table's by the planner (EmbeddingShardingPlanner)")
     p.add_argument("--emb-cache-kib", type=float, default=None, metavar="KIB",
                    help="keep each table whose weights per replica exceed KIB KiB on local disk (--emb-dir) behind "
                         "a cache of KIB KiB (DiskStorage, docs/offload.md); default: all in memory")
@@ -334,6 +350,8 @@ def main(argv=None) -> int:
     model = DLRM(make_tables(sizes, args.embedding_dim, args), dense_in_features=criteo.INT_FEATURES,
                  dense_arch_layer_sizes=args.dense_arch_layer_sizes, over_arch_layer_sizes=args.over_arch_layer_sizes)
     ddp = pt.DistributedDataParallel(model)
+    if args.sharding == "planner":
+        log(str(model.sparse_arch.embedding_bag_collection.plan))
     optimizer = (torch.optim.Adagrad(ddp.parameters(), lr=args.lr) if args.optimizer == "adagrad"
                  else torch.optim.SGD(ddp.parameters(), lr=args.lr))
 
@@ -362,7 +380,7 @@ def main(argv=None) -> int:
 
     dense_params = sum(p.numel() for p in ddp.parameters())
     log(f"DLRM: {criteo.CAT_FEATURES} tables of {sizes[0] if len(set(sizes)) == 1 else 'up to ' + str(max(sizes))} "
-        f"x {args.embedding_dim} ({args.partition_strategy}), dense arch {args.dense_arch_layer_sizes}, "
+        f"x {args.embedding_dim} ({args.sharding}), dense arch {args.dense_arch_layer_sizes}, "
         f"over arch {args.over_arch_layer_sizes} ({dense_params} dense parameters), {args.optimizer} "
         f"(lr {args.lr:g}, tables {args.emb_lr:g}); {replicas} replica(s) x batch {args.batch_size}; "
         f"data {', '.join(map(str, data))}")
@@ -377,7 +395,7 @@ def main(argv=None) -> int:
             break
         label = torch.from_numpy(batch["label"])
         logits = ddp(torch.from_numpy(batch["dense"]),
-                     features_from_ids(criteo.CAT_NAMES, torch.from_numpy(batch["sparse"]))).squeeze(1)
+                     sparse_features(batch["sparse"])).squeeze(1)
         loss = F.binary_cross_entropy_with_logits(logits, label)
         optimizer.zero_grad()
         loss.backward()  # the tables' updates and the dense all-reduce
@@ -417,12 +435,13 @@ def main(argv=None) -> int:
         log(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} ms/step, "
             f"{trained * args.batch_size * replicas / elapsed:.0f} samples/s) on {replicas} replica(s); "
             f"final loss = {last[1]:.4f}, AUC = {last[2]:.4f} (the window up to step {last[0]})")
-    disk = [m.table.storage_stats for m in model.modules() if isinstance(m, pt.HostEmbeddingBag)]
-    disk = [d for d in disk if d is not None]
-    if disk and trained > 0:
-        hits, misses = sum(d["hits"] for d in disk), sum(d["misses"] for d in disk)
-        log(f"{len(disk)} table(s) on disk (replica 0): hit rate {hits / max(hits + misses, 1):.3f}, "
-            f"{sum(d['rows_read'] for d in disk)} rows read, {sum(d['rows_written'] for d in disk)} written")
+    collection = model.sparse_arch.embedding_bag_collection
+    disks = [stack.shard.disk.stats for stack in collection.core.stacks if stack.shard.disk is not None]
+    if disks and trained > 0:  # the disk tables' stacks (tables of one kind share a stack, its file and cache)
+        hits, misses = sum(d["hits"] for d in disks), sum(d["misses"] for d in disks)
+        on_disk = sum(t.storage_stats is not None for t in collection.tables.values())
+        log(f"{on_disk} table(s) on disk (replica 0): hit rate {hits / max(hits + misses, 1):.3f}, "
+            f"{sum(d['rows_read'] for d in disks)} rows read, {sum(d['rows_written'] for d in disks)} written")
     return 0
 
 

@@ -66,7 +66,7 @@ def test_trains_at_two_replicas_and_resumes_exactly(data, tmp_path):
     a, b = tmp_path / "a" / f"step-{STEPS:08d}", tmp_path / "b" / f"step-{STEPS:08d}"
     names = sorted(p.name for p in a.glob("*.npy"))
     assert names == sorted(p.name for p in b.glob("*.npy"))
-    for part in ("model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_25.optimizer.accumulator",
+    for part in ("model.sparse_arch.embedding_bag_collection.t_cat_25.optimizer.accumulator",
                  "model.over_arch.", "optimizer."):
         assert any(n.startswith(part) for n in names), (part, names)
     for name in names:
@@ -80,19 +80,21 @@ sys.path.insert(0, {examples!r})
 import numpy as np, torch
 import popdist_lite as pl
 import dlrm
-from embedding_bags import EmbeddingBagCollection, EmbeddingBagConfig, features_from_ids
+from popdist_lite.torch import EmbeddingBagCollection, EmbeddingBagConfig
 
 torch.manual_seed(0)
 names, rows, B = ["a", "b", "c"], [5, 7, 11], 8
 ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t_" + f, embedding_dim=4, num_embeddings=n,
-                                                        feature_names=[f]) for f, n in zip(names, rows)],
-                             optimizer_spec=pl.HostEmbeddingOptimizerSpec(0.5), seed=3)
+                                                        feature_names=[f], seed=3 + j)
+                                     for j, (f, n) in enumerate(zip(names, rows))],
+                             optimizer=pl.HostEmbeddingOptimizerSpec(0.5))
 model = dlrm.DLRM(ebc, dense_in_features=3, dense_arch_layer_sizes=[16, 4], over_arch_layer_sizes=[32, 1])
 rng = np.random.default_rng(1)
 dense = rng.random((B, 3)).astype(np.float32)
 ids = np.stack([rng.integers(0, n, B) for n in rows], axis=1)
 labels = rng.integers(0, 2, B).astype(np.float32)
-tables = [m.get_embedding_tensor().numpy().copy() for m in ebc.embedding_bags.values()]
+tables = [t.get_embedding_tensor().copy() for t in ebc.tables.values()]
+features = pl.KeyedJaggedArray.from_lengths(names, ids.T.reshape(-1), np.ones(ids.size, np.int64))
 W = {{k: v.detach().numpy().astype(np.float64) for k, v in model.state_dict().items()}}
 
 # numpy: bottom MLP, the dot products of every pair of the 4 vectors (i < j, row-major), top MLP
@@ -103,7 +105,7 @@ h = relu(linear(relu(linear(dense, "dense_arch.model.0")), "dense_arch.model.2")
 vectors = [h] + [t[ids[:, j]].astype(np.float64) for j, t in enumerate(tables)]
 dots = [(vectors[i] * vectors[j]).sum(1) for i in range(4) for j in range(i + 1, 4)]
 want = linear(relu(linear(np.concatenate([h, np.stack(dots, 1)], 1), "over_arch.model.0")), "over_arch.model.2")
-logits = model(torch.from_numpy(dense), features_from_ids(names, torch.from_numpy(ids)))
+logits = model(torch.from_numpy(dense), features)
 np.testing.assert_allclose(logits.detach().numpy(), want, rtol=1e-5, atol=1e-6)
 
 # one step: each table's looked-up rows move by -0.5 x the loss's gradient for them
@@ -113,15 +115,15 @@ pooled = torch.stack([leaf[torch.from_numpy(ids[:, j])] for j, leaf in enumerate
 ref = model.over_arch(model.inter_arch(model.dense_arch(torch.from_numpy(dense)), pooled)).squeeze(1)
 torch.nn.functional.binary_cross_entropy_with_logits(ref, torch.from_numpy(labels)).backward()
 torch.nn.functional.binary_cross_entropy_with_logits(logits.squeeze(1), torch.from_numpy(labels)).backward()
-for leaf, module, t in zip(leaves, ebc.embedding_bags.values(), tables):
+for leaf, table, t in zip(leaves, ebc.tables.values(), tables):
     assert leaf.grad.abs().sum() > 0
-    np.testing.assert_allclose(module.get_embedding_tensor().numpy(), t - 0.5 * leaf.grad.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(table.get_embedding_tensor(), t - 0.5 * leaf.grad.numpy(), rtol=1e-5, atol=1e-7)
 print("OK")
 """
 
 
 def test_model_and_tables_against_a_numpy_reference():
-    """One process: DLRM's logits over the stand-in collection equal numpy's (bottom MLP,
+    """One process: DLRM's logits over popdist_lite.torch's collection equal numpy's (bottom MLP,
     pairwise dot products in triu order, top MLP, each feature's rows from its own
     table), and a backward applies each table's SGD update to the rows its feature
     looked up."""
