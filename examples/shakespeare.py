@@ -80,7 +80,7 @@ OUTPUTS = 256             # the guide example's tf.layers.dense(partial, 256)
 
 # Defaults of the next-character configuration, measured on a 2-core machine: with 2
 # replicas (one core each) a step takes 83-89 ms, so the default 600 steps train in
-# ~55 s (the demo's budget is ~3 minutes including installation), and the printed loss
+# ~55 s (`scripts/demo shakespeare`'s budget is ~3 minutes including installation), and the printed loss
 # goes 5.55 (step 0, ~ln 256) -> 3.5 (mean of steps 1-32) -> 2.0 (step 200) -> 1.7
 # (step 600) -> 1.6 (step 1000). lr >= 2, or lr 0.5 without clipping, sometimes diverged early
 # (exploding GRU gradients); lr 1 with clipping is stable over several random seeds and
