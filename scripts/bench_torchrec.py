@@ -384,8 +384,9 @@ def stacked_config(tables, dim: int):
     from torchrec import EmbeddingBagConfig, PoolingType
 
     offsets = np.cumsum([0] + [c.num_embeddings for c in tables[:-1]])
-    return EmbeddingBagConfig(name="stacked", embedding_dim=dim, num_embeddings=int(sum(c.num_embeddings for c in tables)),
-                              feature_names=[f for c in tables for f in c.feature_names], pooling=PoolingType.SUM), offsets
+    rows = int(sum(c.num_embeddings for c in tables))
+    return EmbeddingBagConfig(name="stacked", embedding_dim=dim, num_embeddings=rows, pooling=PoolingType.SUM,
+                              feature_names=[f for c in tables for f in c.feature_names]), offsets
 
 
 def dlrm_batches(rank: int, batch: int, rows: list[int], dense_in: int) -> list[tuple]:

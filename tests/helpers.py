@@ -119,6 +119,35 @@ def run_mpi(n: int, args: list[str], timeout: float = JOB_SECONDS, env: dict | N
 
 # ------------------------------------------------------- the examples' output lines
 
+def run_on_a_terminal(args: list[str], rows: int, columns: int, timeout: float = JOB_SECONDS) -> tuple[int, str]:
+    """Run ``args`` (in ROOT, a clean environment) with stdout and stderr on a new pty
+    of ``rows`` x ``columns`` (0 x 0: a size unknown, as Open MPI gives its ranks);
+    ``(exit code, everything it wrote)``."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    try:
+        p = subprocess.Popen(args, stdout=slave, stderr=subprocess.STDOUT, env=clean_env(), cwd=ROOT)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO once the child has closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        code = p.wait(timeout=timeout)
+    finally:
+        os.close(master)
+    return code, b"".join(chunks).decode(errors="replace")
+
+
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 

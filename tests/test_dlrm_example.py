@@ -4,7 +4,6 @@ uninterrupted run, printing what the examples print (examples/run_log.py); on a
 terminal, its progress bar and --log-dir; and its pieces against single-process
 references."""
 
-import os
 import re
 import shutil
 import subprocess
@@ -13,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import JOB_SECONDS, ROOT, check_run_lines, clean_env, run_python, timeout_for
+from helpers import JOB_SECONDS, ROOT, check_run_lines, clean_env, run_on_a_terminal, run_python, timeout_for
 
 pytestmark = timeout_for(3)
 
@@ -90,33 +89,12 @@ def test_on_a_terminal_of_unknown_size_it_draws_a_bar_and_keeps_a_log(data, tmp_
     pytest.importorskip("torch", reason="examples/dlrm.py needs PyTorch: pip install '.[dlrm]'")
     pytest.importorskip("sklearn", reason="examples/dlrm.py needs scikit-learn: pip install '.[dlrm]'")
     pytest.importorskip("matplotlib", reason="the loss curve needs the [plot] extra")
-    import fcntl
-    import pty
-    import struct
-    import termios
-
     lines = 2 * BATCH * STEPS  # the data fixture's
     batch = lines // 6  # 6 steps, the last few lines dropped
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
-    try:
-        p = subprocess.Popen([sys.executable, str(EXAMPLE), "--data", str(data), "--batch-size", str(batch),
-                              "--num-embeddings", "1000", "--log-every", "2", "--log-dir", str(tmp_path / "run")],
-                             stdout=slave, stderr=subprocess.STDOUT, env=clean_env(), cwd=ROOT)
-        os.close(slave)
-        chunks = []
-        while True:
-            try:
-                got = os.read(master, 4096)
-            except OSError:  # EIO once the child has closed the terminal
-                break
-            if not got:
-                break
-            chunks.append(got)
-        assert p.wait(timeout=JOB_SECONDS) == 0, b"".join(chunks).decode(errors="replace")[-3000:]
-    finally:
-        os.close(master)
-    out = b"".join(chunks).decode(errors="replace")
+    code, out = run_on_a_terminal([sys.executable, str(EXAMPLE), "--data", str(data), "--batch-size", str(batch),
+                                   "--num-embeddings", "1000", "--log-every", "2", "--log-dir",
+                                   str(tmp_path / "run")], 0, 0)
+    assert code == 0, out[-3000:]
     assert re.search(r"100%\|(#|█)+\| 6/6 \[", out), out
     log = (tmp_path / "run" / "log.txt").read_text()
     said = check_run_lines(log, "dlrm.py", metrics=("AUC",))
