@@ -262,8 +262,9 @@ class EmbeddingBagCollection(_CollectionModule):
             (a float16 table with stochastic rounding on, as FBGEMM's default), the
             initial values uniform in ``[weight_init_min, weight_init_max)``
             (TorchRec's defaults: ``-+sqrt(1 / num_embeddings)``) from the library's
-            counter-based blocks with seed ``k`` for the ``k``-th table, the same at
-            every replica count and placement; a custom ``init_fn`` is called on a
+            counter-based blocks of each table's own seed (from its name: ``seed=None``
+            of :class:`popdist_lite.EmbeddingBagConfig`), the same at every replica
+            count, placement and position; a custom ``init_fn`` is called on a
             float32 tensor of the whole table, the same on every replica).
         is_weighted: TorchRec's: pool with the input's per-ID weights (a ``SUM`` bag is
             ``sum_i w_i row_i``, a ``MEAN`` bag divides by the bag's weight sum);
@@ -456,8 +457,8 @@ def _configs(tables: list, bags: bool, optimizer, storage) -> list:
                 raise ValueError(f"argument {arg}: no table {unknown[0]!r} in this collection (tables: {names})")
         per_table[arg] = value
     out = []
-    for k, c in enumerate(tables):
-        config = c if isinstance(c, pl.EmbeddingConfig) else _from_torchrec(c, k, bags)
+    for c in tables:
+        config = c if isinstance(c, pl.EmbeddingConfig) else _from_torchrec(c, bags)
         changes = {}
         for arg, value in per_table.items():
             mine = value.get(config.name) if isinstance(value, Mapping) else value
@@ -473,9 +474,9 @@ def _configs(tables: list, bags: bool, optimizer, storage) -> list:
     return out
 
 
-def _from_torchrec(c, k: int, bags: bool):
-    """Our config of TorchRec's ``EmbeddingBagConfig`` / ``EmbeddingConfig`` ``c``, the
-    ``k``-th table (module docstring of :class:`EmbeddingBagCollection`)."""
+def _from_torchrec(c, bags: bool):
+    """Our config of TorchRec's ``EmbeddingBagConfig`` / ``EmbeddingConfig`` ``c``
+    (the docstring of :class:`EmbeddingBagCollection`)."""
     base = _torchrec(_CONFIGS, "BaseEmbeddingConfig")
     if base is None or not isinstance(c, base):
         raise TypeError(f"argument tables: expected popdist_lite or torchrec EmbeddingBagConfig / EmbeddingConfig s, "
@@ -494,7 +495,7 @@ def _from_torchrec(c, k: int, bags: bool):
         initializer = functools.partial(_torch_initializer, init)
     fields = dict(num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim, name=c.name,
                   data_type=c.data_type, feature_names=list(c.feature_names), weight_init_min=float(low),
-                  weight_init_max=float(high), seed=k, initializer=initializer)
+                  weight_init_max=float(high), initializer=initializer)
     if getattr(c.data_type, "name", None) == "FP16":
         fields["stochastic_rounding"] = "ON"  # FBGEMM's default for float16 weights
     bag = _torchrec(_CONFIGS, "EmbeddingBagConfig")
