@@ -2,11 +2,22 @@
 run alone (docs/testing.md, "Running in parallel")."""
 
 import ast
+import importlib.util
 from pathlib import Path
 
-import conftest
-
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_conftest():
+    """tests/conftest.py as a module of its own (``import conftest`` may give another
+    directory's conftest.py: they share the name)."""
+    spec = importlib.util.spec_from_file_location("popdist_lite_tests_conftest", ROOT / "tests" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+conftest = _load_conftest()
 
 
 def test_every_test_listed_to_run_alone_exists():
