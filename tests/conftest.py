@@ -14,7 +14,8 @@ made once, and no two of its tests ever run at the same time), but for
 ``test_multirank.py``, whose tests are independent mpiruns; the Slurm tests are one
 group (one test cluster, which a lock under /run lets only one user have at a time) and
 so are the multi-host tests (one set of test hosts, likewise). Those two groups, mostly
-waiting for daemons and jobs, come first, so that they run beside the rest.
+waiting for daemons and jobs, come first, so that they run beside the rest, and the tests
+sent one by one come last.
 """
 
 import os
@@ -103,12 +104,18 @@ ALONE = {
 
 def pytest_collection_modifyitems(config, items):
     """The ``alone`` mark on the tests of :data:`ALONE`. In an xdist worker under ``--dist
-    loadgroup``: the Slurm and multi-host tests first (the groups are sent in this order);
-    a serial run keeps the order collected."""
+    loadgroup``, the order in which the groups are sent: the Slurm and multi-host groups
+    first, then the modules, then the tests sent one by one, so that no long group starts
+    when the other workers are nearly done. A serial run keeps the order collected."""
     for item in items:
         if item.nodeid.split("[", 1)[0] in ALONE:
             item.add_marker(pytest.mark.alone)
     if not getattr(config.option, "loadgroup", False):  # set in a worker by xdist
         return
     first = {f"tests/{name}": i for i, name in enumerate(_EXCLUSIVE)}
-    items.sort(key=lambda item: first.get(_group_of(item.nodeid), len(first)))
+
+    def order(item):
+        group = _group_of(item.nodeid)
+        return first.get(group, len(first) + (group == item.nodeid))
+
+    items.sort(key=order)
