@@ -8,7 +8,7 @@
   fails one module at one rank count within seconds, never the whole run.
 
 Under pytest-xdist's ``--dist loadgroup`` (``scripts/test`` without paths; docs/testing.md)
-the tests are sent to the workers in groups (:func:`pytest_collection_modifyitems`): a
+the tests are sent to the workers in groups (:func:`_group_of`): a
 module's tests go to one worker, in order, as in a serial run (its module fixtures are
 made once, and no two of its tests ever run at the same time), but for
 ``test_multirank.py``, whose tests are independent mpiruns; the Slurm tests are one
@@ -49,7 +49,6 @@ def torchrec():
     import torchrec as module
 
     return module
-
 
 
 # ------------------------------------------------------------------ pytest-xdist's groups
