@@ -1,7 +1,7 @@
 """The job's attempts: one loop (:class:`AttemptsLoop`) for every job, a membership
 policy (:class:`FixedPolicy` or :class:`ElasticPolicy`) deciding each attempt's hosts,
 and a :class:`Launcher` starting each attempt's processes (today
-:class:`~popdist_lite_launcher.ssh_launch.SshLauncher`: mpirun over the launch agent).
+:class:`~popdist_lite_launcher.launch.base.SshLauncher`: mpirun over the launch agent).
 
 One attempt: the policy gives its membership (a fixed job: ``--num-replicas`` over
 ``-H``/``--hostfile`` or this machine, every time; an elastic job: the usable
@@ -21,7 +21,7 @@ every job:
   ``--max-restarts``, at once on a signal, ``--timeout``, an internal error or an
   :class:`AttemptError` (exit code 2).
 
-A scheduler's signal (``--preemption``, :mod:`popdist_lite_launcher.preempt`) ends the
+A scheduler's signal (``--preemption``, :mod:`popdist_lite_launcher.slurm.preempt`) ends the
 job: during an attempt once the replicas stopped at their boundary (or failed to), and
 one noted while no attempt runs before the next one starts (requeued after the requeue
 signal: there is nothing to save).
@@ -31,7 +31,7 @@ Every failed attempt prints its report; the job's last report ends with the atte
 succeeded after more than one attempt prints them too. An exception anywhere in the loop
 (a bug in the launcher) ends the job with exit code 1, printing what is known: the last
 attempt's failures, the attempts, the error. Discovery and probe processes are killed at
-the end of every attempt (:func:`popdist_lite_launcher.children.kill_all`). Model:
+the end of every attempt (:func:`popdist_lite_launcher.launch.children.kill_all`). Model:
 torchrun's elastic agent (one run loop over typed worker-group state).
 """
 
@@ -43,11 +43,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from . import children, job, report
-from .elastic import Cluster, Membership, ResizeMonitor, Survey, Wait, wait_for_membership
-from .mpirun import LauncherError
-from .options import Options
-from .plan import RESTART_COUNT_ENV, placement
+from .core.options import Options
+from .core.plan import RESTART_COUNT_ENV, placement
+from .launch import children, mpirun
+from .launch.command import LauncherError
+from .membership.elastic import Cluster, Membership, ResizeMonitor, Survey, Wait, wait_for_membership
+from .supervise import report
 
 #: What the report says of a ``resize_stop`` record no resize was asked for, after its sender.
 UNASKED = "sent resize_stop, but poprun-lite asked for no resize in this attempt"
@@ -63,7 +64,7 @@ def _say(text: str) -> None:
 # ------------------------------------------------------------------ the launch interface
 
 class Watcher(Protocol):
-    """Watches the hosts while an attempt runs (:class:`~popdist_lite_launcher.elastic.ResizeMonitor`)."""
+    """Watches the hosts while an attempt runs (:class:`~popdist_lite_launcher.membership.elastic.ResizeMonitor`)."""
 
     asked: bool          # whether it asked the replicas for a resize
     reason: str | None   # why
@@ -97,7 +98,7 @@ class Outcome:
     probing them again: on a dead node each contact costs the agent's own time-out
     (Slurm's ``MessageTimeout``, ssh's ``ConnectTimeout``)."""
 
-    result: job.JobResult
+    result: mpirun.JobResult
     resize_stops: list[dict] = field(default_factory=list)
     unreachable: dict[str, str] = field(default_factory=dict)
 
@@ -145,7 +146,7 @@ class FixedPolicy:
 
 
 class ElasticPolicy:
-    """An elastic job's memberships (:mod:`popdist_lite_launcher.elastic`): the usable
+    """An elastic job's memberships (:mod:`popdist_lite_launcher.membership.elastic`): the usable
     discovered hosts (probed by the policy), waiting for ``--min-replicas``; a resize
     monitor in every attempt; hosts lost after a failure."""
 
@@ -218,7 +219,7 @@ def sender(record: dict) -> str:
                           pid=record.get("pid"), time=0.0, feeder=record.get("feeder")).title()
 
 
-def exit_code(result: job.JobResult) -> int:
+def exit_code(result: mpirun.JobResult) -> int:
     """The exit code of a failed attempt."""
     if result.internal_error:
         cause = report.root_cause(result.failures)
@@ -237,7 +238,7 @@ def exit_code(result: job.JobResult) -> int:
 class AttemptsLoop:
     """Runs a job's attempts (module docstring) with ``launcher`` under ``policy``;
     :meth:`run` returns the exit code. ``history``, ``last`` (the last attempt's
-    :class:`~popdist_lite_launcher.job.JobResult`), ``refused`` and ``dropped`` (the
+    :class:`~popdist_lite_launcher.launch.command.JobResult`), ``refused`` and ``dropped`` (the
     collectors' counts, added up) stay readable afterwards."""
 
     def __init__(self, opts: Options, launcher: Launcher, policy: FixedPolicy | ElasticPolicy,
@@ -245,7 +246,7 @@ class AttemptsLoop:
         self.opts, self.launcher, self.policy, self.say = opts, launcher, policy, say
         self.preemption = preemption  # preempt.Preemption: a signal asked for a checkpoint
         self.history: list[AttemptRecord] = []
-        self.last: job.JobResult | None = None
+        self.last: mpirun.JobResult | None = None
         self.refused: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
         self.failures = 0
@@ -348,7 +349,7 @@ class AttemptsLoop:
         return self._failed(record, result, unasked if clean else [], [] if clean else unasked,
                             outcome.unreachable)
 
-    def _failed(self, record: AttemptRecord, result: job.JobResult, cause_stops: list[dict],
+    def _failed(self, record: AttemptRecord, result: mpirun.JobResult, cause_stops: list[dict],
                 other_stops: list[dict], unreachable: dict[str, str]) -> tuple[int | None, str]:
         """A failed attempt: its report, and whether the job goes on. ``cause_stops``:
         the ``resize_stop`` records no resize was asked for, when they are what failed
@@ -397,7 +398,7 @@ class AttemptsLoop:
             f"(--max-restarts)")
         return None, "a failure"
 
-    def _noted(self, result: job.JobResult) -> job.JobResult:
+    def _noted(self, result: mpirun.JobResult) -> mpirun.JobResult:
         """``result``, kept as the last one, its collector's counts added up."""
         self.last = result
         for total, counts in ((self.refused, result.refused), (self.dropped, result.dropped)):
@@ -413,7 +414,7 @@ class AttemptsLoop:
             print(f"poprun-lite: timeline {state} {path}", file=sys.stderr, flush=True)
 
     def _print_internal_error(self, exc: Exception) -> None:
-        """What is known when the launcher itself failed outside :func:`job.run_job`:
+        """What is known when the launcher itself failed outside :func:`mpirun.run_job`:
         the last attempt's failures, the attempts so far, and the error."""
         lines = ["poprun-lite: job ended by an internal error in poprun-lite (exit code 1)"]
         if self.last is not None:
@@ -427,7 +428,7 @@ class AttemptsLoop:
                 lines.append(format_attempts(self.history))
             except Exception:  # noqa: BLE001
                 pass
-        lines.append(f"poprun-lite: internal error: {job.describe(exc)}")
+        lines.append(f"poprun-lite: internal error: {mpirun.describe(exc)}")
         print("\n".join(lines), file=sys.stderr, flush=True)
 
 

@@ -1,9 +1,9 @@
 """``poprun-lite``: its options (:func:`build_parser`, :func:`parse_args`, which returns
-them typed, :class:`~popdist_lite_launcher.options.Options`) and ``main``.
+them typed, :class:`~popdist_lite_launcher.core.options.Options`) and ``main``.
 
-The job is planned as a list of :class:`~popdist_lite_launcher.mpirun.RankSpec`
-by :func:`~popdist_lite_launcher.plan.plan_ranks` (also importable from here);
-:func:`~popdist_lite_launcher.mpirun.build_command` turns that list into the MPMD
+The job is planned as a list of :class:`~popdist_lite_launcher.launch.command.RankSpec`
+by :func:`~popdist_lite_launcher.core.plan.plan_ranks` (also importable from here);
+:func:`~popdist_lite_launcher.launch.command.build_command` turns that list into the MPMD
 mpirun command. New kinds of ranks (e.g. host feeders) only need new specs in
 ``plan_ranks`` and new options in :func:`build_parser` and ``Options``. The attempts
 run in :mod:`popdist_lite_launcher.attempts`.
@@ -17,11 +17,16 @@ import shlex
 import signal
 import sys
 
-from . import __version__, attempts, children, elastic, hosts, job, preempt, report, slurm, slurm_nodes
-from .mpirun import LauncherError, detect_implementation, find_mpirun
-from .options import Options
-from .plan import RESTART_COUNT_ENV, format_topology, placement, plan_ranks, processes_of  # noqa: F401
-from .ssh_launch import SshLauncher, job_environment  # noqa: F401 (job_environment: importable from here)
+from . import __version__, attempts
+from .core import hosts
+from .core.options import Options
+from .core.plan import RESTART_COUNT_ENV, format_topology, placement, plan_ranks, processes_of  # noqa: F401
+from .launch import children, mpirun as mpirun_run
+from .launch.base import SshLauncher, job_environment  # noqa: F401 (job_environment: importable from here)
+from .launch.command import LauncherError, detect_implementation, find_mpirun
+from .membership import elastic
+from .slurm import allocation as slurm, nodes as slurm_nodes, preempt
+from .supervise import report
 
 EPILOG = """\
 examples:
@@ -360,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         code = 128 + signal.SIGINT
         print("poprun-lite: interrupted by SIGINT", file=sys.stderr, flush=True)
     finally:
-        job.kill_sessions()
+        mpirun_run.kill_sessions()
         children.kill_all()
         if preemption is not None:
             preemption.uninstall()

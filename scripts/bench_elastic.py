@@ -7,7 +7,7 @@ its checkpoint.
     python scripts/bench_elastic.py [--runs 3] [--timeout 300]
 
 prints one JSON object on stdout. Needs root (network-namespace test hosts,
-popdist_lite_launcher.testhosts). Method: each run starts
+popdist_lite_launcher.testing.netns_hosts). Method: each run starts
 ``poprun-lite --num-replicas 4 --min-replicas 2 --host-discovery-script S
 --discovery-interval 1`` over the test hosts pdlh1 and pdlh2 (2 slots each; every byte
 between ranks on TCP) running the example (the guide's [256, 256] table and GRU(256),
@@ -52,7 +52,7 @@ LOSS_AT, RETURN_AFTER = 25, 10
 
 def run(hosts, timeout: float) -> dict:
     """One job; returns its times (seconds) and checkpoint size."""
-    from popdist_lite_launcher import testhosts
+    from popdist_lite_launcher.testing import netns_hosts as testhosts
 
     base = ROOT / ".bench-elastic"
     base.mkdir(exist_ok=True)
@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job (default 300)")
     opts = parser.parse_args()
-    from popdist_lite_launcher import testhosts
+    from popdist_lite_launcher.testing import netns_hosts as testhosts
 
     reason = testhosts.unavailable()
     if reason:

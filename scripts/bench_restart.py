@@ -17,7 +17,7 @@ attempt (which starts again at step 20, the newest checkpoint). For comparison,
 timeout. Medians over ``--runs``.
 
 ``control_plane`` is measured against a real collector in this process and the agents'
-own code (``popdist_lite_launcher.agent.Link``) in another: ``handshake_ms`` is the
+own code (``popdist_lite_launcher.node.agent.Link``) in another: ``handshake_ms`` is the
 median over ``--agents`` agents, one after the other, of the time from starting a link
 to its welcome (TCP connection, challenge, hello with its HMAC-SHA256, the collector's
 check, welcome and the agent's check), what each agent adds to a launch;
@@ -59,7 +59,7 @@ def replica_program(replica: int, attempt: int) -> int | None:
                 environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if str(EXAMPLE).encode() in cmdline and b"popdist_lite_launcher.agent" not in cmdline \
+            if str(EXAMPLE).encode() in cmdline and b"popdist_lite_launcher.node.agent" not in cmdline \
                     and f"POPDIST_REPLICA_INDEX_OFFSET={replica}".encode() in environ \
                     and f"POPDIST_LITE_RESTART_COUNT={attempt}".encode() in environ:
                 return int(entry)
@@ -123,7 +123,8 @@ def run(replicas: int, timeout: float, kill_at: int | None) -> dict:
 AGENTS = """
 import json, os, sys, time
 from popdist_lite import records
-from popdist_lite_launcher import agent, channel
+from popdist_lite_launcher.node import agent
+from popdist_lite_launcher.core import channel
 key, agents, count = channel.take_key(), int(sys.argv[1]), int(sys.argv[2])
 links, handshakes = [], []
 for rank in range(agents):
@@ -145,8 +146,8 @@ sys.stdin.read()  # until the launcher has counted them
 def control_plane(agents: int, count: int, timeout: float) -> dict:
     """The handshake's cost per agent and the collector's throughput (module docstring)."""
     from popdist_lite import records
-    from popdist_lite_launcher import channel
-    from popdist_lite_launcher.collector import Collector
+    from popdist_lite_launcher.core import channel
+    from popdist_lite_launcher.supervise.collector import Collector
 
     arrivals: list[float] = []
     done = threading.Event()

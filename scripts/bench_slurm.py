@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What running under Slurm costs (docs/slurm.md), on the test cluster of
-popdist_lite_launcher.testcluster (2 nodes, 2 tasks each):
+popdist_lite_launcher.testing.slurm_cluster (2 nodes, 2 tasks each):
 
 - ``cluster_up_s``, ``cluster_down_s``: starting the cluster until both nodes are idle,
   and removing it;
@@ -23,7 +23,7 @@ popdist_lite_launcher.testcluster (2 nodes, 2 tasks each):
   (polled every 20 ms): scheduling, the batch script's start, the launch, the example's
   imports and its first step;
 - ``ssh_to_first_step_s[MPI]``: the same job started from this machine over the test
-  hosts' ssh stand-in (``launcher/netns-agent``, ``-H pdls1,pdls2 --launcher ssh``, on the
+  hosts' ssh stand-in (``launcher/testing/netns-agent``, ``-H pdls1,pdls2 --launcher ssh``, on the
   cluster's network), from starting poprun-lite until ``Step 0, loss``: every replica
   remote, no scheduler;
 - ``signal_to_requeued_first_step_s[MPI]``: ``examples/slurm/shakespeare.sbatch`` (4
@@ -59,7 +59,9 @@ import sys
 import time
 from pathlib import Path
 
-from popdist_lite_launcher import testcluster, testhosts
+from popdist_lite_launcher.testing import slurm_cluster as testcluster
+
+from popdist_lite_launcher.testing import netns_hosts as testhosts
 
 JOB_TIMEOUT = 180
 

@@ -35,7 +35,7 @@ def test_import_starts_nothing(module):
     assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize("module", ["popdist_lite_launcher.cli", "popdist_lite_launcher.agent"])
+@pytest.mark.parametrize("module", ["popdist_lite_launcher.cli", "popdist_lite_launcher.node.agent"])
 def test_launcher_imports_no_mpi(module):
     proc = run(f"""
         import sys
@@ -212,8 +212,8 @@ def test_import_graph_sees_function_level_and_relative_imports():
     graph = import_graph()
     assert "popdist_lite.services" in graph["popdist_lite.topology"]  # inside init()
     assert "popdist_lite.collectives.agreement" in graph["popdist_lite.collectives._common"]
-    assert "popdist_lite.progress" in graph["popdist_lite_launcher.rank_progress"]  # absolute, across packages
-    assert "popdist_lite_launcher.channel" in graph["popdist_lite_launcher.agent"]  # from . import channel
+    assert "popdist_lite.progress" in graph["popdist_lite_launcher.node.rank_progress"]  # absolute, across packages
+    assert "popdist_lite_launcher.core.channel" in graph["popdist_lite_launcher.node.agent"]  # from . import channel
 
 
 def test_no_import_cycle():

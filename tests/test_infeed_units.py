@@ -10,7 +10,8 @@ from popdist_lite.infeed.local import ThreadSource
 from popdist_lite.infeed.structure import (check_same, describe, empty_arrays, encode_shapes, flatten,
                                            layout, unflatten)
 from popdist_lite.topology import _feed_layout
-from popdist_lite_launcher import cli, report
+from popdist_lite_launcher import cli
+from popdist_lite_launcher.supervise import report
 
 
 def test_flatten_roundtrip_dict_tuple_array():

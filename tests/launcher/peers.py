@@ -1,5 +1,5 @@
 """Hand-driven peers of the collector for the launcher tests: an agent connection that
-speaks the real protocol (popdist_lite_launcher.channel) one step at a time, and a
+speaks the real protocol (popdist_lite_launcher.core.channel) one step at a time, and a
 stranger who does not hold the key."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 import time
 
 from popdist_lite import records
-from popdist_lite_launcher import channel
+from popdist_lite_launcher.core import channel
 
 
 def key_file(key: bytes, rank: int = 0) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The authenticated control plane (launcher/channel.py, the collector, the agent's link):
+"""The authenticated control plane (launcher/core/channel.py, the collector, the agent's link):
 the handshake and framing in one process, then the collector and the agent against
 strangers (no key, a wrong key, replays, bad MACs, sequence numbers, over-long lines,
 floods of connections, running out of file descriptors). Every refusal is counted, and
@@ -17,8 +17,10 @@ import time
 import pytest
 
 from popdist_lite import records
-from popdist_lite_launcher import agent, channel, collector as collector_module
-from popdist_lite_launcher.collector import Collector
+from popdist_lite_launcher.node import agent
+from popdist_lite_launcher.core import channel
+from popdist_lite_launcher.supervise import collector as collector_module
+from popdist_lite_launcher.supervise.collector import Collector
 from peers import AgentConnection, address, key_file, read_line, wait_for
 
 IDENT = records.identity(rank=0, replica=0, pid=10)
@@ -143,7 +145,7 @@ def test_the_key_reaches_another_host_on_standard_input_only():
     (in channel.key_parent()) printed; a bad mark, rank or key writes nothing.
     remove_keys removes the attempt's."""
     mark, key = "0123456789abcdee", b"\x5a" * 32
-    run = [sys.executable, "-m", "popdist_lite_launcher.channel"]
+    run = [sys.executable, "-m", "popdist_lite_launcher.core.channel"]
     mine = lambda: sorted(n for n in os.listdir(channel.key_parent()) if mark in n)  # noqa: E731
     channel.remove_keys(mark)
     try:
@@ -456,7 +458,7 @@ def test_agent_drops_invalid_requests_and_strips_the_key(tmp_path):
     with Collector(ranks=1) as collector:
         env = {**os.environ, records.COLLECTOR_ENV: collector.address,
                **key_file(collector.key), "PMI_RANK": "0"}
-        proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
+        proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.node.agent", "--",
                                  sys.executable, "-c", code], env=env, text=True,
                                 stderr=subprocess.PIPE)
         try:

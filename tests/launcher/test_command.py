@@ -10,8 +10,11 @@ import sys
 import pytest
 
 from popdist_lite import records
-from popdist_lite_launcher import agent, channel, cli, hosts
-from popdist_lite_launcher.mpirun import (MPICH, OPENMPI, LauncherError, RankSpec,
+from popdist_lite_launcher import cli
+from popdist_lite_launcher.node import agent
+from popdist_lite_launcher.core import channel
+from popdist_lite_launcher.core import hosts
+from popdist_lite_launcher.launch.command import (MPICH, OPENMPI, LauncherError, RankSpec,
                                           agent_command, build_command, default_rank_env,
                                           find_mpirun, parse_implementation)
 
@@ -84,7 +87,7 @@ def test_openmpi_command_shape():
     for i, c in enumerate(ctx):
         assert c == ["-np", "1", "-x", "PATH", "-x", f"A={i}",
                      *agent_command(["python3", "t.py", "-v"])]
-    assert agent_command(["p"]) == [sys.executable, "-m", "popdist_lite_launcher.agent",
+    assert agent_command(["p"]) == [sys.executable, "-m", "popdist_lite_launcher.node.agent",
                                     "--", "p"]
 
 

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from popdist_lite_launcher import cli
 from popdist_lite_launcher.attempts import AttemptRecord, format_attempts
-from popdist_lite_launcher.discovery import DiscoveryError
+from popdist_lite_launcher.membership.discovery import DiscoveryError
 from helpers import JOB_SECONDS, timeout_for
-from popdist_lite_launcher import elastic
-from popdist_lite_launcher.elastic import (Cluster, Membership, ResizeMonitor, capacity, change, resize_reason,
+from popdist_lite_launcher.membership import elastic
+from popdist_lite_launcher.membership.elastic import (Cluster, Membership, ResizeMonitor, capacity, change, resize_reason,
                                           size_attempt, wait_for_membership)
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]

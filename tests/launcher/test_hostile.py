@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from popdist_lite import records
-from popdist_lite_launcher import channel, job
-from popdist_lite_launcher.collector import Collector
+from popdist_lite_launcher.core import channel
+from popdist_lite_launcher.launch import mpirun as job
+from popdist_lite_launcher.supervise.collector import Collector
 from helpers import JOB_SECONDS, timeout_for
 from peers import alive, wait_for
 
@@ -165,7 +166,7 @@ def test_key_is_on_no_command_line_and_not_in_the_program(tmp_path):
         collector = env[records.COLLECTOR_ENV]
         cmdlines = {int(p): _cmdline(int(p)) for p in os.listdir("/proc") if p.isdigit()}
         agents = [_parent(rank["pid"]) for rank in ranks]
-        assert all("popdist_lite_launcher.agent" in cmdlines[p] for p in agents)
+        assert all("popdist_lite_launcher.node.agent" in cmdlines[p] for p in agents)
         assert not [p for p, c in cmdlines.items() if collector in c]
         for rank in ranks:
             assert not rank["environ"] and not rank["initial"]
@@ -243,12 +244,12 @@ def test_launcher_crash_never_orphans_the_job(tmp_path, where):
     rank survives it."""
     patch = {
         "supervision": "import os\n"
-                       "from popdist_lite_launcher import collector\n"
+                       "from popdist_lite_launcher.supervise import collector\n"
                        "def broken(self):\n"
                        "    if os.path.exists(os.environ['CRASH']): raise KeyError('terminated')\n"
                        "    return False\n"
                        "collector.Collector.has_failure = broken\n",
-        "main": "from popdist_lite_launcher import report\n"
+        "main": "from popdist_lite_launcher.supervise import report\n"
                 "def broken(*a, **k): raise RuntimeError('injected')\n"
                 "report.summary = broken\n",
     }[where]
@@ -290,7 +291,7 @@ ATTACKER = textwrap.dedent("""
     import json, os, re, sys, time
     from pathlib import Path
     from popdist_lite import records
-    from popdist_lite_launcher.agent import connect
+    from popdist_lite_launcher.node.agent import connect
     d = Path(sys.argv[1])
     if os.environ["POPDIST_REPLICA_INDEX_OFFSET"] == "0":
         def environ_of(pid):

@@ -1,4 +1,4 @@
-"""Host names (launcher/hosts.py): one grammar for -H and hostfiles, a clear error naming
+"""Host names (launcher/core/hosts.py): one grammar for -H and hostfiles, a clear error naming
 the bad host, file and line, and a host that is an ssh option runs nothing: refused
 before anything starts, and `--` before the host in the reachability check."""
 
@@ -10,8 +10,16 @@ import sys
 
 import pytest
 
-from popdist_lite_launcher import cleanup, cli, discovery, hosts, network
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher import cli
+
+from popdist_lite_launcher.node import cleanup
+
+from popdist_lite_launcher.membership import discovery
+
+from popdist_lite_launcher.core import hosts
+
+from popdist_lite_launcher.launch import remote as network
+from popdist_lite_launcher.launch.command import LauncherError
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 
@@ -150,7 +158,7 @@ def test_discovery_finds_a_duplicate_whatever_its_case():
 
 
 def test_attempt_agent_splits_the_launch_agent_as_shlex_does(tmp_path):
-    """The real launch agent behind launcher/attempt-agent gets the words
+    """The real launch agent behind launcher/ssh/attempt-agent gets the words
     ``network.check_command`` gives it (shlex), not the string cut at its spaces."""
     show = tmp_path / "show"
     show.write_text("#!/bin/sh\nfor word in \"$@\"; do printf '[%s]\\n' \"$word\"; done\n")

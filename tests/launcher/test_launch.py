@@ -16,8 +16,10 @@ import time
 
 import pytest
 
-from popdist_lite_launcher import __version__, job
-from popdist_lite_launcher.collector import Collector
+from popdist_lite_launcher import __version__
+
+from popdist_lite_launcher.launch import mpirun as job
+from popdist_lite_launcher.supervise.collector import Collector
 from helpers import JOB_SECONDS, timeout_for
 from peers import alive, wait_for
 
@@ -93,7 +95,7 @@ def test_print_topology_verbose_and_tag_output(tmp_path):
     cmd = shlex.split(proc.stderr.splitlines()[0])
     assert os.path.basename(cmd[0]) in ("mpirun", "mpiexec")
     assert cmd.count("-np") == 2 and cmd.count(":") == 1 and "--tag-output" in cmd
-    assert "POPDIST_REPLICA_INDEX_OFFSET=1" in cmd and "popdist_lite_launcher.agent" in cmd
+    assert "POPDIST_REPLICA_INDEX_OFFSET=1" in cmd and "popdist_lite_launcher.node.agent" in cmd
 
 
 def test_version():
@@ -304,7 +306,7 @@ def test_launcher_killed_ends_its_job(tmp_path, mpi):
     the kernel, PR_SET_PDEATHSIG), every agent (its connection to the launcher ends) and
     every rank and feeder are gone within 5 s of the kill; nothing carrying the
     attempt's mark is left."""
-    from popdist_lite_launcher import cleanup
+    from popdist_lite_launcher.node import cleanup
     python, env = _with_mpi(mpi)
     up = tmp_path / "up.py"
     up.write_text(textwrap.dedent(UP))

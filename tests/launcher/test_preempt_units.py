@@ -1,4 +1,4 @@
-"""popdist_lite_launcher.preempt without a cluster: the options (signal names, KillWait,
+"""popdist_lite_launcher.slurm.preempt without a cluster: the options (signal names, KillWait,
 Requeue= and EndTime read from scontrol's output, --preemption auto inside and outside
 an allocation, --preemption-grace), the decisions on each signal (checkpoint, copies of
 one signal, a second signal before and after every boundary, a third, grace over,
@@ -13,7 +13,11 @@ import time
 
 import pytest
 
-from popdist_lite_launcher import attempts, cli, job, preempt
+from popdist_lite_launcher import attempts, cli
+
+from popdist_lite_launcher.launch import mpirun as job
+
+from popdist_lite_launcher.slurm import preempt
 
 USR1, TERM = int(signal.SIGUSR1), int(signal.SIGTERM)
 
@@ -369,7 +373,7 @@ def test_held_signals_named_in_the_environment():
     SIGSTOP never, names that are not signals are left out, and nothing named means the
     default (SIGTERM, SIGUSR1)."""
     from popdist_lite import records
-    from popdist_lite_launcher import hold_sigterm
+    from popdist_lite_launcher.node import hold_signals as hold_sigterm
 
     assert hold_sigterm.ENV == records.HOLD_ENV
     assert hold_sigterm.env_value((USR1, TERM)) == "SIGUSR1,SIGTERM"

@@ -18,9 +18,15 @@ import pytest
 from helpers import JOB_SECONDS
 from peers import alive, wait_for
 
-from popdist_lite_launcher import cleanup, cli, network, probe
-from popdist_lite_launcher.elastic import Cluster
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher import cli
+
+from popdist_lite_launcher.node import cleanup
+
+from popdist_lite_launcher.launch import remote as network
+
+from popdist_lite_launcher.node import probe
+from popdist_lite_launcher.membership.elastic import Cluster
+from popdist_lite_launcher.launch.command import LauncherError
 
 LOCAL_AGENT = """#!/usr/bin/env bash
 # a launch agent for this host: AGENT [options] [--] HOST COMMAND... runs COMMAND here
@@ -42,7 +48,7 @@ def test_probe_passes_with_the_key_on_stdin(tmp_path):
     assert network.probe_hosts(agent(tmp_path), ["node1", "node2"], "127.0.0.1", timeout=JOB_SECONDS) == {
         "node1": None, "node2": None}
     ran = (tmp_path / "ran").read_text().splitlines()
-    assert len(ran) == 2 and all("popdist_lite_launcher.probe 127.0.0.1:" in line for line in ran)
+    assert len(ran) == 2 and all("popdist_lite_launcher.node.probe 127.0.0.1:" in line for line in ran)
     # the key travelled on stdin: no 64-hex-digit word on the command lines
     assert not [word for line in ran for word in line.split() if len(word) == 64]
     network.check_hosts(agent(tmp_path), ["node1"], timeout=JOB_SECONDS, address="127.0.0.1")  # raises nothing
@@ -67,7 +73,7 @@ def test_probe_names_refused_and_timed_out_connections(tmp_path):
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     key = "ab" * 32 + "\n"
-    proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.probe", f"127.0.0.1:{port}", "0"],
+    proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.node.probe", f"127.0.0.1:{port}", "0"],
                           input=key, capture_output=True, text=True, timeout=JOB_SECONDS)
     assert proc.returncode == probe.FAILED
     assert f"cannot connect to poprun-lite at 127.0.0.1:{port} over the job network: connection refused" \
@@ -75,7 +81,7 @@ def test_probe_names_refused_and_timed_out_connections(tmp_path):
     with socket.socket() as silent:  # listens, never answers the handshake
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.probe",
+        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.node.probe",
                                f"127.0.0.1:{silent.getsockname()[1]}", "0"],
                               input=key, capture_output=True, text=True, timeout=JOB_SECONDS)
     assert proc.returncode == probe.FAILED
@@ -83,10 +89,10 @@ def test_probe_names_refused_and_timed_out_connections(tmp_path):
 
 
 def test_probe_with_the_wrong_key_is_refused(tmp_path):
-    from popdist_lite_launcher.collector import Collector
+    from popdist_lite_launcher.supervise.collector import Collector
 
     with Collector("127.0.0.1", ranks=1) as server:
-        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.probe", server.address, "0"],
+        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.node.probe", server.address, "0"],
                               input="cd" * 32 + "\n", capture_output=True, text=True, timeout=JOB_SECONDS)
         assert not server.records("hello")
         refused, _ = server.ignored()
@@ -113,7 +119,7 @@ def test_kill_marked_kills_the_attempts_processes_and_nothing_else(tmp_path):
             wait_for(lambda m=m: len(cleanup.marked(m)) >= 2, timeout=60, what=f"two processes marked {m}")
         ours_all = cleanup.marked(mark)
         assert ours.pid in ours_all
-        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.cleanup", mark],
+        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.node.cleanup", mark],
                               capture_output=True, text=True, timeout=JOB_SECONDS,
                               env={**os.environ, cleanup.MARK_ENV: mark})
         assert proc.returncode == 0, proc.stderr  # the cleanup spared itself, though it carries the mark
@@ -131,7 +137,7 @@ def test_kill_marked_kills_the_attempts_processes_and_nothing_else(tmp_path):
 
 
 def test_cleanup_refuses_what_is_not_a_mark():
-    proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.cleanup", "../x"],
+    proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.node.cleanup", "../x"],
                           capture_output=True, text=True, timeout=JOB_SECONDS)
     assert proc.returncode == 2 and "usage" in proc.stderr
     with pytest.raises(ValueError, match="not an attempt mark"):

@@ -13,8 +13,10 @@ import time
 import pytest
 from helpers import JOB_SECONDS, timeout_for
 
-from popdist_lite_launcher import attempts, cli, job
-from popdist_lite_launcher.mpirun import find_mpirun
+from popdist_lite_launcher import attempts, cli
+
+from popdist_lite_launcher.launch import mpirun as job
+from popdist_lite_launcher.launch.command import find_mpirun
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 

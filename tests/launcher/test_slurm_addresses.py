@@ -11,8 +11,10 @@ import socket
 
 import pytest
 
-from popdist_lite_launcher import network, slurm
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher.launch import remote as network
+
+from popdist_lite_launcher.slurm import allocation as slurm
+from popdist_lite_launcher.launch.command import LauncherError
 
 UNRESOLVED = ("nr1", "nr2")
 #: ``scontrol -o show node nr1`` of a node reached at 127.0.0.1; the free text after

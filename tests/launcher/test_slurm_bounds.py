@@ -1,4 +1,4 @@
-"""Slurm's values are bounded before they cost memory (popdist_lite_launcher.slurm,
+"""Slurm's values are bounded before they cost memory (popdist_lite_launcher.slurm.allocation,
 slurm_nodes), with stand-ins for ``scontrol`` and ``squeue`` and for Slurm's
 environment: the node list is read as ``scontrol show hostnames`` prints it and stopped
 at the name past the limit; tasks per node and the tasks in all (the replicas an
@@ -11,8 +11,10 @@ import os
 
 import pytest
 
-from popdist_lite_launcher import slurm, slurm_nodes
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher.slurm import allocation as slurm
+
+from popdist_lite_launcher.slurm import nodes as slurm_nodes
+from popdist_lite_launcher.launch.command import LauncherError
 
 
 def nodelist_of(chars: int) -> str:

@@ -1,4 +1,4 @@
-"""popdist_lite_launcher.slurm_nodes without a cluster: Slurm's answers about the
+"""popdist_lite_launcher.slurm.nodes without a cluster: Slurm's answers about the
 allocation's nodes (hostile output refused), which nodes are usable, the fixed policy's
 membership after a node is lost, and which jobs get the Slurm policies. The real loss
 of a node is tests/slurm/test_slurm_node_loss.py."""
@@ -9,9 +9,13 @@ import subprocess
 
 import pytest
 
-from popdist_lite_launcher import attempts, slurm, slurm_nodes
-from popdist_lite_launcher.elastic import Membership
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher import attempts
+
+from popdist_lite_launcher.slurm import allocation as slurm
+
+from popdist_lite_launcher.slurm import nodes as slurm_nodes
+from popdist_lite_launcher.membership.elastic import Membership
+from popdist_lite_launcher.launch.command import LauncherError
 
 
 def done(stdout: str, returncode: int = 0) -> subprocess.CompletedProcess:

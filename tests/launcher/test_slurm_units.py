@@ -1,4 +1,4 @@
-"""popdist_lite_launcher.slurm without a cluster: the allocation read from Slurm's
+"""popdist_lite_launcher.slurm.allocation without a cluster: the allocation read from Slurm's
 environment (hostile values refused, naming the variable), the launcher choice, the
 placement on the nodes' slots, the mpirun arguments of a launch through Slurm and
 where SlurmLauncher puts them in mpirun's command."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from popdist_lite_launcher import slurm
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher.slurm import allocation as slurm
+from popdist_lite_launcher.launch.command import LauncherError
 
 
 def expand_two(nodelist):
@@ -201,7 +201,9 @@ class _Collector:
 def _command(monkeypatch, launcher_class, opts, implementation="openmpi"):
     """The mpirun command ``launcher_class`` runs for attempt 0 of ``opts`` (job.run_job
     replaced by a recorder), with the ranks' hosts taken as remote."""
-    from popdist_lite_launcher import attempts, job, plan
+    from popdist_lite_launcher import attempts
+    from popdist_lite_launcher.launch import mpirun as job
+    from popdist_lite_launcher.core import plan
     seen = []
     monkeypatch.setattr(job, "run_job", lambda cmd, collector, **kw: seen.append(cmd))
     ranks = plan.plan_ranks(opts)
@@ -215,7 +217,9 @@ def _command(monkeypatch, launcher_class, opts, implementation="openmpi"):
 @pytest.mark.parametrize("implementation, first", [("openmpi", ["--prtemca", "plm", "slurm"]),
                                                    ("mpich", ["-launcher", "slurm"])])
 def test_launch_through_slurm(in_allocation, monkeypatch, capsys, implementation, first):
-    from popdist_lite_launcher import cleanup, cli, ssh_launch
+    from popdist_lite_launcher import cli
+    from popdist_lite_launcher.node import cleanup
+    from popdist_lite_launcher.launch import base as ssh_launch
     opts = cli.parse_args(["--print-topology", "--mpi-global-args=--mine", "prog"])
     cmd = _command(monkeypatch, slurm.SlurmLauncher, opts, implementation)
     at = cmd.index(first[0])

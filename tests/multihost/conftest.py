@@ -1,4 +1,4 @@
-"""Multi-host tests on network-namespace test hosts (popdist_lite_launcher.testhosts).
+"""Multi-host tests on network-namespace test hosts (popdist_lite_launcher.testing.netns_hosts).
 
 They run where root, iproute2 and network namespaces are available and are skipped
 with the reason otherwise. Every poprun-lite/mpirun runs under a timeout.
@@ -6,7 +6,7 @@ with the reason otherwise. Every poprun-lite/mpirun runs under a timeout.
 
 import pytest
 
-from popdist_lite_launcher import testhosts
+from popdist_lite_launcher.testing import netns_hosts as testhosts
 
 REASON = testhosts.unavailable()
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from popdist_lite_launcher import testhosts
+from popdist_lite_launcher.testing import netns_hosts as testhosts
 
 ROOT = Path(__file__).resolve().parents[2]
 PROG_PY = str(Path(__file__).parent.parent / "progs" / "hosts_prog.py")

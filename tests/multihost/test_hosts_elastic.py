@@ -38,7 +38,7 @@ import pytest
 
 from hostlaunch import ROOT, poprun, poprun_command, prog
 from popdist_lite.checkpoint.__main__ import export
-from popdist_lite_launcher import testhosts
+from popdist_lite_launcher.testing import netns_hosts as testhosts
 
 PROG = str(Path(__file__).parent.parent / "progs" / "hosts_elastic_prog.py")
 #: Seconds a job may take (its --timeout; the subprocess gets 60 more); a test runs at most three.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from popdist_lite_launcher import testhosts
+from popdist_lite_launcher.testing import netns_hosts as testhosts
 from helpers import JOB_SECONDS, timeout_for
 from keyhunt import HUNT, check_nothing_found, hunts, key_dirs, recording_launcher
 from hostlaunch import MPICH_PYTHON, mpich_env, poprun, poprun_command, prog, ROOT
@@ -269,7 +269,7 @@ def test_launcher_killed_ends_its_job_on_every_host(hosts, mpich):
     test host: within 5 s of the kill nothing is left on either host (no MPI daemon,
     agent, rank or feeder: the agents see their connections to the launcher end) and
     nothing of the attempt on this machine (mpirun: PR_SET_PDEATHSIG)."""
-    from popdist_lite_launcher import cleanup
+    from popdist_lite_launcher.node import cleanup
     from hostlaunch import mpich_env
 
     base = ROOT / ".test-multihost"

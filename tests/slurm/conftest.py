@@ -1,4 +1,4 @@
-"""Slurm tests on a throw-away cluster (popdist_lite_launcher.testcluster): slurmctld on
+"""Slurm tests on a throw-away cluster (popdist_lite_launcher.testing.slurm_cluster): slurmctld on
 this machine and two slurmd nodes, pdls1 and pdls2, each in its own network-namespace
 test host. They run where root and Slurm (Debian's slurm-wlm and munge, which
 scripts/test installs) are available and are skipped with the reason otherwise. Every
@@ -6,7 +6,7 @@ job and poprun-lite runs under a timeout."""
 
 import pytest
 
-from popdist_lite_launcher import testcluster
+from popdist_lite_launcher.testing import slurm_cluster as testcluster
 
 REASON = testcluster.unavailable()
 

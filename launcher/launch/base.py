@@ -1,0 +1,238 @@
+"""Starting an attempt with mpirun over the launch agent (``--launch-agent``, default
+ssh): :class:`SshLauncher`, the :class:`~popdist_lite_launcher.attempts.Launcher` of
+every job not launched through Slurm (:class:`popdist_lite_launcher.slurm.allocation.SlurmLauncher`
+changes only how mpirun reaches the other hosts, :meth:`SshLauncher.remote_launch`).
+
+Each attempt gets its own collector (address, key), attempt mark and stall inspector;
+the key reaches every rank's agent in a file of its own on its host
+(:func:`deposit_keys`, :mod:`popdist_lite_launcher.core.channel`);
+remote hosts are checked first (the probe, :func:`popdist_lite_launcher.launch.remote.check_hosts`)
+unless the membership policy checked them already; mpirun runs the MPMD command of the
+rank plan (:func:`popdist_lite_launcher.core.plan.plan_ranks`) with the attempt agent
+(:data:`popdist_lite_launcher.node.cleanup.ATTEMPT_AGENT`) for remote hosts; when the job has
+ended, whatever is left of the attempt is killed on every host
+(:mod:`popdist_lite_launcher.node.cleanup`).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+
+from popdist_lite import records
+
+from . import mpirun
+from .remote import HOST_CHECK_TIMEOUT_SECONDS, check_hosts, launcher_address, run_on_hosts
+from .command import EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command, is_local_host
+from ..attempts import Attempt, AttemptError, Outcome
+from ..core import channel
+from ..core.options import Options
+from ..core.plan import format_topology, plan_ranks, processes_of
+from ..node import cleanup, hold_signals
+from ..supervise.collector import ENROLMENT_SECONDS, Collector
+from ..supervise.inspector import StallInspector
+
+
+class SshLauncher:
+    """Runs attempts with ``mpirun`` (the executable, of ``implementation`` "openmpi" or
+    "mpich") under the options ``opts``; ``preemption`` (a
+    :class:`~popdist_lite_launcher.slurm.preempt.Preemption`, or None) answers the scheduler's
+    signals during each attempt."""
+
+    def __init__(self, opts: Options, mpirun: str, implementation: str, preemption=None):
+        self.opts, self.mpirun, self.implementation = opts, mpirun, implementation
+        self.preemption = preemption
+
+    def run(self, attempt: Attempt) -> Outcome:
+        """Run ``attempt`` (see the module docstring): its job's result, with the
+        collector's counts of what it refused, and the ``resize_stop`` records it got.
+
+        Raises:
+            AttemptError: the hosts fail their check, or the collector or mpirun cannot
+                be started.
+        """
+        opts = self.opts
+        ranks = plan_ranks(opts, attempt.index, attempt.membership)
+        remote = list(dict.fromkeys(spec.host for spec in ranks if not is_local_host(spec.host)))
+        try:
+            address = launcher_address(opts.network_interface, remote) if remote else "127.0.0.1"
+            if remote and opts.host_check and not attempt.hosts_checked:
+                check_hosts(opts.launch_agent, remote, address=address)
+        except (OSError, LauncherError) as exc:
+            raise AttemptError(str(exc)) from None
+        mark, key = cleanup.new_mark(), channel.new_key()
+        local_keys = None
+        try:  # the key files first: the collector's enrolment time starts with it
+            local_keys = deposit_keys(ranks, remote, key, mark, opts.launch_agent)
+            try:
+                collector = Collector(address, ranks=len(ranks), enrolment=ENROLMENT_SECONDS, key=key)
+            except (OSError, LauncherError) as exc:
+                raise AttemptError(str(exc)) from None
+            with collector:
+                result = self._launch(attempt, ranks, remote, address, collector, mark)
+        finally:
+            if local_keys is not None:
+                shutil.rmtree(local_keys, ignore_errors=True)
+            unreachable = self._clean_up(ranks, remote, mark)
+        result.refused, result.dropped = collector.ignored()
+        stops = collector.records("resize_stop")
+        result.resize_stops = len(stops)
+        return Outcome(result, stops, unreachable)
+
+    def _launch(self, attempt: Attempt, ranks: list[RankSpec], remote: list[str], address: str,
+                collector: Collector, mark: str) -> mpirun.JobResult:
+        """Build the attempt's mpirun command and run it (:func:`mpirun.run_job`) with its
+        stall inspector and watcher; with ``--print-topology`` print the rank table first
+        (after the Slurm allocation's line when the job runs on one)."""
+
+        opts = self.opts
+        inspector = None
+        if opts.stall_warning or opts.stall_timeout:
+            inspector = StallInspector(
+                len([spec for spec in ranks if spec.role == "replica"]), processes_of(ranks),
+                lambda rank, request: collector.send(rank, records.make("stack_request", request=request)),
+                warning=opts.stall_warning, timeout=opts.stall_timeout)
+            collector.subscribe("progress", inspector.on_progress)
+            collector.subscribe("stack", inspector.on_stack)
+        export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
+        first_args, mpirun_agent = self.remote_launch() if remote else (self.local_launch(), None)
+        cmd = build_command(
+            self.mpirun, self.implementation, ranks, [opts.program, *opts.args],
+            global_args=[*first_args, *(a for text in opts.mpi_global_args for a in shlex.split(text))],
+            tag_output=opts.tag_output,
+            oversubscribe=not remote or len(ranks) > (os.cpu_count() or 1),
+            allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+            export=[*export, records.COLLECTOR_ENV, cleanup.MARK_ENV,
+                    *([hold_signals.ENV] if self.holds_sigterm else [])],
+            launch_agent=mpirun_agent,
+            network=opts.network_interface if remote else None,
+            launcher_address=address if remote else None)
+        if opts.print_topology and (attempt.index == 0 or opts.elastic):
+            if opts.allocation is not None:
+                print(f"{opts.allocation.describe()}; launcher {opts.launcher}", flush=True)
+            print(format_topology(ranks), flush=True)
+            if self.preemption is not None and self.preemption.settings.enabled:
+                print(self.preemption.settings.describe(), flush=True)
+        env = self.environment(job_environment(collector, mark, opts.launch_agent if remote else None))
+        if self.holds_sigterm:
+            env.update({hold_signals.ENV: hold_signals.env_value(self.preemption.signals),
+                        hold_signals.PYTHON_ENV: sys.executable})
+            collector.subscribe("signalled", self.preemption.on_signalled)
+        if opts.verbose:
+            shown = [f"{name}={env[name]}" for name in (cleanup.LAUNCH_AGENT_ENV, cleanup.MARK_ENV)
+                     if remote and name in env]
+            print(shlex.join([*shown, *cmd]), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        watcher = attempt.watch(collector.send).start() if attempt.watch is not None else None
+        if self.preemption is not None:
+            self.preemption.begin(collector.send, attempt.membership.replicas)
+        try:
+            return mpirun.run_job(cmd, collector, timeout=attempt.timeout, inspector=inspector, env=env,
+                               preemption=self.preemption)
+        except OSError as exc:
+            raise AttemptError(f"cannot run {self.mpirun}: {exc}") from None
+        finally:
+            if self.preemption is not None:
+                self.preemption.end()
+            if watcher is not None:
+                watcher.stop()
+
+    @property
+    def holds_sigterm(self) -> bool:
+        """Whether the job's processes hold SIGTERM (preemption on:
+        :mod:`popdist_lite_launcher.node.hold_signals`)."""
+        return self.preemption is not None and self.preemption.settings.enabled
+
+    def remote_launch(self) -> tuple[list[str], str | None]:
+        """How mpirun starts the ranks on other hosts: its first global arguments and its
+        launch agent (:data:`cleanup.ATTEMPT_AGENT <popdist_lite_launcher.node.cleanup.ATTEMPT_AGENT>`,
+        which runs ``--launch-agent`` and marks the attempt's processes; None: mpirun's own)."""
+        return [], cleanup.ATTEMPT_AGENT
+
+    def local_launch(self) -> list[str]:
+        """mpirun's first global arguments when every rank runs on this host (none here)."""
+        return []
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """mpirun's environment ``env`` (:func:`job_environment`), as this launcher needs
+        it (unchanged here)."""
+        return env
+
+    def _clean_up(self, ranks: list[RankSpec], remote: list[str], mark: str) -> dict[str, str]:
+        """Kill what is left of the attempt ``mark``: on this machine if it ran ranks here,
+        on every remote host through the launch agent; print every host where that
+        failed. Returns the remote hosts the launch agent did not reach, each with a
+        sentence naming it (:attr:`Outcome.unreachable <popdist_lite_launcher.attempts.Outcome>`)."""
+        problems, unreachable = {}, {}
+        if any(is_local_host(spec.host) for spec in ranks):
+            _, left = cleanup.kill_marked(mark)
+            if left:
+                problems["this host"] = f"{len(left)} process(es) still running (pids {left[:10]})"
+        if remote:
+            found, unreachable = cleanup.clean_hosts(self.opts.launch_agent, remote, mark)
+            problems.update(found)
+        for host, problem in problems.items():
+            print(f"poprun-lite: cleanup after the attempt failed on {host}: {problem}",
+                  file=sys.stderr, flush=True)
+        return unreachable
+
+
+def deposit_keys(ranks: list[RankSpec], remote: list[str], key: bytes, mark: str,
+                 launch_agent: str) -> str | None:
+    """Give every rank's agent the job's ``key`` in a file of its own on its host
+    (:func:`channel.write_keys <popdist_lite_launcher.core.channel.write_keys>`), and set the
+    file's path in the rank's environment (:data:`channel.KEY_FILE_ENV
+    <popdist_lite_launcher.core.channel.KEY_FILE_ENV>`, in ``ranks[i].env``): on this host
+    directly, on each host of ``remote`` with the launch agent running
+    ``python -m popdist_lite_launcher.core.channel MARK RANK...`` with the key on its standard
+    input (all hosts at once), whose printed directory is checked
+    (:func:`channel.is_key_dir <popdist_lite_launcher.core.channel.is_key_dir>`). Returns this
+    host's key directory (None: no rank here), for the caller to remove after the
+    attempt; the cleanup removes the others' (``remove_keys``).
+
+    Raises:
+        AttemptError: naming the host where the files could not be written.
+    """
+    hosts: dict[str | None, list[int]] = {}
+    for rank, spec in enumerate(ranks):
+        hosts.setdefault(None if is_local_host(spec.host) else spec.host, []).append(rank)
+    directories: dict[str | None, str] = {}
+    try:
+        if None in hosts:
+            directories[None] = channel.write_keys(key, hosts[None], mark)
+    except OSError as exc:
+        raise AttemptError(f"cannot write the job's key files on this host: {exc}") from None
+    outcomes = run_on_hosts(
+        launch_agent, remote, lambda host, index: [sys.executable, "-m", "popdist_lite_launcher.core.channel",
+                                                   mark, *map(str, hosts[host])],
+        timeout=HOST_CHECK_TIMEOUT_SECONDS, input_text=key.hex() + "\n")
+    for host in remote:
+        outcome = outcomes[host]
+        printed = "" if isinstance(outcome, str) else outcome.stdout.strip()
+        if isinstance(outcome, str) or outcome.returncode != 0 or not channel.is_key_dir(printed, mark):
+            if None in directories:
+                shutil.rmtree(directories[None], ignore_errors=True)
+            said = outcome if isinstance(outcome, str) else \
+                f"exit code {outcome.returncode}: " + " / ".join(
+                    (outcome.stderr.strip() or printed[:200] or "no output").splitlines()[-3:])
+            raise AttemptError(f"cannot give the job's key to host {host} with the launch agent: {said}")
+        directories[host] = printed
+    for host, members in hosts.items():
+        for rank in members:
+            ranks[rank].env[channel.KEY_FILE_ENV] = f"{directories[host]}/{channel.key_file_name(rank)}"
+    return directories.get(None)
+
+
+def job_environment(collector: Collector, mark: str, launch_agent: str | None = None) -> dict[str, str]:
+    """mpirun's environment: the launcher's, plus the collector's address, which mpirun
+    forwards to every rank by name (never on a command line), the attempt's mark
+    (:mod:`popdist_lite_launcher.node.cleanup`) and, for remote hosts, the real launch agent
+    behind :data:`cleanup.ATTEMPT_AGENT <popdist_lite_launcher.node.cleanup.ATTEMPT_AGENT>`.
+    Not the job's key (:func:`deposit_keys`)."""
+    env = {**os.environ, records.COLLECTOR_ENV: collector.address, cleanup.MARK_ENV: mark}
+    env.pop(channel.KEY_FILE_ENV, None)
+    if launch_agent is not None:
+        env[cleanup.LAUNCH_AGENT_ENV] = launch_agent
+    return env

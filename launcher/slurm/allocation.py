@@ -1,0 +1,358 @@
+"""Slurm: the allocation poprun-lite runs in (its job, nodes and task slots), which
+launcher starts the job's processes, and the mpirun arguments of a launch through Slurm.
+
+Inside an allocation (``SLURM_JOB_ID`` set, e.g. in an ``sbatch`` script or under
+``salloc``) and without ``-H``/``--hostfile``, the job's hosts are the allocation's
+nodes (``SLURM_JOB_NODELIST``, expanded by ``scontrol show hostnames``) with as many
+slots as Slurm gave each node tasks (``SLURM_TASKS_PER_NODE``, ``2(x3),1`` form, else
+``SLURM_NTASKS_PER_NODE``), and ``--num-replicas`` defaults to the allocation's task
+count (:func:`allocation`, :func:`place`).
+
+``--launcher`` (:func:`choose_launcher`): ``slurm`` starts every process on another
+node through Slurm: mpirun's own Slurm launch (:func:`mpirun_args`: Open MPI's PRRTE
+with its ``slurm`` plm, which starts its daemons with ``srun``; MPICH's hydra with
+``-launcher slurm``; :class:`SlurmLauncher`), and poprun-lite's own commands there (the host check, the cleanup
+after an attempt) through :data:`SRUN_AGENT`, a launch agent called like ssh that runs
+the command as a one-task ``srun --overlap`` step on that node. So ``scancel`` ends every
+process of the job on every node and Slurm's accounting lists the steps. ``ssh`` is
+mpirun over ssh (``--launch-agent``), outside Slurm's control; ``auto`` (the default)
+is ``slurm`` inside an allocation without ``-H``/``--hostfile``, else ``ssh``.
+
+Every value read from Slurm's environment and from Slurm's commands is checked before
+it is used (node names with the grammar of :mod:`popdist_lite_launcher.core.hosts`), and
+bounded before it costs memory: the environment's texts at :data:`MAX_TEXT_CHARS`, the
+commands' output read as it comes and stopped at a limit (:func:`query`; the node list
+at :data:`MAX_NODES` names), tasks at :data:`MAX_TASKS_PER_NODE` a node and
+:data:`MAX_TASKS` in all. A bad one raises
+:class:`~popdist_lite_launcher.launch.command.LauncherError` naming the variable or command.
+
+A node's name need not resolve on the nodes (cloud and container clusters often name
+nodes only in ``slurm.conf``): Slurm, srun and mpirun's Slurm launch reach a node by
+the address Slurm has for it, and so does poprun-lite, where it needs one
+(:func:`node_address`, used by :func:`popdist_lite_launcher.launch.remote.launcher_address`).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.hosts import MAX_HOSTNAME_CHARS, check_host
+from ..launch.base import SshLauncher
+from ..launch.command import OPENMPI, LauncherError
+from ..node import hold_signals
+from .scontrol import (MAX_NODE_OUTPUT_BYTES, SCONTROL_TIMEOUT_SECONDS, _clipped, _shown, job_id,  # noqa: F401
+                       node_address, query)
+
+AUTO, SSH, SLURM = "auto", "ssh", "slurm"
+LAUNCHERS = (AUTO, SSH, SLURM)
+
+#: The launch agent for nodes of the allocation: ``srun-agent [options] [--] HOST COMMAND``.
+SRUN_AGENT = str(Path(__file__).with_name("srun-agent"))
+#: MPICH's srun (``-launcher-exec``) when the signals are held: srun with ``hydra_pmi_proxy``
+#: started through :mod:`popdist_lite_launcher.node.hold_signals`.
+SRUN_HELD = str(Path(__file__).with_name("srun-held"))
+
+#: Longest node list and tasks-per-node text accepted.
+MAX_TEXT_CHARS = 65536
+#: Most nodes of an allocation: ``scontrol show hostnames`` is stopped at the name after.
+MAX_NODES = 65536
+#: Most tasks on one node: the ceiling of Slurm's own ``MaxTasksPerNode`` (slurm.conf(5)).
+MAX_TASKS_PER_NODE = 65533
+#: Most tasks of an allocation in all, so the most replicas it gives a job: far more
+#: than one mpirun command holds (an MPMD context of some 600 bytes a rank).
+MAX_TASKS = 65536
+_NODELIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.,\[\]-]*")
+_TASKS = re.compile(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?")
+@dataclass(frozen=True)
+class Allocation:
+    """A Slurm job's allocation: its id, its nodes in Slurm's order and the tasks
+    (slots) on each, ``tasks[i]`` on ``nodes[i]``."""
+
+    job_id: str
+    nodelist: str
+    nodes: tuple[str, ...]
+    tasks: tuple[int, ...]
+
+    @property
+    def total_tasks(self) -> int:
+        return sum(self.tasks)
+
+    @property
+    def slots(self) -> dict[str, int]:
+        return dict(zip(self.nodes, self.tasks))
+
+    def describe(self) -> str:
+        """``slurm job 12: 2 node(s) pdls[1-2], 4 task(s): pdls1 2, pdls2 2``."""
+        per_node = ", ".join(f"{node} {count}" for node, count in zip(self.nodes, self.tasks))
+        return (f"slurm job {self.job_id}: {len(self.nodes)} node(s) {self.nodelist}, "
+                f"{self.total_tasks} task(s): {per_node}")
+
+
+def _check_tasks(count: int, total: int, name: str, text: str) -> None:
+    """Refuse a node's task ``count`` past :data:`MAX_TASKS_PER_NODE`, or a ``total``
+    so far past :data:`MAX_TASKS` (naming ``name`` and its value ``text``)."""
+    if count > MAX_TASKS_PER_NODE:
+        raise LauncherError(f"${name} {_shown(text)}: {count} tasks on a node, more than the "
+                            f"{MAX_TASKS_PER_NODE} Slurm allows (MaxTasksPerNode)")
+    if total > MAX_TASKS:
+        raise LauncherError(f"${name} {_shown(text)}: more than {MAX_TASKS} tasks in all, the "
+                            f"most replicas poprun-lite takes from an allocation")
+
+
+def parse_tasks_per_node(text: str, nodes: int, name: str = "SLURM_TASKS_PER_NODE") -> list[int]:
+    """Slurm's tasks per node, ``2(x3),1`` (2 on each of 3 nodes, then 1), or for
+    ``name`` ``SLURM_NTASKS_PER_NODE`` one count for every node (``2``), as one count per
+    node.
+
+    Raises:
+        LauncherError: naming ``name``: not that form, a count below 1 or above
+            :data:`MAX_TASKS_PER_NODE`, more than :data:`MAX_TASKS` in all, or counts for
+            a number of nodes other than ``nodes``.
+    """
+    if len(text) > MAX_TEXT_CHARS:
+        raise LauncherError(f"${name} is longer than {MAX_TEXT_CHARS} characters")
+    if name == "SLURM_NTASKS_PER_NODE":  # one count, the same on every node
+        match = _TASKS.fullmatch(text.strip())
+        if not match or match[2] is not None or int(match[1]) < 1:
+            raise LauncherError(f"${name}: expected a count of at least 1, got {_shown(text)}")
+        _check_tasks(int(match[1]), int(match[1]) * nodes, name, text)
+        return [int(match[1])] * nodes
+    counts: list[int] = []
+    total = 0
+    for entry in text.split(","):
+        match = _TASKS.fullmatch(entry.strip())
+        if not match:
+            raise LauncherError(f"${name}: expected COUNT or COUNT(xREPEAT), comma-separated "
+                                f"(2(x3),1), got {_shown(text)}")
+        count, repeat = int(match[1]), int(match[2] or 1)
+        if count < 1 or repeat < 1:
+            raise LauncherError(f"${name}: counts and repeats must be at least 1, got {_shown(text)}")
+        if len(counts) + repeat > nodes:
+            raise LauncherError(f"${name} {_shown(text)} names more nodes than the "
+                                f"allocation's {nodes}")
+        total += count * repeat
+        _check_tasks(count, total, name, text)
+        counts += [count] * repeat
+    if len(counts) != nodes:
+        raise LauncherError(f"${name} {_shown(text)} gives tasks for {len(counts)} node(s), "
+                            f"the allocation has {nodes}")
+    return counts
+
+
+def check_nodelist(text: str, name: str = "SLURM_JOB_NODELIST") -> str:
+    """``text`` itself if it looks like a Slurm host list (``node[1-3,5],gpu07``):
+    letters, digits, ``.``, ``-``, ``,`` and brackets, starting with a letter or digit
+    (so never an option of ``scontrol``).
+
+    Raises:
+        LauncherError: naming ``name`` and the value.
+    """
+    if not text or len(text) > MAX_TEXT_CHARS or not _NODELIST.fullmatch(text):
+        raise LauncherError(f"${name} is not a Slurm host list (node[1-3],other): {_shown(text)}")
+    return text
+
+
+def parse_hostnames(output: str, name: str = "scontrol show hostnames") -> list[str]:
+    """The node names ``scontrol show hostnames`` printed, one a line, each checked
+    with :func:`popdist_lite_launcher.core.hosts.check_host`.
+
+    Raises:
+        LauncherError: a bad name (naming it), a name twice, no names, or more than
+            :data:`MAX_NODES`.
+    """
+    nodes = [line.strip() for line in output.splitlines() if line.strip()]
+    if not nodes:
+        raise LauncherError(f"`{name}` printed no node names")
+    if len(nodes) > MAX_NODES:
+        raise LauncherError(f"`{name}` printed more than {MAX_NODES} node names")
+    for node in nodes:
+        try:
+            check_host(node)
+        except ValueError as exc:
+            raise LauncherError(f"`{name}`: {exc}") from None
+    if len(set(nodes)) != len(nodes):
+        raise LauncherError(f"`{name}` printed a node name more than once")
+    return nodes
+
+
+def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
+    """The nodes of a Slurm host list, in order, as ``scontrol show hostnames`` expands
+    it: read as it prints them and stopped at the name after :data:`MAX_NODES` (a list
+    of a few thousand characters can name millions), then checked by
+    :func:`parse_hostnames`.
+
+    Raises:
+        LauncherError: a bad list, no ``scontrol``, or it failed, printed more than
+            :data:`MAX_NODES` names or bad names.
+    """
+    check_nodelist(nodelist)
+    scontrol = scontrol or shutil.which("scontrol")
+    if not scontrol:
+        raise LauncherError("inside a Slurm allocation, but `scontrol` is not on PATH (needed to "
+                            "expand $SLURM_JOB_NODELIST); pass -H/--hostfile and --launcher ssh")
+    proc = query([scontrol, "show", "hostnames", nodelist], max_lines=MAX_NODES, lines_are="node names",
+                 max_bytes=MAX_NODES * (MAX_HOSTNAME_CHARS + 1))
+    if proc.returncode != 0:
+        said = (proc.stderr.strip() or proc.stdout.strip())[-300:]
+        raise LauncherError(f"`scontrol show hostnames {_clipped(nodelist)}` exited with "
+                            f"{proc.returncode}: {said}")
+    return parse_hostnames(proc.stdout)
+
+
+def allocation(environ, expand=None) -> Allocation | None:
+    """The allocation this process runs in, from ``environ`` (None outside one): its
+    nodes (``SLURM_JOB_NODELIST``, else ``SLURM_NODELIST``, through ``expand``, default
+    :func:`expand_nodelist`) and the
+    tasks on each (``SLURM_TASKS_PER_NODE``, else ``SLURM_NTASKS_PER_NODE``); the node
+    count is checked against ``SLURM_JOB_NUM_NODES`` when that is set.
+
+    Raises:
+        LauncherError: naming the variable that is missing or bad.
+    """
+    job = job_id(environ)
+    if job is None:
+        return None
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise LauncherError(f"inside Slurm job {job} but $SLURM_JOB_NODELIST is not set")
+    nodes = (expand or expand_nodelist)(nodelist)
+    count = environ.get("SLURM_JOB_NUM_NODES")
+    if count is not None and count != str(len(nodes)):
+        raise LauncherError(f"$SLURM_JOB_NUM_NODES {_shown(count)} does not match the "
+                            f"{len(nodes)} node(s) of $SLURM_JOB_NODELIST {_shown(nodelist)}")
+    for name in ("SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        text = environ.get(name)
+        if text:
+            tasks = parse_tasks_per_node(text, len(nodes), name)
+            break
+    else:
+        raise LauncherError(f"inside Slurm job {job} but neither $SLURM_TASKS_PER_NODE nor "
+                            f"$SLURM_NTASKS_PER_NODE is set")
+    return Allocation(job, nodelist, tuple(nodes), tuple(tasks))
+
+
+def choose_launcher(choice: str, inside: bool, hosts_given: bool) -> str:
+    """``ssh`` or ``slurm`` for ``--launcher choice``: ``auto`` is ``slurm`` when
+    ``inside`` an allocation and no hosts were given (``-H``, ``--hostfile``).
+
+    Raises:
+        LauncherError: ``slurm`` outside an allocation, or an unknown choice.
+    """
+    if choice not in LAUNCHERS:
+        raise LauncherError(f"--launcher {choice!r}: expected one of {', '.join(LAUNCHERS)}")
+    if choice == AUTO:
+        return SLURM if inside and not hosts_given else SSH
+    if choice == SLURM and not inside:
+        raise LauncherError("--launcher slurm needs a Slurm allocation (run poprun-lite in an "
+                            "sbatch script or under salloc: $SLURM_JOB_ID is not set)")
+    return choice
+
+
+def place(nodes: list[str], slots: dict[str, int], replicas: int) -> list[tuple[str, int]]:
+    """``(node, replicas)`` filling the nodes in order up to their slots (Slurm's block
+    distribution), nodes left empty omitted.
+
+    Raises:
+        LauncherError: more replicas than slots.
+    """
+    total = sum(slots[node] for node in nodes)
+    if replicas > total:
+        raise LauncherError(f"--num-replicas {replicas} is more than the {total} task(s) of the "
+                            f"Slurm allocation")
+    placed, left = [], replicas
+    for node in nodes:
+        if left == 0:
+            break
+        count = min(slots[node], left)
+        placed.append((node, count))
+        left -= count
+    return placed
+
+
+def mpirun_args(implementation: str, hold: bool = False) -> list[str]:
+    """mpirun's arguments for a launch through Slurm: Open MPI's ``--prtemca plm slurm``
+    (its daemons started with ``srun``), MPICH's ``-launcher slurm``. With
+    ``hold`` the daemons on the other nodes start with SIGTERM blocked
+    (:mod:`popdist_lite_launcher.node.hold_signals`): Open MPI's ``prte_launch_agent``, MPICH's
+    ``-launcher-exec`` :data:`~popdist_lite_launcher.SRUN_HELD`.
+
+    Raises:
+        LauncherError: ``hold`` under Open MPI with a space in python's path or
+            this package's (``prte_launch_agent`` is split on spaces).
+    """
+    if implementation == OPENMPI:
+        if not hold:
+            return ["--prtemca", "plm", "slurm"]
+        agent = hold_signals.daemon_command("prted")
+        if agent is None:
+            raise LauncherError("--preemption: the path of python or of poprun-lite has a space, "
+                                "which Open MPI's prte_launch_agent cannot hold; use --preemption off")
+        return ["--prtemca", "plm", "slurm", "--prtemca", "prte_launch_agent", agent,
+                "--prtemca", "plm_slurm_args", "--job-name=prted"]  # the step's name, not python's
+    if not hold:
+        return ["-launcher", "slurm"]
+    return ["-launcher", "slurm", "-launcher-exec", SRUN_HELD]
+
+
+class SlurmLauncher(SshLauncher):
+    """The :class:`~popdist_lite_launcher.attempts.Launcher` of ``--launcher slurm``:
+    an :class:`~popdist_lite_launcher.launch.base.SshLauncher` (same probe, collector,
+    cleanup, with :data:`SRUN_AGENT` as their launch agent) whose mpirun starts the ranks
+    on other nodes through Slurm (:func:`mpirun_args`, no launch agent)."""
+
+    def remote_launch(self) -> tuple[list[str], str | None]:
+        return mpirun_args(self.implementation, self.holds_sigterm), None
+
+    def local_launch(self) -> list[str]:
+        """MPICH's hydra starts its proxy with srun on this node too (it finds the
+        allocation itself), so with SIGTERM held it gets :func:`mpirun_args` here as well;
+        and ``-localhost 127.0.0.1``, the address that proxy calls hydra back at (else
+        this node's name, which need not resolve: docs/slurm.md, "Node names and
+        addresses")."""
+        if self.implementation == OPENMPI:
+            return []
+        return [*(mpirun_args(self.implementation, True) if self.holds_sigterm else []), "-localhost", "127.0.0.1"]
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with ``SLURM_OVERLAP=1``: the steps mpirun starts with ``srun`` (its
+        daemons) share the nodes with the job's other steps, as the agent's do, so that a
+        step of an earlier attempt Slurm has not ended yet (one on a lost node) does not
+        hold the next attempt's step back ("Requested nodes are busy")."""
+        return {**env, "SLURM_OVERLAP": "1"}
+
+
+def configure(opts, environ) -> None:
+    """Settle the launcher and the allocation's part in the job, on poprun-lite's
+    argparse namespace ``opts`` (before it becomes
+    :class:`~popdist_lite_launcher.core.options.Options`) (``launcher``, ``host``, ``hostfile``,
+    ``host_discovery_script``, ``num_replicas``, ``num_instances``, ``launch_agent``):
+
+    - ``opts.launcher`` becomes ``ssh`` or ``slurm`` (:func:`choose_launcher`);
+    - ``opts.allocation``: the :class:`Allocation` when inside one and its nodes are used
+      (no ``-H``, ``--hostfile`` or discovery script) or the launcher is ``slurm``, else
+      None;
+    - ``opts.allocation_hosts``: ``[(node, tasks), ...]`` when the job runs on the
+      allocation's nodes, else None; ``opts.num_replicas`` then defaults to the
+      allocation's task count (``--num-instances`` when only that was given);
+    - under ``slurm``, ``opts.launch_agent`` becomes :data:`SRUN_AGENT`.
+
+    Raises:
+        LauncherError: ``--launcher slurm`` outside an allocation, or a bad value in
+            Slurm's environment (:func:`allocation`).
+    """
+    hosts_given = bool(opts.host or opts.hostfile or opts.host_discovery_script)
+    inside = job_id(environ) is not None
+    opts.launcher = choose_launcher(opts.launcher, inside, hosts_given)
+    opts.allocation = allocation(environ) if inside and (not hosts_given or opts.launcher == SLURM) \
+        else None
+    opts.allocation_hosts = None
+    opts.slurm_placement = None
+    if opts.allocation is not None and not hosts_given:
+        opts.allocation_hosts = list(zip(opts.allocation.nodes, opts.allocation.tasks))
+        if opts.num_replicas is None:
+            opts.num_replicas = opts.num_instances or opts.allocation.total_tasks
+    if opts.launcher == SLURM:
+        opts.launch_agent = SRUN_AGENT

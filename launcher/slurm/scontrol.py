@@ -1,0 +1,102 @@
+"""Slurm's own commands, run and read as hostile input: the job id from the environment
+(:func:`job_id`), one runner for ``scontrol``/``squeue``/``sinfo`` whose output is read as
+it comes and stopped at a limit (:func:`query`), and a node's address in Slurm
+(:func:`node_address`, its ``NodeAddr``, for nodes whose names do not resolve). Imports
+nothing of the launch, so the network code can ask Slurm for an address."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from ..core.hosts import check_host
+from ..launch import children
+from ..launch.command import LauncherError
+
+#: Seconds a Slurm command (``scontrol``, ``squeue``, ``sinfo``) may take.
+SCONTROL_TIMEOUT_SECONDS = 30.0
+#: Most bytes read from ``scontrol show node``.
+MAX_NODE_OUTPUT_BYTES = 1 << 16
+_JOB_ID = re.compile(r"[0-9]{1,20}")
+_SHOWN_CHARS = 80
+
+
+def _clipped(text: str) -> str:
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
+
+
+def _shown(text: str) -> str:
+    return repr(_clipped(text))
+
+
+def job_id(environ) -> str | None:
+    """The allocation's job id (``SLURM_JOB_ID``, else ``SLURM_JOBID``), None outside one.
+
+    Raises:
+        LauncherError: it is set but not a job id (digits).
+    """
+    for name in ("SLURM_JOB_ID", "SLURM_JOBID"):
+        value = environ.get(name)
+        if value is not None:
+            if not _JOB_ID.fullmatch(value):
+                raise LauncherError(f"${name} is not a Slurm job id (digits): {_shown(value)}")
+            return value
+    return None
+
+
+def query(argv: list[str], *, max_bytes: int, max_lines: int | None = None, lines_are: str = "lines",
+          timeout: float = SCONTROL_TIMEOUT_SECONDS) -> subprocess.CompletedProcess:
+    """Run one of Slurm's commands (``argv[0]`` a path, or a name found on PATH) with
+    its output read as it comes and stopped at ``max_bytes`` bytes or ``max_lines``
+    lines (``lines_are``: what a line is, for the message)
+    (:func:`popdist_lite_launcher.launch.children.run_bounded`): its exit code, stdout
+    (text, undecodable bytes replaced) and the end of its stderr.
+
+    Raises:
+        LauncherError: naming the command: not found, cannot be run, still running
+            after ``timeout`` seconds, or printing more than a limit (killed).
+    """
+    shown = _clipped(" ".join([Path(argv[0]).name, *argv[1:]]))
+    tool = shutil.which(argv[0])
+    if tool is None:
+        raise LauncherError(f"cannot run `{shown}`: {argv[0]} not found" + ("" if "/" in argv[0] else " on PATH"))
+    try:
+        done, problem = children.run_bounded([tool, *argv[1:]], timeout=timeout, max_bytes=max_bytes,
+                                             max_lines=max_lines, lines_are=lines_are, tail_bytes=600)
+    except OSError as exc:
+        raise LauncherError(f"cannot run `{shown}`: {exc}") from None
+    if problem is not None:
+        raise LauncherError(f"`{shown}` {problem}")
+    return subprocess.CompletedProcess(argv, done.returncode, done.stdout.decode("utf-8", "replace"),
+                                       done.stderr.decode("utf-8", "replace"))
+
+
+def node_address(node: str, scontrol: str | None = None) -> str:
+    """The address Slurm reaches ``node`` at: its ``NodeAddr`` in ``scontrol -o show node
+    NODE`` (the first, in the line of ``NodeName=NODE``; the fields after it hold free
+    text), checked with :func:`popdist_lite_launcher.core.hosts.check_host`. It is the node's
+    name itself where ``slurm.conf`` gives no other.
+
+    Raises:
+        LauncherError: ``node`` is not a host name, ``scontrol`` cannot be run or failed,
+            or it printed no ``NodeAddr`` for ``node`` or a bad one.
+    """
+    try:
+        check_host(node)
+    except ValueError as exc:
+        raise LauncherError(f"Slurm node {exc}") from None
+    proc = query([scontrol or "scontrol", "-o", "show", "node", node], max_bytes=MAX_NODE_OUTPUT_BYTES)
+    if proc.returncode != 0:
+        said = (proc.stderr.strip() or proc.stdout.strip())[-300:]
+        raise LauncherError(f"`scontrol show node {node}` exited with {proc.returncode}: {said}")
+    for line in proc.stdout.splitlines():
+        if line.startswith(f"NodeName={node} "):
+            found = re.search(r" NodeAddr=(\S*)", line)
+            if found:
+                try:
+                    return check_host(found[1])
+                except ValueError as exc:
+                    raise LauncherError(f"`scontrol show node {node}`: NodeAddr {exc}") from None
+    raise LauncherError(f"`scontrol show node {node}` printed no NodeAddr for {node}")
