@@ -1,12 +1,14 @@
 """``poprun-lite``: its options (:func:`build_parser`, :func:`parse_args`, which returns
-them typed, :class:`~popdist_lite_launcher.core.options.Options`) and ``main``.
+them typed, :class:`~popdist_lite_launcher.core.options.Options`) and ``main``, the one
+place that wires the launcher's parts together: the options, a membership policy
+(:func:`make_policy`), a launcher backend (:func:`make_launcher`: ssh or Slurm), the
+preemption, and the attempts loop (:mod:`popdist_lite_launcher.attempts`).
 
-The job is planned as a list of :class:`~popdist_lite_launcher.launch.command.RankSpec`
-by :func:`~popdist_lite_launcher.core.plan.plan_ranks` (also importable from here);
+The job is planned as a list of :class:`~popdist_lite_launcher.core.plan.RankSpec` by
+:func:`~popdist_lite_launcher.core.plan.plan_ranks`;
 :func:`~popdist_lite_launcher.launch.command.build_command` turns that list into the MPMD
 mpirun command. New kinds of ranks (e.g. host feeders) only need new specs in
-``plan_ranks`` and new options in :func:`build_parser` and ``Options``. The attempts
-run in :mod:`popdist_lite_launcher.attempts`.
+``plan_ranks`` and new options in :func:`build_parser` and ``Options``.
 """
 
 from __future__ import annotations
@@ -17,15 +19,21 @@ import shlex
 import signal
 import sys
 
-from . import __version__, attempts
+from . import __version__
+from .attempts import AttemptsLoop
 from .core import hosts
-from .core.options import Options
-from .core.plan import RESTART_COUNT_ENV, format_topology, placement, plan_ranks, processes_of  # noqa: F401
-from .launch import children, mpirun as mpirun_run
-from .launch.base import SshLauncher, job_environment  # noqa: F401 (job_environment: importable from here)
-from .launch.command import LauncherError, detect_implementation, find_mpirun
+from .core.api import LauncherError, MembershipPolicy
+from .core.options import END_MARGIN_SECONDS, Options
+from .launch import children
+from .launch.address import NodeAddress
+from .launch.base import MpirunLauncher
+from .launch.command import detect_implementation, find_mpirun
+from .launch.mpirun import kill_sessions
 from .membership import elastic
-from .slurm import allocation as slurm, nodes as slurm_nodes, preempt
+from .membership.policies import ElasticPolicy, FixedPolicy
+from .slurm import allocation, nodes, preempt, scontrol
+from .slurm.launcher import SlurmLauncher
+from .ssh.launcher import SshLauncher
 from .supervise import report
 
 EPILOG = """\
@@ -143,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="program that runs a command on another host, called as "
                           "`AGENT [OPTIONS] [--] HOST COMMAND` like ssh (default ssh; Open "
                           "MPI's plm_ssh_agent, MPICH's -launcher-exec)")
-    net.add_argument("--launcher", choices=slurm.LAUNCHERS, default=slurm.AUTO,
+    net.add_argument("--launcher", choices=allocation.LAUNCHERS, default=allocation.AUTO,
                      help="how processes on other hosts are started: `slurm` through Slurm "
                           "(mpirun's Slurm launch and `srun --overlap` steps; scancel ends "
                           "them all), `ssh` with --launch-agent; `auto` (default): slurm inside "
@@ -221,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how long the replicas have to reach a step boundary after the requeue "
                             "signal before the job is stopped without a checkpoint (default: until "
                             f"the job's end, EndTime in `scontrol show job`, less "
-                            f"{preempt.END_MARGIN_SECONDS:g} s; no limit without one)")
+                            f"{END_MARGIN_SECONDS:g} s; no limit without one)")
     sched.add_argument("--grace-period", type=_non_negative_float, default=None, metavar="SECONDS",
                        help="how long the replicas have to reach a step boundary after SIGTERM "
                             "before the job is stopped without a checkpoint (default: Slurm's "
@@ -259,14 +267,14 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser = build_parser()
     opts = parser.parse_args(argv)
     try:  # the launcher; hosts, slots and --num-replicas from a Slurm allocation
-        slurm.configure(opts, os.environ)
+        allocation.configure(opts, os.environ)
     except LauncherError as exc:
         parser.error(str(exc))
     if opts.num_replicas is None:
         opts.num_replicas = 1
     try:
         opts.preempt = preempt.settings(opts.preemption, opts.requeue_signal, opts.requeue,
-                                        opts.grace_period, slurm.job_id(os.environ), opts.preemption_grace)
+                                        opts.grace_period, scontrol.job_id(os.environ), opts.preemption_grace)
     except (ValueError, LauncherError) as exc:
         parser.error(str(exc))
     if opts.stall_timeout is None:
@@ -310,7 +318,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         return Options.from_namespace(opts)  # hosts and slots are sized per attempt (elastic.size_attempt)
     if opts.allocation_hosts:  # the allocation's nodes filled up to their task slots
         try:
-            opts.slurm_placement = tuple(slurm.place(opts.hosts, opts.slots, opts.num_instances))
+            opts.slurm_placement = tuple(allocation.place(opts.hosts, opts.slots, opts.num_instances))
         except LauncherError as exc:
             parser.error(str(exc))
         return Options.from_namespace(opts)
@@ -325,6 +333,25 @@ def parse_args(argv: list[str] | None = None) -> Options:
                              f"ranks ({opts.num_instances // len(opts.hosts)} instance(s) and "
                              f"their feeders)")
     return Options.from_namespace(opts)
+
+
+def make_policy(opts: Options, node_address: NodeAddress | None = None) -> MembershipPolicy:
+    """The job's membership policy: on a Slurm allocation's nodes under ``--launcher
+    slurm`` the Slurm backend's (:func:`popdist_lite_launcher.slurm.nodes.make_policy`),
+    else :class:`~popdist_lite_launcher.membership.policies.ElasticPolicy` for an elastic
+    job, :class:`~popdist_lite_launcher.membership.policies.FixedPolicy` for any other."""
+    policy = nodes.make_policy(opts)
+    if policy is None:
+        policy = ElasticPolicy(opts, elastic.Cluster(opts, node_address)) if opts.elastic else FixedPolicy(opts)
+    return policy
+
+
+def make_launcher(opts: Options, mpirun: str, implementation: str, preemption=None,
+                  node_address: NodeAddress | None = None) -> MpirunLauncher:
+    """The launcher backend of ``--launcher``: :class:`~popdist_lite_launcher.slurm.launcher.SlurmLauncher`
+    or :class:`~popdist_lite_launcher.ssh.launcher.SshLauncher`."""
+    backend = SlurmLauncher if opts.launcher == allocation.SLURM else SshLauncher
+    return backend(opts, mpirun, implementation, preemption, node_address)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -355,17 +382,15 @@ def main(argv: list[str] | None = None) -> None:
         except LauncherError as exc:
             print(f"poprun-lite: error: {exc}", file=sys.stderr)
             sys.exit(2)
-        policy = slurm_nodes.make_policy(opts) or (
-            attempts.ElasticPolicy(opts) if opts.elastic else attempts.FixedPolicy(opts))
-        launcher_class = slurm.SlurmLauncher if opts.launcher == slurm.SLURM else SshLauncher
-        loop = attempts.AttemptsLoop(opts, launcher_class(opts, mpirun, implementation, preemption), policy,
-                                     preemption=preemption)
+        node_address = scontrol.node_addresses(os.environ)
+        loop = AttemptsLoop(opts, make_launcher(opts, mpirun, implementation, preemption, node_address),
+                            make_policy(opts, node_address), preemption=preemption)
         code = loop.run()
     except KeyboardInterrupt:  # outside run_job, which handles SIGINT itself
         code = 128 + signal.SIGINT
         print("poprun-lite: interrupted by SIGINT", file=sys.stderr, flush=True)
     finally:
-        mpirun_run.kill_sessions()
+        kill_sessions()
         children.kill_all()
         if preemption is not None:
             preemption.uninstall()

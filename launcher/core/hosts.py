@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 
-from ..launch.command import LauncherError
+from .api import LauncherError
 
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 #: An IPv6 scope ID (an interface name or number): ``ipaddress`` accepts any text after
@@ -27,6 +28,9 @@ _SCOPE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 #: Longest hostname (RFC 1123 section 2.1).
 MAX_HOSTNAME_CHARS = 253
 _SHOWN_CHARS = 80  # of a bad entry in an error message
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
 
 
 def _shown(text: str) -> str:
@@ -158,3 +162,11 @@ def read_hostfile(path: str) -> list[tuple[str, int | None]]:
     if not hosts:
         raise LauncherError(f"hostfile {path} names no hosts")
     return hosts
+
+
+def is_local_host(host: str | None) -> bool:
+    """True when ``host`` is None or names this machine."""
+    if host is None:
+        return True
+    names = {name.lower() for name in (*_LOCAL_HOSTS, socket.gethostname(), socket.getfqdn())}
+    return host.lower() in names  # hostnames are case-insensitive

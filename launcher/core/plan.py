@@ -1,4 +1,4 @@
-"""The rank plan: one :class:`~popdist_lite_launcher.launch.command.RankSpec` per MPI rank of an
+"""The rank plan: one :class:`RankSpec` per MPI rank of an
 attempt (:func:`plan_ranks`), its table (:func:`format_topology`), and which ranks are
 which replica's (:func:`processes_of`). The plan does not depend on how the ranks are
 started (:mod:`popdist_lite_launcher.launch.base` turns it into an mpirun command)."""
@@ -8,15 +8,49 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from dataclasses import dataclass, field
 
 from popdist_lite import records
 
+from .api import Membership
 from .options import Options
-from ..launch.command import RankSpec, default_rank_env
-from ..membership.elastic import Membership
 
 #: Which attempt a rank belongs to (0 for the first, 1 after the first restart, ...).
 RESTART_COUNT_ENV = "POPDIST_LITE_RESTART_COUNT"
+
+#: Thread-count variables set to 1 per rank unless the user already set them (like torchrun).
+THREAD_VARS = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+
+@dataclass
+class RankSpec:
+    """One MPI rank of the job, i.e. one MPMD context ``-np 1``.
+
+    ``role`` is ``"replica"`` for the process driving a replica or ``"feeder"``
+    for a host feed process; ``replica`` is the replica it drives or feeds; ``host`` is where it runs (None: let mpirun decide); ``env`` holds the
+    variables set for this rank only; ``mpi_args`` are extra per-context mpirun
+    arguments (``--mpi-local-args`` and ``--instance-mpi-local-args``).
+    """
+
+    role: str
+    replica: int
+    host: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    mpi_args: list[str] = field(default_factory=list)
+
+
+def default_rank_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The thread-count variables set to ``"1"`` for every rank, except those the
+    user already set in ``environ`` (default ``os.environ``)."""
+    environ = os.environ if environ is None else environ
+    return {name: "1" for name in THREAD_VARS if name not in environ}
 
 
 def placement(opts: Options) -> tuple[tuple[str | None, int], ...]:

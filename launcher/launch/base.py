@@ -1,16 +1,17 @@
-"""Starting an attempt with mpirun over the launch agent (``--launch-agent``, default
-ssh): :class:`SshLauncher`, the :class:`~popdist_lite_launcher.attempts.Launcher` of
-every job not launched through Slurm (:class:`popdist_lite_launcher.slurm.allocation.SlurmLauncher`
-changes only how mpirun reaches the other hosts, :meth:`SshLauncher.remote_launch`).
+"""The mpirun launch every backend shares: :class:`MpirunLauncher`, the
+:class:`~popdist_lite_launcher.core.api.Launcher` whose subclasses
+(:class:`~popdist_lite_launcher.ssh.launcher.SshLauncher`,
+:class:`~popdist_lite_launcher.slurm.launcher.SlurmLauncher`) only say how mpirun
+reaches the other hosts (:meth:`MpirunLauncher.remote_launch`).
 
 Each attempt gets its own collector (address, key), attempt mark and stall inspector;
 the key reaches every rank's agent in a file of its own on its host
-(:func:`deposit_keys`, :mod:`popdist_lite_launcher.core.channel`);
-remote hosts are checked first (the probe, :func:`popdist_lite_launcher.launch.remote.check_hosts`)
-unless the membership policy checked them already; mpirun runs the MPMD command of the
-rank plan (:func:`popdist_lite_launcher.core.plan.plan_ranks`) with the attempt agent
-(:data:`popdist_lite_launcher.node.cleanup.ATTEMPT_AGENT`) for remote hosts; when the job has
-ended, whatever is left of the attempt is killed on every host
+(:func:`~popdist_lite_launcher.launch.remote.deposit_keys`); remote hosts are checked
+first (the probe, :func:`~popdist_lite_launcher.launch.remote.check_hosts`) unless the
+membership policy checked them already; mpirun runs the MPMD command of the rank plan
+(:func:`popdist_lite_launcher.core.plan.plan_ranks`, :mod:`popdist_lite_launcher.launch.command`)
+under supervision (:func:`popdist_lite_launcher.launch.mpirun.run_job`); when the job
+has ended, whatever is left of the attempt is killed on every host
 (:mod:`popdist_lite_launcher.node.cleanup`).
 """
 
@@ -24,26 +25,38 @@ import sys
 from popdist_lite import records
 
 from . import mpirun
-from .remote import HOST_CHECK_TIMEOUT_SECONDS, check_hosts, launcher_address, run_on_hosts
-from .command import EXPORTED_VARS, THREAD_VARS, LauncherError, RankSpec, build_command, is_local_host
-from ..attempts import Attempt, AttemptError, Outcome
+from .command import EXPORTED_VARS, build_command
+from .address import NodeAddress, launcher_address
+from .remote import check_hosts, clean_hosts, deposit_keys
 from ..core import channel
+from ..core.api import Attempt, AttemptError, AttemptResult, LauncherError, Outcome
+from ..core.hosts import is_local_host
 from ..core.options import Options
-from ..core.plan import format_topology, plan_ranks, processes_of
+from ..core.plan import THREAD_VARS, RankSpec, format_topology, plan_ranks, processes_of
 from ..node import cleanup, hold_signals
 from ..supervise.collector import ENROLMENT_SECONDS, Collector
 from ..supervise.inspector import StallInspector
 
+#: The launch agent of the job (``--launch-agent``; under Slurm the ``srun`` one), in
+#: mpirun's environment when ranks run on other hosts: the ssh backend's attempt agent
+#: runs it (:data:`popdist_lite_launcher.ssh.launcher.ATTEMPT_AGENT`).
+LAUNCH_AGENT_ENV = "POPRUN_LITE_LAUNCH_AGENT"
 
-class SshLauncher:
+
+class MpirunLauncher:
     """Runs attempts with ``mpirun`` (the executable, of ``implementation`` "openmpi" or
     "mpich") under the options ``opts``; ``preemption`` (a
     :class:`~popdist_lite_launcher.slurm.preempt.Preemption`, or None) answers the scheduler's
-    signals during each attempt."""
+    signals during each attempt; ``node_address`` finds a host whose name does not
+    resolve here (:func:`~popdist_lite_launcher.launch.address.launcher_address`). A
+    backend subclasses it and says how mpirun starts the ranks on other hosts
+    (:meth:`remote_launch`), and may change mpirun's first arguments on one host
+    (:meth:`local_launch`) and its environment (:meth:`environment`)."""
 
-    def __init__(self, opts: Options, mpirun: str, implementation: str, preemption=None):
+    def __init__(self, opts: Options, mpirun: str, implementation: str, preemption=None,
+                 node_address: NodeAddress | None = None):
         self.opts, self.mpirun, self.implementation = opts, mpirun, implementation
-        self.preemption = preemption
+        self.preemption, self.node_address = preemption, node_address
 
     def run(self, attempt: Attempt) -> Outcome:
         """Run ``attempt`` (see the module docstring): its job's result, with the
@@ -57,7 +70,7 @@ class SshLauncher:
         ranks = plan_ranks(opts, attempt.index, attempt.membership)
         remote = list(dict.fromkeys(spec.host for spec in ranks if not is_local_host(spec.host)))
         try:
-            address = launcher_address(opts.network_interface, remote) if remote else "127.0.0.1"
+            address = launcher_address(opts.network_interface, remote, self.node_address) if remote else "127.0.0.1"
             if remote and opts.host_check and not attempt.hosts_checked:
                 check_hosts(opts.launch_agent, remote, address=address)
         except (OSError, LauncherError) as exc:
@@ -82,8 +95,8 @@ class SshLauncher:
         return Outcome(result, stops, unreachable)
 
     def _launch(self, attempt: Attempt, ranks: list[RankSpec], remote: list[str], address: str,
-                collector: Collector, mark: str) -> mpirun.JobResult:
-        """Build the attempt's mpirun command and run it (:func:`mpirun.run_job`) with its
+                collector: Collector, mark: str) -> AttemptResult:
+        """Build the attempt's mpirun command and run it (:func:`~popdist_lite_launcher.launch.mpirun.run_job`) with its
         stall inspector and watcher; with ``--print-topology`` print the rank table first
         (after the Slurm allocation's line when the job runs on one)."""
 
@@ -121,7 +134,7 @@ class SshLauncher:
                         hold_signals.PYTHON_ENV: sys.executable})
             collector.subscribe("signalled", self.preemption.on_signalled)
         if opts.verbose:
-            shown = [f"{name}={env[name]}" for name in (cleanup.LAUNCH_AGENT_ENV, cleanup.MARK_ENV)
+            shown = [f"{name}={env[name]}" for name in (LAUNCH_AGENT_ENV, cleanup.MARK_ENV)
                      if remote and name in env]
             print(shlex.join([*shown, *cmd]), file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -147,9 +160,8 @@ class SshLauncher:
 
     def remote_launch(self) -> tuple[list[str], str | None]:
         """How mpirun starts the ranks on other hosts: its first global arguments and its
-        launch agent (:data:`cleanup.ATTEMPT_AGENT <popdist_lite_launcher.node.cleanup.ATTEMPT_AGENT>`,
-        which runs ``--launch-agent`` and marks the attempt's processes; None: mpirun's own)."""
-        return [], cleanup.ATTEMPT_AGENT
+        launch agent (None: mpirun's own way). The backend's to say."""
+        raise NotImplementedError
 
     def local_launch(self) -> list[str]:
         """mpirun's first global arguments when every rank runs on this host (none here)."""
@@ -164,14 +176,14 @@ class SshLauncher:
         """Kill what is left of the attempt ``mark``: on this machine if it ran ranks here,
         on every remote host through the launch agent; print every host where that
         failed. Returns the remote hosts the launch agent did not reach, each with a
-        sentence naming it (:attr:`Outcome.unreachable <popdist_lite_launcher.attempts.Outcome>`)."""
+        sentence naming it (:attr:`Outcome.unreachable <popdist_lite_launcher.core.api.Outcome>`)."""
         problems, unreachable = {}, {}
         if any(is_local_host(spec.host) for spec in ranks):
             _, left = cleanup.kill_marked(mark)
             if left:
                 problems["this host"] = f"{len(left)} process(es) still running (pids {left[:10]})"
         if remote:
-            found, unreachable = cleanup.clean_hosts(self.opts.launch_agent, remote, mark)
+            found, unreachable = clean_hosts(self.opts.launch_agent, remote, mark)
             problems.update(found)
         for host, problem in problems.items():
             print(f"poprun-lite: cleanup after the attempt failed on {host}: {problem}",
@@ -179,60 +191,14 @@ class SshLauncher:
         return unreachable
 
 
-def deposit_keys(ranks: list[RankSpec], remote: list[str], key: bytes, mark: str,
-                 launch_agent: str) -> str | None:
-    """Give every rank's agent the job's ``key`` in a file of its own on its host
-    (:func:`channel.write_keys <popdist_lite_launcher.core.channel.write_keys>`), and set the
-    file's path in the rank's environment (:data:`channel.KEY_FILE_ENV
-    <popdist_lite_launcher.core.channel.KEY_FILE_ENV>`, in ``ranks[i].env``): on this host
-    directly, on each host of ``remote`` with the launch agent running
-    ``python -m popdist_lite_launcher.core.channel MARK RANK...`` with the key on its standard
-    input (all hosts at once), whose printed directory is checked
-    (:func:`channel.is_key_dir <popdist_lite_launcher.core.channel.is_key_dir>`). Returns this
-    host's key directory (None: no rank here), for the caller to remove after the
-    attempt; the cleanup removes the others' (``remove_keys``).
-
-    Raises:
-        AttemptError: naming the host where the files could not be written.
-    """
-    hosts: dict[str | None, list[int]] = {}
-    for rank, spec in enumerate(ranks):
-        hosts.setdefault(None if is_local_host(spec.host) else spec.host, []).append(rank)
-    directories: dict[str | None, str] = {}
-    try:
-        if None in hosts:
-            directories[None] = channel.write_keys(key, hosts[None], mark)
-    except OSError as exc:
-        raise AttemptError(f"cannot write the job's key files on this host: {exc}") from None
-    outcomes = run_on_hosts(
-        launch_agent, remote, lambda host, index: [sys.executable, "-m", "popdist_lite_launcher.core.channel",
-                                                   mark, *map(str, hosts[host])],
-        timeout=HOST_CHECK_TIMEOUT_SECONDS, input_text=key.hex() + "\n")
-    for host in remote:
-        outcome = outcomes[host]
-        printed = "" if isinstance(outcome, str) else outcome.stdout.strip()
-        if isinstance(outcome, str) or outcome.returncode != 0 or not channel.is_key_dir(printed, mark):
-            if None in directories:
-                shutil.rmtree(directories[None], ignore_errors=True)
-            said = outcome if isinstance(outcome, str) else \
-                f"exit code {outcome.returncode}: " + " / ".join(
-                    (outcome.stderr.strip() or printed[:200] or "no output").splitlines()[-3:])
-            raise AttemptError(f"cannot give the job's key to host {host} with the launch agent: {said}")
-        directories[host] = printed
-    for host, members in hosts.items():
-        for rank in members:
-            ranks[rank].env[channel.KEY_FILE_ENV] = f"{directories[host]}/{channel.key_file_name(rank)}"
-    return directories.get(None)
-
-
 def job_environment(collector: Collector, mark: str, launch_agent: str | None = None) -> dict[str, str]:
     """mpirun's environment: the launcher's, plus the collector's address, which mpirun
     forwards to every rank by name (never on a command line), the attempt's mark
-    (:mod:`popdist_lite_launcher.node.cleanup`) and, for remote hosts, the real launch agent
-    behind :data:`cleanup.ATTEMPT_AGENT <popdist_lite_launcher.node.cleanup.ATTEMPT_AGENT>`.
-    Not the job's key (:func:`deposit_keys`)."""
+    (:mod:`popdist_lite_launcher.node.cleanup`) and, for remote hosts, the launch agent
+    (:data:`LAUNCH_AGENT_ENV`). Not the job's key
+    (:func:`~popdist_lite_launcher.launch.remote.deposit_keys`)."""
     env = {**os.environ, records.COLLECTOR_ENV: collector.address, cleanup.MARK_ENV: mark}
     env.pop(channel.KEY_FILE_ENV, None)
     if launch_agent is not None:
-        env[cleanup.LAUNCH_AGENT_ENV] = launch_agent
+        env[LAUNCH_AGENT_ENV] = launch_agent
     return env

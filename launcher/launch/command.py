@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field
+
+from ..core.api import LauncherError
+from ..core.plan import RankSpec
 
 OPENMPI = "openmpi"
 MPICH = "mpich"
@@ -23,42 +24,8 @@ IMPLEMENTATIONS = (OPENMPI, MPICH)
 #: Environment variable that overrides the mpirun executable (like ``--mpirun``).
 MPIRUN_ENV = "POPRUN_LITE_MPIRUN"
 
-#: Thread-count variables set to 1 per rank unless the user already set them (like torchrun).
-THREAD_VARS = (
-    "OMP_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "BLIS_NUM_THREADS",
-    "VECLIB_MAXIMUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
-)
-
 #: Variables of the launcher's environment exported to every rank when set.
 EXPORTED_VARS = ("PATH", "PYTHONPATH", "VIRTUAL_ENV")
-
-_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
-
-
-class LauncherError(Exception):
-    """A problem with the launcher's configuration (no mpirun, bad hosts, ...)."""
-
-
-@dataclass
-class RankSpec:
-    """One MPI rank of the job, i.e. one MPMD context ``-np 1``.
-
-    ``role`` is ``"replica"`` for the process driving a replica or ``"feeder"``
-    for a host feed process; ``replica`` is the replica it drives or feeds; ``host`` is where it runs (None: let mpirun decide); ``env`` holds the
-    variables set for this rank only; ``mpi_args`` are extra per-context mpirun
-    arguments (``--mpi-local-args`` and ``--instance-mpi-local-args``).
-    """
-
-    role: str
-    replica: int
-    host: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    mpi_args: list[str] = field(default_factory=list)
-
 
 def find_mpirun(override: str | None = None) -> str:
     """Return the path of the mpirun to use.
@@ -122,21 +89,6 @@ def detect_implementation(mpirun: str) -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LauncherError(f"cannot run `{mpirun} --version`: {exc}") from exc
     return parse_implementation(out)
-
-
-def is_local_host(host: str | None) -> bool:
-    """True when ``host`` is None or names this machine."""
-    if host is None:
-        return True
-    names = {name.lower() for name in (*_LOCAL_HOSTS, socket.gethostname(), socket.getfqdn())}
-    return host.lower() in names  # hostnames are case-insensitive
-
-
-def default_rank_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The thread-count variables set to ``"1"`` for every rank, except those the
-    user already set in ``environ`` (default ``os.environ``)."""
-    environ = os.environ if environ is None else environ
-    return {name: "1" for name in THREAD_VARS if name not in environ}
 
 
 def agent_command(program: list[str]) -> list[str]:

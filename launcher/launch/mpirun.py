@@ -24,10 +24,10 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
-from dataclasses import dataclass, field
 
 from . import session_dirs
+from ..core.api import AttemptResult
+from ..core.text import describe_exception
 from ..node import hold_signals
 from ..node.agent import child_preexec
 from ..node.tee import Tee
@@ -38,24 +38,6 @@ SESSION_KILL_DELAY_SECONDS = 8.0
 #: Seconds mpirun gets to end the job by itself after a rank failed.
 FAILED_JOB_STOP_DELAY_SECONDS = 10.0
 MPIRUN_TAIL_LINES = 50
-
-
-@dataclass
-class JobResult:
-    """Outcome of one mpirun run."""
-
-    returncode: int                      # mpirun's exit status (negative: signal)
-    stop_reason: str | None = None       # e.g. "job interrupted by SIGINT"
-    stop_signal: int | None = None       # the signal the launcher received, if any
-    timed_out: bool = False
-    stall: str | None = None             # the stall inspector's block when it ended the job
-    mpirun_tail: str = ""
-    failures: list = field(default_factory=list)
-    internal_error: str | None = None    # a bug in the launcher that ended the job
-    refused: dict = field(default_factory=dict)  # connections the collector refused, by reason
-    dropped: dict = field(default_factory=dict)  # lines it dropped, by reason
-    resize_stops: int = 0                # resize_stop records: the replicas stopped for a resize
-    saved: set = field(default_factory=set)  # replica ranks that sent checkpoint_saved (preempt.py)
 
 
 def session_pids(sid: int) -> list[int]:
@@ -105,7 +87,7 @@ _sessions: set[int] = set()  # mpirun sessions started by run_job and not yet ov
 
 
 def run_job(cmd: list[str], collector, *, timeout: float | None = None,
-            env: dict[str, str] | None = None, inspector=None, preemption=None) -> JobResult:
+            env: dict[str, str] | None = None, inspector=None, preemption=None) -> AttemptResult:
     """Run ``cmd`` (an mpirun command) to completion; failures come from ``collector``
     (a :class:`~popdist_lite_launcher.supervise.collector.Collector` whose address the ranks got).
 
@@ -115,26 +97,26 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     ``FAILED_JOB_STOP_DELAY_SECONDS`` later (at once for a lost agent). ``inspector``
     (a :class:`~popdist_lite_launcher.supervise.inspector.StallInspector`) is polled every 0.1 s;
     when it returns a block (stall timeout) the job is stopped too and the block is kept
-    in :attr:`JobResult.stall`. ``preemption`` (a
+    in :attr:`AttemptResult.stall`. ``preemption`` (a
     :class:`~popdist_lite_launcher.slurm.preempt.Preemption` bound to this attempt, or None):
     its signals ask the replicas for a checkpoint instead of stopping mpirun, and it is
     polled every 0.1 s too: when it returns a reason (grace over, a second signal) the
-    job is stopped with that reason; its first signal is :attr:`JobResult.stop_signal`.
+    job is stopped with that reason; its first signal is :attr:`AttemptResult.stop_signal`.
     With ``preemption``, mpirun starts with its signals (SIGTERM, the requeue signal)
     blocked and every stop sends it SIGINT instead
     (:mod:`popdist_lite_launcher.node.hold_signals`); the replica ranks that reported their
-    checkpoint saved are :attr:`JobResult.saved`.
+    checkpoint saved are :attr:`AttemptResult.saved`.
     In every case the whole session is SIGKILLed if still
     alive ``SESSION_KILL_DELAY_SECONDS`` later. An exception while supervising (a bug
     in the launcher) SIGKILLs the session at once (in a ``finally``: the job is never
-    left running unsupervised) and is returned in :attr:`JobResult.internal_error`,
+    left running unsupervised) and is returned in :attr:`AttemptResult.internal_error`,
     with the failures recorded so far.
     Must be called from the main thread (it installs signal handlers).
 
     Raises:
         OSError: mpirun cannot be started.
     """
-    result = JobResult(returncode=0)
+    result = AttemptResult(returncode=0)
     state = {"proc": None, "stop_at": None}
 
     def stop(signum):
@@ -188,7 +170,7 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
         proc.stderr.close()
         _supervise(proc, collector, timeout, inspector, result, state, stop, preemption)
     except Exception as exc:  # noqa: BLE001 - reported; the finally below ends the job
-        result.internal_error = describe(exc)
+        result.internal_error = describe_exception(exc)
     finally:
         _restore(previous)
         if preemption is not None and preemption.signum is not None and result.stop_signal is None:
@@ -208,11 +190,11 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
         result.failures = report.merge_records(collector.failure_records())
         result.saved = {r.get("rank") for r in collector.records("checkpoint_saved") if r.get("role") == "replica"}
     except Exception as exc:  # noqa: BLE001 - report what is known
-        result.internal_error = result.internal_error or describe(exc)
+        result.internal_error = result.internal_error or describe_exception(exc)
     return result
 
 
-def _supervise(proc, collector, timeout, inspector, result: JobResult, state: dict, stop,
+def _supervise(proc, collector, timeout, inspector, result: AttemptResult, state: dict, stop,
                preemption=None) -> None:
     """The loop of :func:`run_job`, until mpirun has ended."""
     start = time.monotonic()
@@ -261,11 +243,3 @@ def _fileno(stream, default: int) -> int:
 def _restore(handlers: dict) -> None:
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
-
-
-def describe(exc: BaseException) -> str:
-    """``Type: message`` and where it was raised (the innermost frame)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in " \
-            f"{frames[-1].name})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"

@@ -1,125 +1,35 @@
-"""The job's network: the launcher's address on it, and checking that every host is
-usable before mpirun starts: reachable with the launch agent, and able to reach the
-launcher over the job's network with the check's key (the probe,
-:mod:`popdist_lite_launcher.node.probe`). Host names are checked earlier, by
-:mod:`popdist_lite_launcher.core.hosts`.
-
-``--network-interface`` takes an interface name (``eth1``) or a CIDR (``10.1.0.0/16``),
-as horovodrun's option of that name and Open MPI's ``*_if_include`` parameters do.
-
-poprun-lite itself needs a host's address only to find its own on the job's network
-(:func:`launcher_address`, without ``--network-interface``): every other contact with a
-host goes through the launch agent (ssh, or srun inside a Slurm allocation), and the
-hosts reach the launcher at that address, never by name. Inside a Slurm allocation a
-node whose name does not resolve (cloud and container clusters often name nodes only
-in ``slurm.conf``) is reached at the address Slurm has for it, its ``NodeAddr``
-(:func:`popdist_lite_launcher.slurm.scontrol.node_address`).
+"""Commands on other hosts, through the launch agent (``--launch-agent``: ssh; the
+``srun`` agent inside a Slurm allocation), all hosts at once: the check that every host
+is usable before mpirun starts (reachable with the launch agent, and able to reach the
+launcher over the job's network with the check's key: the probe,
+:mod:`popdist_lite_launcher.node.probe`), the job's key files
+(:mod:`popdist_lite_launcher.core.channel`) and the cleanup after an attempt
+(:mod:`popdist_lite_launcher.node.cleanup`). Host names are checked earlier, by
+:mod:`popdist_lite_launcher.core.hosts`; the commands put ``--`` before the host
+(:func:`check_command`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import fcntl
-import ipaddress
-import os
 import shlex
-import socket
-import struct
+import shutil
 import subprocess
 import sys
 import time
 
 from . import children
-from ..slurm import scontrol
-from .command import LauncherError
-
-_SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
+from ..core import channel
+from ..core.api import AttemptError, LauncherError
+from ..core.hosts import is_local_host
+from ..core.plan import RankSpec
+from ..node import cleanup, probe
+from ..supervise.collector import Collector
 
 #: Seconds a host gets to answer the reachability check (the launch agent's whole run).
 HOST_CHECK_TIMEOUT_SECONDS = 20.0
-
-
-def is_cidr(network: str) -> bool:
-    """True for ``a.b.c.d/n`` (a network), False for an interface name."""
-    try:
-        ipaddress.ip_network(network, strict=False)
-    except ValueError:
-        return False
-    return "/" in network
-
-
-def interface_addresses() -> dict[str, str]:
-    """The IPv4 address of every local interface that has one (Linux)."""
-    found = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR,
-                                     struct.pack("256s", name[:15].encode()))
-            except OSError:
-                continue
-            found[name] = socket.inet_ntoa(packed[20:24])
-    return found
-
-
-def launcher_address(network: str | None, hosts: list[str]) -> str:
-    """The launcher's address the ranks on ``hosts`` reach it at: its address in
-    ``network`` (a CIDR or an interface name), else the source address of its route to
-    the first host (a UDP ``connect``, which sends nothing), at the host's address: its
-    name resolved here, else inside a Slurm allocation the node's ``NodeAddr``
-    (:func:`route_target`).
-
-    Raises:
-        LauncherError: no local address in that network / no such interface / no route
-            / no address for the host.
-    """
-    if network:
-        addresses = interface_addresses()
-        if is_cidr(network):
-            net = ipaddress.ip_network(network, strict=False)
-            for address in addresses.values():
-                if ipaddress.ip_address(address) in net:
-                    return address
-            raise LauncherError(f"--network-interface {network}: this machine has no address "
-                                f"in it (it has {', '.join(sorted(addresses.values())) or 'none'})")
-        if network in addresses:
-            return addresses[network]
-        raise LauncherError(f"--network-interface {network}: no such interface with an IPv4 "
-                            f"address here (have: {', '.join(sorted(addresses)) or 'none'})")
-    target = route_target(hosts[0])
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((target, 9))
-            return probe.getsockname()[0]
-    except OSError as exc:
-        at = "" if target == hosts[0] else f" at {target}"
-        raise LauncherError(f"no route to host {hosts[0]!r}{at}: {exc}") from exc
-
-
-def route_target(host: str) -> str:
-    """The IPv4 address to route to to reach ``host``: ``host`` itself when it is one,
-    else its name resolved here (``/etc/hosts``, DNS), else inside a Slurm allocation
-    (``SLURM_JOB_ID`` set) the node's ``NodeAddr``
-    (:func:`popdist_lite_launcher.slurm.scontrol.node_address`, itself resolved when a name).
-
-    Raises:
-        LauncherError: the name does not resolve, and there is no allocation or Slurm
-            has no address for it (both named).
-    """
-    try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
-    except OSError as exc:  # socket.gaierror: the name does not resolve here
-        unresolved = f"no route to host {host!r}: {exc}"
-    if scontrol.job_id(os.environ) is None:
-        raise LauncherError(unresolved)
-    try:
-        address = scontrol.node_address(host)
-    except LauncherError as exc:
-        raise LauncherError(f"{unresolved}; nor has Slurm an address for it: {exc}") from None
-    try:
-        return socket.getaddrinfo(address, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
-    except OSError as exc:
-        raise LauncherError(f"{unresolved}; its NodeAddr in Slurm, {address}: {exc}") from None
+#: Seconds the cleanup of all hosts may take.
+CLEANUP_TIMEOUT_SECONDS = 20.0
 
 
 def check_command(launch_agent: str, host: str, command=("true",)) -> list[str]:
@@ -191,12 +101,9 @@ def probe_hosts(launch_agent: str, hosts: list[str], address: str,
     Raises:
         OSError: the check server cannot listen on ``address``.
     """
-    from ..node import probe  # the host's side: its exit code and words
-    from ..supervise.collector import Collector
-
     with Collector(address, ranks=len(hosts)) as server:
         outcomes = run_on_hosts(
-            launch_agent, hosts, lambda host, index: [sys.executable, "-m", "popdist_lite_launcher.node.probe",
+            launch_agent, hosts, lambda host, index: [sys.executable, "-m", probe.__name__,
                                                       server.address, str(index)],
             timeout=timeout, input_text=server.key.hex() + "\n")
         deadline = time.monotonic() + 2.0  # a hello is recorded just after its welcome left
@@ -244,3 +151,80 @@ def check_hosts(launch_agent: str, hosts: list[str], timeout: float = HOST_CHECK
     for host in dict.fromkeys(hosts):
         if problems.get(host):
             raise LauncherError(problems[host])
+
+
+def deposit_keys(ranks: list[RankSpec], remote: list[str], key: bytes, mark: str,
+                 launch_agent: str) -> str | None:
+    """Give every rank's agent the job's ``key`` in a file of its own on its host
+    (:func:`channel.write_keys <popdist_lite_launcher.core.channel.write_keys>`), and set the
+    file's path in the rank's environment (:data:`channel.KEY_FILE_ENV
+    <popdist_lite_launcher.core.channel.KEY_FILE_ENV>`, in ``ranks[i].env``): on this host
+    directly, on each host of ``remote`` with the launch agent running
+    ``python -m popdist_lite_launcher.core.channel MARK RANK...`` with the key on its standard
+    input (all hosts at once), whose printed directory is checked
+    (:func:`channel.is_key_dir <popdist_lite_launcher.core.channel.is_key_dir>`). Returns this
+    host's key directory (None: no rank here), for the caller to remove after the
+    attempt; the cleanup removes the others' (``remove_keys``).
+
+    Raises:
+        AttemptError: naming the host where the files could not be written.
+    """
+    hosts: dict[str | None, list[int]] = {}
+    for rank, spec in enumerate(ranks):
+        hosts.setdefault(None if is_local_host(spec.host) else spec.host, []).append(rank)
+    directories: dict[str | None, str] = {}
+    try:
+        if None in hosts:
+            directories[None] = channel.write_keys(key, hosts[None], mark)
+    except OSError as exc:
+        raise AttemptError(f"cannot write the job's key files on this host: {exc}") from None
+    outcomes = run_on_hosts(
+        launch_agent, remote, lambda host, index: [sys.executable, "-m", channel.__name__, mark,
+                                                   *map(str, hosts[host])],
+        timeout=HOST_CHECK_TIMEOUT_SECONDS, input_text=key.hex() + "\n")
+    for host in remote:
+        outcome = outcomes[host]
+        printed = "" if isinstance(outcome, str) else outcome.stdout.strip()
+        if isinstance(outcome, str) or outcome.returncode != 0 or not channel.is_key_dir(printed, mark):
+            if None in directories:
+                shutil.rmtree(directories[None], ignore_errors=True)
+            said = outcome if isinstance(outcome, str) else \
+                f"exit code {outcome.returncode}: " + " / ".join(
+                    (outcome.stderr.strip() or printed[:200] or "no output").splitlines()[-3:])
+            raise AttemptError(f"cannot give the job's key to host {host} with the launch agent: {said}")
+        directories[host] = printed
+    for host, members in hosts.items():
+        for rank in members:
+            ranks[rank].env[channel.KEY_FILE_ENV] = f"{directories[host]}/{channel.key_file_name(rank)}"
+    return directories.get(None)
+
+
+def remote_command(mark: str) -> list[str]:
+    """What :func:`clean_hosts` runs on a host."""
+    return [sys.executable, "-m", cleanup.__name__, mark]
+
+
+def clean_hosts(launch_agent: str, hosts: list[str], mark: str,
+                timeout: float = CLEANUP_TIMEOUT_SECONDS) -> tuple[dict[str, str], dict[str, str]]:
+    """Kill what is left of the attempt ``mark`` on every host of ``hosts`` (run with the
+    launch agent, all at once).
+
+    Returns:
+        for each host where that failed, why; and for the hosts among them that the
+        launch agent did not reach (no answer within ``timeout``, or no word
+        (:data:`~popdist_lite_launcher.node.cleanup.SAID`) from the cleanup command, only the agent's own failure) the
+        sentence naming each (:func:`not_reachable`).
+    """
+    problems, unreached = {}, set()
+    outcomes = run_on_hosts(launch_agent, hosts, lambda host, index: remote_command(mark), timeout=timeout)
+    for host, outcome in outcomes.items():
+        if isinstance(outcome, str):
+            problems[host] = outcome
+            unreached.add(host)
+        elif outcome.returncode != 0:
+            said = (outcome.stderr.strip() or outcome.stdout.strip()).splitlines()[-3:]
+            problems[host] = f"exit code {outcome.returncode}" + (": " + " / ".join(said) if said else "")
+            if cleanup.SAID not in outcome.stdout + outcome.stderr:
+                unreached.add(host)
+    return problems, {host: not_reachable(launch_agent, host, f"the cleanup after the attempt: {problems[host]}")
+                      for host in hosts if host in unreached}

@@ -21,8 +21,8 @@ the line or the exit code and the end of its stderr. What the launcher does with
 from __future__ import annotations
 
 from ..core import hosts
+from ..core.api import LauncherError
 from ..launch import children
-from ..launch.command import LauncherError
 
 #: Seconds a discovery script may run before it is killed and the discovery fails.
 DISCOVERY_TIMEOUT_SECONDS = 10.0

@@ -1,9 +1,10 @@
 """Elastic jobs: ``poprun-lite --min-replicas N`` (``--num-replicas`` is the most), hosts
 from ``--host-discovery-script`` (or ``-H``/``--hostfile``), a membership per attempt.
 The attempts themselves run in :mod:`popdist_lite_launcher.attempts` (its
-``ElasticPolicy`` uses what is here).
+:class:`~popdist_lite_launcher.membership.policies.ElasticPolicy` uses what is here).
 
-Every attempt runs on a **membership** (:class:`Membership`): the usable hosts' slots,
+Every attempt runs on a **membership**
+(:class:`~popdist_lite_launcher.core.api.Membership`): the usable hosts' slots,
 taken in discovery order, up to ``--num-replicas`` replicas (a replica and its feeders
 on one host, so a host of S slots holds ``S // (1 + F)`` replicas; a host listed without
 slots holds one). Usable means the host is discovered and passes the probe
@@ -13,7 +14,8 @@ launcher waits (:func:`wait_for_membership`), polling every ``--discovery-interv
 seconds and saying what it waits for, at most ``--elastic-timeout`` seconds (and within
 ``--timeout``).
 
-During an attempt the :class:`ResizeMonitor` looks at the hosts every
+During an attempt the
+:class:`~popdist_lite_launcher.membership.resize.ResizeMonitor` looks at the hosts every
 ``--discovery-interval`` seconds and, when discovery finds more usable slots than the
 attempt uses (up to ``--num-replicas``) or stops listing a host the attempt uses, asks
 every replica's agent for a resize (``resize_request``): the replicas agree at a step
@@ -29,54 +31,26 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-from popdist_lite import records
-
 from . import discovery
+from ..core.api import LauncherError, Membership, Wait
+from ..core.hosts import is_local_host
 from ..core.options import Options
-from ..launch import children
-from ..launch.remote import launcher_address, probe_hosts
-from ..launch.command import LauncherError, is_local_host
+from ..launch.address import NodeAddress, launcher_address
+from ..launch import remote
 
 #: Default of ``--discovery-interval``: seconds between two checks of the hosts.
 DISCOVERY_INTERVAL_SECONDS = 2.0
 #: Default of ``--elastic-timeout``: seconds an elastic job waits for enough hosts
 #: (Horovod's ``--elastic-timeout`` default).
 ELASTIC_TIMEOUT_SECONDS = 600.0
-#: Seconds between two sends of a resize request to agents that did not get it yet.
-RESEND_SECONDS = 0.5
-#: Most seconds :meth:`ResizeMonitor.stop` waits for the monitor's thread.
-STOP_SECONDS = 30.0
 
 
 def _say(text: str) -> None:
     print(f"poprun-lite: {text}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------ membership
-
-@dataclass(frozen=True)
-class Membership:
-    """An attempt's hosts: ``(host, replicas on it)`` in rank order (host None: this
-    machine, no ``-H``)."""
-
-    hosts: tuple[tuple[str | None, int], ...]
-
-    @property
-    def replicas(self) -> int:
-        return sum(count for _, count in self.hosts)
-
-    def names(self) -> list[str]:
-        return [host for host, _ in self.hosts if host is not None]
-
-    def describe(self) -> str:
-        """``4 replicas on pdlh1 (2), pdlh2 (2)``."""
-        where = ", ".join(f"{host or 'this host'} ({count})" for host, count in self.hosts)
-        return f"{self.replicas} replica{'s' if self.replicas != 1 else ''}" + (f" on {where}" if where else "")
 
 
 def capacity(slots: int | None, feeders: int) -> int:
@@ -163,10 +137,12 @@ class Survey:
 
 
 class Cluster:
-    """The hosts of an elastic job, as discovery and the probes see them now."""
+    """The hosts of an elastic job, as discovery and the probes see them now;
+    ``node_address`` finds a host whose name does not resolve here
+    (:func:`~popdist_lite_launcher.launch.address.launcher_address`)."""
 
-    def __init__(self, opts: Options):
-        self.opts = opts
+    def __init__(self, opts: Options, node_address: NodeAddress | None = None):
+        self.opts, self.node_address = opts, node_address
 
     def discover(self) -> list[tuple[str, int | None]]:
         """``(host, slots)`` available now: the discovery script's, else ``-H`` /
@@ -231,27 +207,27 @@ class Cluster:
             probe()
         return [(host, slots) for host, slots in available if host in good], problems
 
-    def _probe(self, remote: list[str]) -> dict[str, str]:
-        """For each host of ``remote`` that fails the probe, why."""
-        if not remote:
+    def _probe(self, hosts: list[str]) -> dict[str, str]:
+        """For each host of ``hosts`` that fails the probe, why."""
+        if not hosts:
             return {}
         try:
-            address = self.address(remote)
+            address = self.address(hosts)
         except LauncherError as exc:
-            return {host: str(exc) for host in remote}
-        return {h: p for h, p in probe_hosts(self.opts.launch_agent, remote, address).items() if p}
+            return {host: str(exc) for host in hosts}
+        return {h: p for h, p in remote.probe_hosts(self.opts.launch_agent, hosts, address).items() if p}
 
-    def address(self, remote: list[str]) -> str:
-        """The launcher's address on the job's network, seen from ``remote`` hosts (the
+    def address(self, hosts: list[str]) -> str:
+        """The launcher's address on the job's network, seen from the ``hosts`` (the
         route to the first of them that has one, without ``--network-interface``).
 
         Raises:
             LauncherError: no address for any of them.
         """
         error = None
-        for host in remote if not self.opts.network_interface else remote[:1]:
+        for host in hosts if not self.opts.network_interface else hosts[:1]:
             try:
-                return launcher_address(self.opts.network_interface, [host])
+                return launcher_address(self.opts.network_interface, [host], self.node_address)
             except LauncherError as exc:
                 error = error or exc
         raise error
@@ -287,88 +263,7 @@ def waiting_note(membership: Membership | None, minimum: int, problems: dict[str
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ the resize monitor
-
-class ResizeMonitor:
-    """During an attempt on ``membership``: every ``interval`` seconds, discovery and the
-    probe of the hosts the attempt does not use (:meth:`Cluster.discover`,
-    :meth:`Cluster.usable`); when :func:`resize_reason` finds one, ``send(rank,
-    resize_request)`` to every replica's agent (``rank`` 0 to R-1), again every
-    :data:`RESEND_SECONDS` to those not reached yet, until :meth:`stop`. A discovery
-    error is printed once per distinct message and changes nothing."""
-
-    def __init__(self, cluster: Cluster, membership: Membership, send: Callable[[int, dict], bool],
-                 interval: float = DISCOVERY_INTERVAL_SECONDS, say: Callable[[str], None] = _say):
-        self.cluster, self.membership, self.send = cluster, membership, send
-        self.interval, self.say = interval, say
-        self.reason: str | None = None   # why a resize was asked for
-        self.target: Membership | None = None
-        self.sent: set[int] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="poprun-lite resize monitor", daemon=True)
-        self._last_error: str | None = None
-
-    def start(self) -> "ResizeMonitor":
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = STOP_SECONDS) -> None:
-        """End the monitor: its discovery script or probes still running are killed
-        (:func:`children.kill_all <popdist_lite_launcher.launch.children.kill_all>`, again until
-        its thread has ended, at most ``timeout`` seconds), so nothing it started
-        outlives the attempt."""
-        self._stop.set()
-        until = time.monotonic() + timeout
-        while self._thread.is_alive() and time.monotonic() < until:
-            children.kill_all()
-            self._thread.join(0.1)
-
-    @property
-    def asked(self) -> bool:
-        """Whether a resize request reached a replica's agent in this attempt."""
-        return bool(self.sent)
-
-    def check(self) -> None:
-        """One round: discovery, probes, the decision (and the first requests)."""
-        if self.reason is None:
-            try:
-                available = self.cluster.discover()
-                usable, _ = self.cluster.usable(available, trusted=self.membership.names())
-            except LauncherError as exc:
-                if self._stop.is_set():  # killed by stop(): the attempt is over
-                    return
-                if str(exc) != self._last_error:
-                    self._last_error = str(exc)
-                    self.say(f"host discovery failed during the attempt (membership kept): {exc}")
-                return
-            target = self.cluster.size(usable)
-            reason = resize_reason(self.membership, target, available, self.cluster.opts.feeders_per_replica)
-            if reason is None or self._stop.is_set():  # nothing new, or the attempt is over
-                return
-            self.reason, self.target = reason, target
-            self.say(f"asking the replicas to checkpoint and stop for a resize to {target.describe()} "
-                     f"({reason})")
-        request = records.make("resize_request", replicas=self.target.replicas)
-        for rank in range(self.membership.replicas):
-            if rank not in self.sent and self.send(rank, request):
-                self.sent.add(rank)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval if self.reason is None else RESEND_SECONDS):
-            try:
-                self.check()
-            except Exception as exc:  # noqa: BLE001 - a bug here must not end the job
-                self.say(f"resize monitor error: {type(exc).__name__}: {exc}")
-
-
 # ------------------------------------------------------------------ waiting for hosts
-
-@dataclass
-class Wait:
-    """How waiting for hosts ended without a membership: the exit code and the line."""
-    code: int
-    text: str
-
 
 def wait_for_membership(cluster: Cluster, deadline: float | None, first: Survey | None = None,
                         say: Callable[[str], None] = _say) -> "Membership | Wait":

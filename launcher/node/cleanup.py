@@ -1,27 +1,27 @@
-"""Nothing left behind: every process of an attempt carries the attempt's mark, and when
-the attempt ends whatever still carries it is killed, on every host.
+"""Nothing left behind, the host's side: every process of an attempt carries the
+attempt's mark, and when the attempt ends whatever still carries it is killed, on every
+host.
 
-The mark is ``POPRUN_LITE_ATTEMPT=<hex>`` (:func:`new_mark`, a new one per attempt) in the
-environment. mpirun forwards it to every rank (agents and programs, like the collector's
-address), and the launch agent poprun-lite gives mpirun for remote hosts is
-:data:`ATTEMPT_AGENT`, a wrapper around the real one (``--launch-agent``, in
-:data:`LAUNCH_AGENT_ENV`) that prefixes the command it runs on a host with ``export
-POPRUN_LITE_ATTEMPT=...``, so the MPI daemon started there (Open MPI's prted, MPICH's
-hydra_pmi_proxy) and everything it starts carry the mark too. Open MPI's daemon on a
-surviving host can otherwise outlive a lost-host attempt as an orphan for many minutes.
+The mark is ``POPRUN_LITE_ATTEMPT=<hex>`` (:data:`MARK_ENV`, :func:`new_mark`, a new one
+per attempt) in the environment. mpirun forwards it to every rank (agents and programs,
+like the collector's address), and mpirun's daemons on other hosts get it from the
+backend: the ssh backend's launch agent
+(:data:`popdist_lite_launcher.ssh.launcher.ATTEMPT_AGENT`) exports it before the command
+it runs on a host, and under Slurm the ``srun`` steps carry mpirun's environment, so the
+MPI daemon started there (Open MPI's prted, MPICH's hydra_pmi_proxy) and everything it
+starts carry the mark too. Open MPI's daemon on a surviving host can otherwise outlive a
+lost-host attempt as an orphan for many minutes.
 
 When an attempt ends, however it ended, the launcher runs ``python -m
 popdist_lite_launcher.node.cleanup MARK`` on every remote host of the attempt through the
-launch agent, all at once and under :data:`CLEANUP_TIMEOUT_SECONDS` (and
-:func:`kill_marked` itself for ranks on its own host); a host where that fails is
-reported, and a host the launch agent did not reach at all (no word from the cleanup
-command) is one the next attempt leaves out without probing it again: the cleanup was
-the probe (:mod:`popdist_lite_launcher.attempts`). :func:`kill_marked` SIGKILLs every process of the caller's user whose
-environment holds the mark (read from ``/proc/PID/environ``), itself and its ancestors
-excepted, until none is left, and removes the attempt's key directory there
+launch agent (:func:`popdist_lite_launcher.launch.remote.clean_hosts`), and
+:func:`kill_marked` itself for ranks on its own host. :func:`kill_marked` SIGKILLs every
+process of the caller's user whose environment holds the mark (read from
+``/proc/PID/environ``), itself and its ancestors excepted, until none is left, and
+:func:`main` removes the attempt's key directory there
 (:func:`popdist_lite_launcher.core.channel.remove_keys`: the files of agents that never
-started). The mark names processes; it is not a secret: a local user
-who copies it into a process of their own only gets that process killed.
+started). The mark names processes; it is not a secret: a local user who copies it into
+a process of their own only gets that process killed.
 """
 
 from __future__ import annotations
@@ -38,12 +38,6 @@ from ..core import channel
 
 #: The variable holding the attempt's mark, in every process of the attempt.
 MARK_ENV = "POPRUN_LITE_ATTEMPT"
-#: The real launch agent (``--launch-agent``), for :data:`ATTEMPT_AGENT`.
-LAUNCH_AGENT_ENV = "POPRUN_LITE_LAUNCH_AGENT"
-#: The launch agent poprun-lite gives mpirun for remote hosts (a bash script).
-ATTEMPT_AGENT = str(Path(__file__).parents[1] / "ssh" / "attempt-agent")
-#: Seconds the cleanup of all hosts may take.
-CLEANUP_TIMEOUT_SECONDS = 20.0
 #: How every line the cleanup command (:func:`main`) prints begins.
 SAID = "poprun-lite cleanup"
 #: Rounds of :func:`kill_marked` (a daemon may start a process while it is killed).
@@ -117,40 +111,6 @@ def kill_marked(mark: str, rounds: int = KILL_ROUNDS) -> tuple[int, list[int]]:
                 pass
         time.sleep(0.05)
     return len(killed), marked(mark)
-
-
-def remote_command(mark: str) -> list[str]:
-    """What :func:`clean_hosts` runs on a host."""
-    return [sys.executable, "-m", "popdist_lite_launcher.node.cleanup", mark]
-
-
-def clean_hosts(launch_agent: str, hosts: list[str], mark: str,
-                timeout: float = CLEANUP_TIMEOUT_SECONDS) -> tuple[dict[str, str], dict[str, str]]:
-    """Kill what is left of the attempt ``mark`` on every host of ``hosts`` (run with the
-    launch agent, all at once).
-
-    Returns:
-        for each host where that failed, why; and for the hosts among them that the
-        launch agent did not reach (no answer within ``timeout``, or no word
-        (:data:`SAID`) from the cleanup command, only the agent's own failure) the
-        sentence naming each (:func:`network.not_reachable
-        <popdist_lite_launcher.launch.remote.not_reachable>`).
-    """
-    from ..launch.remote import not_reachable, run_on_hosts
-
-    problems, unreached = {}, set()
-    outcomes = run_on_hosts(launch_agent, hosts, lambda host, index: remote_command(mark), timeout=timeout)
-    for host, outcome in outcomes.items():
-        if isinstance(outcome, str):
-            problems[host] = outcome
-            unreached.add(host)
-        elif outcome.returncode != 0:
-            said = (outcome.stderr.strip() or outcome.stdout.strip()).splitlines()[-3:]
-            problems[host] = f"exit code {outcome.returncode}" + (": " + " / ".join(said) if said else "")
-            if SAID not in outcome.stdout + outcome.stderr:
-                unreached.add(host)
-    return problems, {host: not_reachable(launch_agent, host, f"the cleanup after the attempt: {problems[host]}")
-                      for host in hosts if host in unreached}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ import time
 
 from popdist_lite import progress
 
-from ..supervise.stall import stopped_text
+from ..core.text import stopped_text
 
 #: Seconds between two reads of the rank's slot.
 POLL_SECONDS = 0.2
@@ -105,8 +105,7 @@ class RankProgress:
 
     def dump_stack(self, pid: int, timeout: float = STACK_TIMEOUT_SECONDS) -> str:
         """Ask process ``pid`` (the rank) for every thread's Python stack; return the text
-        it appended to the stack file within ``timeout`` s; :func:`stall.stopped_text
-        <popdist_lite_launcher.supervise.stall.stopped_text>` if the process is stopped (then it is
+        it appended to the stack file within ``timeout`` s; :func:`~popdist_lite_launcher.core.text.stopped_text` if the process is stopped (then it is
         not signalled) or was stopped when no text came; "" if none came otherwise."""
         state = _stopped_state(pid)
         if state:

@@ -1,59 +1,41 @@
-"""Slurm: the allocation poprun-lite runs in (its job, nodes and task slots), which
-launcher starts the job's processes, and the mpirun arguments of a launch through Slurm.
+"""The allocation poprun-lite runs in (its job, nodes and task slots) and the part it
+takes in the job: which launcher starts the processes, the hosts and the replicas.
 
 Inside an allocation (``SLURM_JOB_ID`` set, e.g. in an ``sbatch`` script or under
 ``salloc``) and without ``-H``/``--hostfile``, the job's hosts are the allocation's
 nodes (``SLURM_JOB_NODELIST``, expanded by ``scontrol show hostnames``) with as many
 slots as Slurm gave each node tasks (``SLURM_TASKS_PER_NODE``, ``2(x3),1`` form, else
 ``SLURM_NTASKS_PER_NODE``), and ``--num-replicas`` defaults to the allocation's task
-count (:func:`allocation`, :func:`place`).
+count (:func:`from_environment`, :func:`place`).
 
 ``--launcher`` (:func:`choose_launcher`): ``slurm`` starts every process on another
-node through Slurm: mpirun's own Slurm launch (:func:`mpirun_args`: Open MPI's PRRTE
-with its ``slurm`` plm, which starts its daemons with ``srun``; MPICH's hydra with
-``-launcher slurm``; :class:`SlurmLauncher`), and poprun-lite's own commands there (the host check, the cleanup
-after an attempt) through :data:`SRUN_AGENT`, a launch agent called like ssh that runs
-the command as a one-task ``srun --overlap`` step on that node. So ``scancel`` ends every
-process of the job on every node and Slurm's accounting lists the steps. ``ssh`` is
-mpirun over ssh (``--launch-agent``), outside Slurm's control; ``auto`` (the default)
-is ``slurm`` inside an allocation without ``-H``/``--hostfile``, else ``ssh``.
+node through Slurm (:mod:`popdist_lite_launcher.slurm.launcher`); ``ssh`` is mpirun over
+ssh (``--launch-agent``), outside Slurm's control; ``auto`` (the default) is ``slurm``
+inside an allocation without ``-H``/``--hostfile``, else ``ssh`` (:func:`configure`).
 
 Every value read from Slurm's environment and from Slurm's commands is checked before
 it is used (node names with the grammar of :mod:`popdist_lite_launcher.core.hosts`), and
 bounded before it costs memory: the environment's texts at :data:`MAX_TEXT_CHARS`, the
-commands' output read as it comes and stopped at a limit (:func:`query`; the node list
-at :data:`MAX_NODES` names), tasks at :data:`MAX_TASKS_PER_NODE` a node and
-:data:`MAX_TASKS` in all. A bad one raises
-:class:`~popdist_lite_launcher.launch.command.LauncherError` naming the variable or command.
-
-A node's name need not resolve on the nodes (cloud and container clusters often name
-nodes only in ``slurm.conf``): Slurm, srun and mpirun's Slurm launch reach a node by
-the address Slurm has for it, and so does poprun-lite, where it needs one
-(:func:`node_address`, used by :func:`popdist_lite_launcher.launch.remote.launcher_address`).
+commands' output read as it comes and stopped at a limit
+(:func:`popdist_lite_launcher.slurm.scontrol.query`; the node list at :data:`MAX_NODES`
+names), tasks at :data:`MAX_TASKS_PER_NODE` a node and :data:`MAX_TASKS` in all. A bad
+one raises :class:`~popdist_lite_launcher.core.api.LauncherError` naming the variable or
+command.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass
-from pathlib import Path
 
+from .launcher import SRUN_AGENT
+from .scontrol import _clipped, _shown, job_id, query
+from ..core.api import LauncherError
 from ..core.hosts import MAX_HOSTNAME_CHARS, check_host
-from ..launch.base import SshLauncher
-from ..launch.command import OPENMPI, LauncherError
-from ..node import hold_signals
-from .scontrol import (MAX_NODE_OUTPUT_BYTES, SCONTROL_TIMEOUT_SECONDS, _clipped, _shown, job_id,  # noqa: F401
-                       node_address, query)
+from ..core.options import Allocation
 
 AUTO, SSH, SLURM = "auto", "ssh", "slurm"
 LAUNCHERS = (AUTO, SSH, SLURM)
-
-#: The launch agent for nodes of the allocation: ``srun-agent [options] [--] HOST COMMAND``.
-SRUN_AGENT = str(Path(__file__).with_name("srun-agent"))
-#: MPICH's srun (``-launcher-exec``) when the signals are held: srun with ``hydra_pmi_proxy``
-#: started through :mod:`popdist_lite_launcher.node.hold_signals`.
-SRUN_HELD = str(Path(__file__).with_name("srun-held"))
 
 #: Longest node list and tasks-per-node text accepted.
 MAX_TEXT_CHARS = 65536
@@ -66,31 +48,6 @@ MAX_TASKS_PER_NODE = 65533
 MAX_TASKS = 65536
 _NODELIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.,\[\]-]*")
 _TASKS = re.compile(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?")
-@dataclass(frozen=True)
-class Allocation:
-    """A Slurm job's allocation: its id, its nodes in Slurm's order and the tasks
-    (slots) on each, ``tasks[i]`` on ``nodes[i]``."""
-
-    job_id: str
-    nodelist: str
-    nodes: tuple[str, ...]
-    tasks: tuple[int, ...]
-
-    @property
-    def total_tasks(self) -> int:
-        return sum(self.tasks)
-
-    @property
-    def slots(self) -> dict[str, int]:
-        return dict(zip(self.nodes, self.tasks))
-
-    def describe(self) -> str:
-        """``slurm job 12: 2 node(s) pdls[1-2], 4 task(s): pdls1 2, pdls2 2``."""
-        per_node = ", ".join(f"{node} {count}" for node, count in zip(self.nodes, self.tasks))
-        return (f"slurm job {self.job_id}: {len(self.nodes)} node(s) {self.nodelist}, "
-                f"{self.total_tasks} task(s): {per_node}")
-
-
 def _check_tasks(count: int, total: int, name: str, text: str) -> None:
     """Refuse a node's task ``count`` past :data:`MAX_TASKS_PER_NODE`, or a ``total``
     so far past :data:`MAX_TASKS` (naming ``name`` and its value ``text``)."""
@@ -202,7 +159,7 @@ def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
     return parse_hostnames(proc.stdout)
 
 
-def allocation(environ, expand=None) -> Allocation | None:
+def from_environment(environ, expand=None) -> Allocation | None:
     """The allocation this process runs in, from ``environ`` (None outside one): its
     nodes (``SLURM_JOB_NODELIST``, else ``SLURM_NODELIST``, through ``expand``, default
     :func:`expand_nodelist`) and the
@@ -272,58 +229,6 @@ def place(nodes: list[str], slots: dict[str, int], replicas: int) -> list[tuple[
     return placed
 
 
-def mpirun_args(implementation: str, hold: bool = False) -> list[str]:
-    """mpirun's arguments for a launch through Slurm: Open MPI's ``--prtemca plm slurm``
-    (its daemons started with ``srun``), MPICH's ``-launcher slurm``. With
-    ``hold`` the daemons on the other nodes start with SIGTERM blocked
-    (:mod:`popdist_lite_launcher.node.hold_signals`): Open MPI's ``prte_launch_agent``, MPICH's
-    ``-launcher-exec`` :data:`~popdist_lite_launcher.SRUN_HELD`.
-
-    Raises:
-        LauncherError: ``hold`` under Open MPI with a space in python's path or
-            this package's (``prte_launch_agent`` is split on spaces).
-    """
-    if implementation == OPENMPI:
-        if not hold:
-            return ["--prtemca", "plm", "slurm"]
-        agent = hold_signals.daemon_command("prted")
-        if agent is None:
-            raise LauncherError("--preemption: the path of python or of poprun-lite has a space, "
-                                "which Open MPI's prte_launch_agent cannot hold; use --preemption off")
-        return ["--prtemca", "plm", "slurm", "--prtemca", "prte_launch_agent", agent,
-                "--prtemca", "plm_slurm_args", "--job-name=prted"]  # the step's name, not python's
-    if not hold:
-        return ["-launcher", "slurm"]
-    return ["-launcher", "slurm", "-launcher-exec", SRUN_HELD]
-
-
-class SlurmLauncher(SshLauncher):
-    """The :class:`~popdist_lite_launcher.attempts.Launcher` of ``--launcher slurm``:
-    an :class:`~popdist_lite_launcher.launch.base.SshLauncher` (same probe, collector,
-    cleanup, with :data:`SRUN_AGENT` as their launch agent) whose mpirun starts the ranks
-    on other nodes through Slurm (:func:`mpirun_args`, no launch agent)."""
-
-    def remote_launch(self) -> tuple[list[str], str | None]:
-        return mpirun_args(self.implementation, self.holds_sigterm), None
-
-    def local_launch(self) -> list[str]:
-        """MPICH's hydra starts its proxy with srun on this node too (it finds the
-        allocation itself), so with SIGTERM held it gets :func:`mpirun_args` here as well;
-        and ``-localhost 127.0.0.1``, the address that proxy calls hydra back at (else
-        this node's name, which need not resolve: docs/slurm.md, "Node names and
-        addresses")."""
-        if self.implementation == OPENMPI:
-            return []
-        return [*(mpirun_args(self.implementation, True) if self.holds_sigterm else []), "-localhost", "127.0.0.1"]
-
-    def environment(self, env: dict[str, str]) -> dict[str, str]:
-        """``env`` with ``SLURM_OVERLAP=1``: the steps mpirun starts with ``srun`` (its
-        daemons) share the nodes with the job's other steps, as the agent's do, so that a
-        step of an earlier attempt Slurm has not ended yet (one on a lost node) does not
-        hold the next attempt's step back ("Requested nodes are busy")."""
-        return {**env, "SLURM_OVERLAP": "1"}
-
-
 def configure(opts, environ) -> None:
     """Settle the launcher and the allocation's part in the job, on poprun-lite's
     argparse namespace ``opts`` (before it becomes
@@ -341,12 +246,12 @@ def configure(opts, environ) -> None:
 
     Raises:
         LauncherError: ``--launcher slurm`` outside an allocation, or a bad value in
-            Slurm's environment (:func:`allocation`).
+            Slurm's environment (:func:`from_environment`).
     """
     hosts_given = bool(opts.host or opts.hostfile or opts.host_discovery_script)
     inside = job_id(environ) is not None
     opts.launcher = choose_launcher(opts.launcher, inside, hosts_given)
-    opts.allocation = allocation(environ) if inside and (not hosts_given or opts.launcher == SLURM) \
+    opts.allocation = from_environment(environ) if inside and (not hosts_given or opts.launcher == SLURM) \
         else None
     opts.allocation_hosts = None
     opts.slurm_placement = None

@@ -33,7 +33,7 @@ Output that does not pass leaves a node without a state (not usable; why names t
 failed ``squeue`` too, if it failed), or the job's node list unknown (then the
 allocation's nodes are kept, their states deciding); when ``sinfo`` itself fails,
 the states are unknown and only the probe decides. Each query's output is read as it
-comes and stopped past :data:`MAX_OUTPUT_CHARS` (:func:`popdist_lite_launcher.slurm.allocation.query`):
+comes and stopped past :data:`MAX_OUTPUT_CHARS` (:func:`popdist_lite_launcher.slurm.scontrol.query`):
 a query stopped so has failed.
 """
 
@@ -42,12 +42,14 @@ from __future__ import annotations
 import re
 import subprocess
 
-from .allocation import SLURM, expand_nodelist, query
-from ..attempts import ElasticPolicy, FixedPolicy
+from .allocation import SLURM, expand_nodelist
+from .scontrol import query, route_to_node
+from ..core.api import LauncherError, Membership
 from ..core.options import Options
-from ..launch.remote import launcher_address, probe_hosts
-from ..launch.command import LauncherError
-from ..membership.elastic import Cluster, Membership, capacity, size_attempt
+from ..launch.address import launcher_address
+from ..launch.remote import probe_hosts
+from ..membership.elastic import Cluster, capacity, size_attempt
+from ..membership.policies import ElasticPolicy, FixedPolicy
 
 #: Seconds one ``squeue``/``sinfo`` may take.
 QUERY_TIMEOUT_SECONDS = 30.0
@@ -167,14 +169,14 @@ class Nodes:
         if not nodes:
             return {}
         try:
-            address = launcher_address(self.network_interface, nodes)
+            address = launcher_address(self.network_interface, nodes, route_to_node)
             return probe_hosts(self.launch_agent, nodes, address)
         except (OSError, LauncherError) as exc:
             return {node: f"node {node}: {exc}" for node in nodes}
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
-    """``argv`` run with :func:`popdist_lite_launcher.slurm.allocation.query`: at most
+    """``argv`` run with :func:`popdist_lite_launcher.slurm.scontrol.query`: at most
     :data:`MAX_OUTPUT_CHARS` bytes of output read, :data:`QUERY_TIMEOUT_SECONDS`.
 
     Raises:
@@ -233,7 +235,7 @@ class SlurmCluster(Cluster):
     with their task slots, in the allocation's order."""
 
     def __init__(self, opts: Options, nodes: Nodes):
-        super().__init__(opts)
+        super().__init__(opts, route_to_node)
         self.nodes = nodes
         self.slots = dict(zip(opts.allocation.nodes, opts.allocation.tasks))
 

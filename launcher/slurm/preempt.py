@@ -64,11 +64,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from popdist_lite import records
 
+from ..core.options import END_MARGIN_SECONDS, PreemptionSettings
+from ..core.text import signal_name
 from ..node import hold_signals
 
 AUTO, ON, OFF = "auto", "on", "off"
@@ -80,9 +82,6 @@ DEFAULT_GRACE_SECONDS = 30.0
 #: Seconds of Slurm's KillWait kept for stopping the job and printing the report
 #: (:func:`with_grace`).
 REPORT_SECONDS = 2.0
-#: Seconds before the job's end (``EndTime``) by which the replicas must have reached their
-#: boundary after the requeue signal: Slurm's SIGTERM of the time limit comes then.
-END_MARGIN_SECONDS = 2.0
 #: Seconds ``scontrol`` may take.
 SCONTROL_TIMEOUT_SECONDS = 30.0
 #: Seconds between two sends of the stop request to agents that did not get it yet.
@@ -109,13 +108,6 @@ _JOB_ID = re.compile(r"[0-9]{1,20}")
 
 def _say(text: str) -> None:
     print(f"poprun-lite: {text}", file=sys.stderr, flush=True)
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def parse_signal(text: str) -> int:
@@ -199,42 +191,9 @@ def job_end(job_id: str, scontrol: str | None = None) -> float | None:
 
 # ------------------------------------------------------------------ settings
 
-@dataclass(frozen=True)
-class Settings:
-    """The preemption options after :func:`settings`: ``enabled`` (``--preemption``
-    resolved), the requeue signal's number, whether to requeue, SIGTERM's grace in
-    seconds and where it came from, the Slurm job id (None outside an allocation) and
-    the requeue signal's grace (``--preemption-grace``; None: until the job's end)."""
-
-    enabled: bool
-    requeue_signal: int
-    requeue: bool
-    grace: float | None      # SIGTERM's; None: Slurm's KillWait, not read yet (with_grace)
-    grace_source: str
-    job_id: str | None
-    requeue_grace: float | None = None
-
-    def requeue_grace_text(self) -> str:
-        """How long the replicas have after the requeue signal, in words."""
-        if self.requeue_grace is not None:
-            return f"grace {self.requeue_grace:g} s (--preemption-grace)"
-        if self.job_id is not None:
-            return f"grace until the job's end (EndTime) less {END_MARGIN_SECONDS:g} s"
-        return "no grace limit (not in a Slurm job)"
-
-    def describe(self) -> str:
-        """One line for ``--print-topology``."""
-        if not self.enabled:
-            return "preemption off: SIGTERM stops the job at once"
-        requeue = "requeue" if self.requeue and self.job_id else "no requeue"
-        return (f"preemption on: {signal_name(self.requeue_signal)} -> checkpoint and {requeue} "
-                f"({self.requeue_grace_text()}), SIGTERM -> checkpoint (grace {self.grace:g} s: "
-                f"{self.grace_source})")
-
-
 def settings(mode: str, signal_text: str, requeue: bool, grace: float | None,
-             job_id: str | None, requeue_grace: float | None = None) -> Settings:
-    """The :class:`Settings` of ``--preemption mode``, ``--requeue-signal signal_text``,
+             job_id: str | None, requeue_grace: float | None = None) -> PreemptionSettings:
+    """The :class:`PreemptionSettings` of ``--preemption mode``, ``--requeue-signal signal_text``,
     ``--no-requeue`` (``requeue`` False), ``--grace-period grace`` and
     ``--preemption-grace requeue_grace`` (None: not given) for a job in Slurm job
     ``job_id`` (None: outside Slurm). ``auto`` is on inside an allocation. Without
@@ -254,13 +213,13 @@ def settings(mode: str, signal_text: str, requeue: bool, grace: float | None,
         raise ValueError(f"--preemption-grace must be 0 or more, got {requeue_grace:g}")
     enabled = mode == ON or (mode == AUTO and job_id is not None)
     if grace is not None:
-        return Settings(enabled, signum, requeue, grace, "--grace-period", job_id, requeue_grace)
+        return PreemptionSettings(enabled, signum, requeue, grace, "--grace-period", job_id, requeue_grace)
     if enabled and job_id is not None:
-        return Settings(enabled, signum, requeue, None, "Slurm's KillWait", job_id, requeue_grace)
-    return Settings(enabled, signum, requeue, DEFAULT_GRACE_SECONDS, "default", job_id, requeue_grace)
+        return PreemptionSettings(enabled, signum, requeue, None, "Slurm's KillWait", job_id, requeue_grace)
+    return PreemptionSettings(enabled, signum, requeue, DEFAULT_GRACE_SECONDS, "default", job_id, requeue_grace)
 
 
-def with_grace(settings: Settings, read_kill_wait: Callable[[], float | None] = kill_wait) -> Settings:
+def with_grace(settings: PreemptionSettings, read_kill_wait: Callable[[], float | None] = kill_wait) -> PreemptionSettings:
     """``settings`` with SIGTERM's grace known when it was left to Slurm: its KillWait
     (``read_kill_wait()``) less :data:`REPORT_SECONDS` (at most half of it), so that a
     job that misses its boundary after a cancel, whose processes Slurm SIGKILLs
@@ -351,7 +310,7 @@ class Preemption:
     read from Slurm now when left to Slurm: :func:`with_grace`); ``scontrol`` is the
     command run for ``show config``, ``show job`` and ``requeue`` (default: from PATH)."""
 
-    def __init__(self, settings: Settings, say: Callable[[str], None] = _say, scontrol: str | None = None):
+    def __init__(self, settings: PreemptionSettings, say: Callable[[str], None] = _say, scontrol: str | None = None):
         self.settings = with_grace(settings, lambda: kill_wait(scontrol))
         self.say, self.scontrol = say, scontrol
         self.signum: int | None = None     # the first signal
@@ -641,7 +600,7 @@ class Preemption:
             "`scontrol show job` shows no Requeue= field"
 
 
-def requeue_decision(settings: Settings, requeueable: bool | str) -> str:
+def requeue_decision(settings: PreemptionSettings, requeueable: bool | str) -> str:
     """Why the job is not requeued ("" when it is): ``--no-requeue``, outside Slurm, the
     job may not be requeued (``requeueable`` False: ``Requeue=0``), or what went wrong
     finding out (``requeueable`` a text)."""

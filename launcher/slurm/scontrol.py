@@ -1,8 +1,8 @@
 """Slurm's own commands, run and read as hostile input: the job id from the environment
 (:func:`job_id`), one runner for ``scontrol``/``squeue``/``sinfo`` whose output is read as
 it comes and stopped at a limit (:func:`query`), and a node's address in Slurm
-(:func:`node_address`, its ``NodeAddr``, for nodes whose names do not resolve). Imports
-nothing of the launch, so the network code can ask Slurm for an address."""
+(:func:`node_address`, its ``NodeAddr``, for nodes whose names do not resolve:
+:func:`node_addresses`, the lookup the launcher's address takes inside an allocation)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from ..core.api import LauncherError
 from ..core.hosts import check_host
 from ..launch import children
-from ..launch.command import LauncherError
+from ..launch.address import NodeAddress, resolve
 
 #: Seconds a Slurm command (``scontrol``, ``squeue``, ``sinfo``) may take.
 SCONTROL_TIMEOUT_SECONDS = 30.0
@@ -100,3 +101,33 @@ def node_address(node: str, scontrol: str | None = None) -> str:
                 except ValueError as exc:
                     raise LauncherError(f"`scontrol show node {node}`: NodeAddr {exc}") from None
     raise LauncherError(f"`scontrol show node {node}` printed no NodeAddr for {node}")
+
+
+def route_to_node(node: str) -> str:
+    """The IPv4 address of Slurm node ``node``, whose name does not resolve here: its
+    ``NodeAddr`` (:func:`node_address`), itself resolved when a name.
+
+    Raises:
+        LauncherError: ``nor has Slurm an address for it: ...`` (:func:`node_address`'s
+            error) or ``its NodeAddr in Slurm, ADDRESS: ...`` (it does not resolve).
+    """
+    try:
+        address = node_address(node)
+    except LauncherError as exc:
+        raise LauncherError(f"nor has Slurm an address for it: {exc}") from None
+    try:
+        return resolve(address)
+    except OSError as exc:
+        raise LauncherError(f"its NodeAddr in Slurm, {address}: {exc}") from None
+
+
+def node_addresses(environ) -> NodeAddress | None:
+    """Inside a Slurm allocation (``environ`` holds its job id, :func:`job_id`),
+    :func:`route_to_node`: where the launcher routes to a node whose name does not
+    resolve here (:func:`popdist_lite_launcher.launch.address.launcher_address`, under
+    either launcher); None outside one (Slurm is not asked).
+
+    Raises:
+        LauncherError: as :func:`job_id`.
+    """
+    return route_to_node if job_id(environ) is not None else None

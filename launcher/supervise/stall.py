@@ -18,19 +18,9 @@ Horovod's stall inspector (which names the ranks that did not submit a tensor af
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-#: The stack text an agent sends for a process that is stopped (``T``, SIGSTOP or
-#: SIGTSTP) or traced (``t``), which cannot dump its stack: see :func:`stopped_text`.
-_STOPPED = re.compile(r"stopped \(state [Tt]\)")
-
-
-def stopped_text(state: str) -> str:
-    """The stack text that stands for a process in ``state`` (``"T"`` or ``"t"`` from
-    ``/proc/PID/stat``), which cannot run its stack dump until it is continued."""
-    return f"stopped (state {state})"
-
+from ..core.text import STOPPED
 
 @dataclass(frozen=True)
 class Progress:
@@ -141,7 +131,7 @@ def format_stall(stall: Stall, now: float, stacks: dict[int, list[tuple[str, str
 
     ``stacks`` maps a missing replica to ``(who, stack)`` pairs: its own Python stack
     (faulthandler's text, ``who`` = ``"replica 1"``) and its feed processes' (``"feeder 0
-    of replica 1"``). A process whose agent found it stopped (:func:`stopped_text`)
+    of replica 1"``). A process whose agent found it stopped (:func:`~popdist_lite_launcher.core.text.stopped_text`)
     reads ``stopped (state T)``; a missing replica without any reads ``not available``.
     ``title``
     starts the first line (``stall``, or ``root cause: stall`` in a failure report).
@@ -170,7 +160,7 @@ def format_stall(stall: Stall, now: float, stacks: dict[int, list[tuple[str, str
         if not found:
             lines.append(f"  Python stack of replica {r}: not available")
         for who, text in found:
-            if _STOPPED.fullmatch(text.strip()):
+            if STOPPED.fullmatch(text.strip()):
                 lines.append(f"  Python stack of {who}: not available, {text.strip()}")
                 continue
             lines.append(f"  Python stack of {who}:")

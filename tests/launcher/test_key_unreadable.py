@@ -53,8 +53,8 @@ def test_key_files_reach_other_hosts_through_the_launch_agent(tmp_path):
     launch agent (here one that runs the command on this machine, TMPDIR set apart);
     every rank's variable names its own file, which holds the key."""
     from popdist_lite_launcher.core import channel
-    from popdist_lite_launcher.launch.command import RankSpec
-    from popdist_lite_launcher.launch.base import deposit_keys
+    from popdist_lite_launcher.core.plan import RankSpec
+    from popdist_lite_launcher.launch.remote import deposit_keys
 
     agent = _agent(tmp_path, 'shift 2; exec "$@"')
     ranks = [RankSpec("replica", 0), RankSpec("replica", 1, host="otherhost"), RankSpec("replica", 2)]
@@ -77,9 +77,9 @@ def test_a_host_that_cannot_take_the_key_fails_the_attempt(tmp_path, body):
     """A launch agent that fails, or prints something other than a key directory of the
     attempt: the attempt fails naming the host, and this host's key files are removed."""
     from popdist_lite_launcher.core import channel
-    from popdist_lite_launcher.attempts import AttemptError
-    from popdist_lite_launcher.launch.command import RankSpec
-    from popdist_lite_launcher.launch.base import deposit_keys
+    from popdist_lite_launcher.core.api import AttemptError
+    from popdist_lite_launcher.core.plan import RankSpec
+    from popdist_lite_launcher.launch.remote import deposit_keys
 
     ranks = [RankSpec("replica", 0), RankSpec("replica", 1, host="otherhost")]
     mark = "fedcba9876543210"

@@ -19,14 +19,12 @@ from helpers import JOB_SECONDS
 from peers import alive, wait_for
 
 from popdist_lite_launcher import cli
-
-from popdist_lite_launcher.node import cleanup
-
-from popdist_lite_launcher.launch import remote as network
-
-from popdist_lite_launcher.node import probe
+from popdist_lite_launcher.core.api import LauncherError
+from popdist_lite_launcher.launch import remote
+from popdist_lite_launcher.launch.base import LAUNCH_AGENT_ENV
 from popdist_lite_launcher.membership.elastic import Cluster
-from popdist_lite_launcher.launch.command import LauncherError
+from popdist_lite_launcher.node import cleanup, probe
+from popdist_lite_launcher.ssh.launcher import ATTEMPT_AGENT
 
 LOCAL_AGENT = """#!/usr/bin/env bash
 # a launch agent for this host: AGENT [options] [--] HOST COMMAND... runs COMMAND here
@@ -45,18 +43,18 @@ def agent(tmp_path, stdin: str = "") -> str:
 
 
 def test_probe_passes_with_the_key_on_stdin(tmp_path):
-    assert network.probe_hosts(agent(tmp_path), ["node1", "node2"], "127.0.0.1", timeout=JOB_SECONDS) == {
+    assert remote.probe_hosts(agent(tmp_path), ["node1", "node2"], "127.0.0.1", timeout=JOB_SECONDS) == {
         "node1": None, "node2": None}
     ran = (tmp_path / "ran").read_text().splitlines()
     assert len(ran) == 2 and all("popdist_lite_launcher.node.probe 127.0.0.1:" in line for line in ran)
     # the key travelled on stdin: no 64-hex-digit word on the command lines
     assert not [word for line in ran for word in line.split() if len(word) == 64]
-    network.check_hosts(agent(tmp_path), ["node1"], timeout=JOB_SECONDS, address="127.0.0.1")  # raises nothing
+    remote.check_hosts(agent(tmp_path), ["node1"], timeout=JOB_SECONDS, address="127.0.0.1")  # raises nothing
 
 
 def test_probe_failures_in_words(tmp_path):
     swallowing = agent(tmp_path, "< /dev/null")  # an agent that does not pass stdin on
-    problems = network.probe_hosts(swallowing, ["node1"], "127.0.0.1", timeout=JOB_SECONDS)
+    problems = remote.probe_hosts(swallowing, ["node1"], "127.0.0.1", timeout=JOB_SECONDS)
     assert problems["node1"].startswith("host node1 got no key on its standard input within 5 s "
                                         "(the launch agent must pass its standard input on, as ssh does)")
     failing = tmp_path / "failing"
@@ -65,7 +63,7 @@ def test_probe_failures_in_words(tmp_path):
     failing.chmod(0o755)
     with pytest.raises(LauncherError, match=r"host node1 is not reachable with the launch agent '.*failing': "
                                             r"`.*` exited with 255: ssh: connect to host node1 port 22"):
-        network.check_hosts(str(failing), ["node1"], timeout=JOB_SECONDS, address="127.0.0.1")
+        remote.check_hosts(str(failing), ["node1"], timeout=JOB_SECONDS, address="127.0.0.1")
 
 
 def test_probe_names_refused_and_timed_out_connections(tmp_path):
@@ -149,12 +147,12 @@ def test_clean_hosts_through_the_launch_agent(tmp_path):
     ours = spawn({cleanup.MARK_ENV: mark})
     try:
         wait_for(lambda: len(cleanup.marked(mark)) >= 2, timeout=60, what="bash and its background sleep")
-        assert cleanup.clean_hosts(agent(tmp_path), ["node1"], mark, timeout=JOB_SECONDS) == ({}, {})
+        assert remote.clean_hosts(agent(tmp_path), ["node1"], mark, timeout=JOB_SECONDS) == ({}, {})
         ours.wait(timeout=60)
         failing = tmp_path / "failing"
         failing.write_text("#!/usr/bin/env bash\necho 'node2: host is down' >&2\nexit 255\n")
         failing.chmod(0o755)
-        assert cleanup.clean_hosts(str(failing), ["node2"], mark) == \
+        assert remote.clean_hosts(str(failing), ["node2"], mark) == \
             ({"node2": "exit code 255: node2: host is down"},
              {"node2": f"host node2 is not reachable with the launch agent {str(failing)!r}: the cleanup after "
                        f"the attempt: exit code 255: node2: host is down"})
@@ -163,7 +161,7 @@ def test_clean_hosts_through_the_launch_agent(tmp_path):
         ran.write_text("#!/usr/bin/env bash\necho 'poprun-lite cleanup: 1 process(es) of the attempt "
                        "still running (pids 7)' >&2\nexit 1\n")
         ran.chmod(0o755)
-        problems, unreached = cleanup.clean_hosts(str(ran), ["node3"], mark)
+        problems, unreached = remote.clean_hosts(str(ran), ["node3"], mark)
         assert list(problems) == ["node3"] and "still running" in problems["node3"] and unreached == {}
     finally:
         try:
@@ -181,8 +179,8 @@ def test_attempt_agent_marks_the_remote_command(tmp_path):
     real.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$(dirname "$0")/argv"\n')
     real.chmod(0o755)
     mark = cleanup.new_mark()
-    env = {**os.environ, cleanup.MARK_ENV: mark, cleanup.LAUNCH_AGENT_ENV: f"{real} -p 2222"}
-    proc = subprocess.run([cleanup.ATTEMPT_AGENT, "-x", "node1", "PATH=/x;export PATH;", "/bin/prted", "--a", "b c"],
+    env = {**os.environ, cleanup.MARK_ENV: mark, LAUNCH_AGENT_ENV: f"{real} -p 2222"}
+    proc = subprocess.run([ATTEMPT_AGENT, "-x", "node1", "PATH=/x;export PATH;", "/bin/prted", "--a", "b c"],
                           env=env, capture_output=True, text=True, timeout=JOB_SECONDS)
     assert proc.returncode == 0, proc.stderr
     argv = (tmp_path / "argv").read_text().split("\n")[:-1]
@@ -192,7 +190,7 @@ def test_attempt_agent_marks_the_remote_command(tmp_path):
                        "PATH=/x;export PATH; /bin/prted --a b c")
     assert len(argv) == 6
     for broken in ({cleanup.MARK_ENV: "$(reboot)"}, {cleanup.MARK_ENV: ""}):
-        proc = subprocess.run([cleanup.ATTEMPT_AGENT, "node1", "true"], env={**env, **broken},
+        proc = subprocess.run([ATTEMPT_AGENT, "node1", "true"], env={**env, **broken},
                               capture_output=True, text=True, timeout=JOB_SECONDS)
         assert proc.returncode != 0 and "attempt-agent: POPRUN_LITE_ATTEMPT" in proc.stderr
 
@@ -201,7 +199,7 @@ def test_hosts_are_probed_in_order_only_until_the_replicas_are_filled(tmp_path, 
     """100 listed hosts of one slot, --num-replicas 2: 2 probes (was one per listed host);
     when the first host fails its probe, one more, and the usable hosts are the next two."""
     # probes that answer, however slowly: only 127.0.0.2's failing agent fails
-    monkeypatch.setattr(network, "probe_hosts", functools.partial(network.probe_hosts, timeout=JOB_SECONDS))
+    monkeypatch.setattr(remote, "probe_hosts", functools.partial(remote.probe_hosts, timeout=JOB_SECONDS))
     listing = tmp_path / "discover.sh"
     listing.write_text("#!/usr/bin/env bash\n" + "".join(f"echo 127.0.0.{i}:1\n" for i in range(2, 102)))
     listing.chmod(0o755)

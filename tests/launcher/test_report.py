@@ -16,9 +16,8 @@ import unittest.mock
 import pytest
 
 from popdist_lite import records
-from popdist_lite_launcher.node import agent
 from popdist_lite_launcher.core import channel
-from popdist_lite_launcher.node import hold_signals as hold_sigterm
+from popdist_lite_launcher.node import agent, hold_signals
 from popdist_lite_launcher.supervise import report
 from popdist_lite_launcher.supervise.collector import Collector
 from peers import AgentConnection, address, key_file, wait_for
@@ -458,7 +457,7 @@ def test_agent_holding_sigterm(tmp_path):
             f"pathlib.Path({str(ready)!r}).write_text(status); time.sleep(60)")
     with Collector() as collector:
         proc = run_agent(collector, code, {"PMI_RANK": "1", "POPDIST_REPLICA_INDEX_OFFSET": "1",
-                                           hold_sigterm.ENV: "SIGTERM,SIGUSR1"}, stderr=subprocess.PIPE)
+                                           hold_signals.ENV: "SIGTERM,SIGUSR1"}, stderr=subprocess.PIPE)
         try:
             while_running(proc, lambda: ready.exists() and ready.read_text())
             ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", ready.read_text(), re.M)[1], 16)

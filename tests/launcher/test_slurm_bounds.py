@@ -11,10 +11,8 @@ import os
 
 import pytest
 
-from popdist_lite_launcher.slurm import allocation as slurm
-
-from popdist_lite_launcher.slurm import nodes as slurm_nodes
-from popdist_lite_launcher.launch.command import LauncherError
+from popdist_lite_launcher.core.api import LauncherError
+from popdist_lite_launcher.slurm import allocation, nodes as slurm_nodes
 
 
 def nodelist_of(chars: int) -> str:
@@ -55,15 +53,15 @@ def test_a_long_node_list_is_stopped_at_the_limit(tmp_path):
     printing the rest would): poprun-lite stops at that name, without waiting for the
     end, and kills the command."""
     nodelist = nodelist_of(7389)
-    assert len(nodelist) == 7389 and slurm.check_nodelist(nodelist) == nodelist
+    assert len(nodelist) == 7389 and allocation.check_nodelist(nodelist) == nodelist
     pid_file = tmp_path / "pid"
     scontrol = stand_in(tmp_path, "scontrol", f"echo $$ > {pid_file}\n"
-                                              f"seq -f 'n%.0f' 1 {slurm.MAX_NODES + 1}\nexec sleep 300\n")
+                                              f"seq -f 'n%.0f' 1 {allocation.MAX_NODES + 1}\nexec sleep 300\n")
     env = {"SLURM_JOB_ID": "17", "SLURM_JOB_NODELIST": nodelist, "SLURM_TASKS_PER_NODE": "1"}
     with pytest.raises(LauncherError) as exc:
-        slurm.allocation(env, expand=lambda text: slurm.expand_nodelist(text, scontrol=scontrol))
+        allocation.from_environment(env, expand=lambda text: allocation.expand_nodelist(text, scontrol=scontrol))
     text = one_line(exc)
-    assert f"printed more than {slurm.MAX_NODES} node names" in text, text
+    assert f"printed more than {allocation.MAX_NODES} node names" in text, text
     assert text.startswith("`scontrol show hostnames x0[0-65535],x1[0-65535],") and len(text) < 200, text
     assert gone(int(pid_file.read_text())), "the stopped scontrol is still running"
 
@@ -71,11 +69,11 @@ def test_a_long_node_list_is_stopped_at_the_limit(tmp_path):
 def test_a_node_list_without_line_ends_is_stopped_at_the_limit(tmp_path):
     """One endless 'name' (no line end): stopped once it is longer than the most
     MAX_NODES names can be."""
-    limit = slurm.MAX_NODES * 254
+    limit = allocation.MAX_NODES * 254
     scontrol = stand_in(tmp_path, "scontrol", f"head -c {limit + 70000} /dev/zero | tr '\\0' a\n"
                                               f"exec sleep 300\n")
     with pytest.raises(LauncherError) as exc:
-        slurm.expand_nodelist("n[1-2]", scontrol=scontrol)
+        allocation.expand_nodelist("n[1-2]", scontrol=scontrol)
     assert f"printed more than {limit} bytes (killed)" in one_line(exc)
 
 
@@ -91,7 +89,7 @@ def test_a_node_list_without_line_ends_is_stopped_at_the_limit(tmp_path):
 def test_tasks_past_the_limits_are_refused(name, text, nodes, match):
     env = {"SLURM_JOB_ID": "17", "SLURM_JOB_NODELIST": "n[1-2]", name: text}
     with pytest.raises(LauncherError, match=rf"^\${name} .*{match}") as exc:
-        slurm.allocation(env, expand=lambda _: [f"n{i + 1}" for i in range(nodes)])
+        allocation.from_environment(env, expand=lambda _: [f"n{i + 1}" for i in range(nodes)])
     one_line(exc)
 
 
@@ -99,7 +97,7 @@ def test_tasks_past_the_limits_are_refused(name, text, nodes, match):
                                                ("1,65533", 2, 65534)])
 def test_tasks_up_to_the_limits_are_taken(text, nodes, want):
     env = {"SLURM_JOB_ID": "17", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": text}
-    got = slurm.allocation(env, expand=lambda _: [f"n{i + 1}" for i in range(nodes)])
+    got = allocation.from_environment(env, expand=lambda _: [f"n{i + 1}" for i in range(nodes)])
     assert got.total_tasks == want
 
 
@@ -112,7 +110,7 @@ def test_poprun_lite_refuses_a_hundred_million_tasks_in_one_line(monkeypatch, ca
     monkeypatch.setenv("SLURM_JOB_ID", "17")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "100000000")
-    monkeypatch.setattr(slurm, "expand_nodelist", lambda text: ["n1"])
+    monkeypatch.setattr(allocation, "expand_nodelist", lambda text: ["n1"])
     with pytest.raises(SystemExit) as exc:
         cli.parse_args(["prog"])
     assert exc.value.code == 2
