@@ -213,7 +213,7 @@ def test_import_graph_sees_function_level_and_relative_imports():
     assert "popdist_lite.services" in graph["popdist_lite.topology"]  # inside init()
     assert "popdist_lite.collectives.agreement" in graph["popdist_lite.collectives._common"]
     assert "popdist_lite.progress" in graph["popdist_lite_launcher.node.rank_progress"]  # absolute, across packages
-    assert "popdist_lite_launcher.core.channel" in graph["popdist_lite_launcher.node.agent"]  # from . import channel
+    assert "popdist_lite_launcher.core.channel" in graph["popdist_lite_launcher.node.link"]  # from ..core import channel
 
 
 def test_no_import_cycle():

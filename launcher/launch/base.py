@@ -33,7 +33,7 @@ from ..core.api import Attempt, AttemptError, AttemptResult, LauncherError, Outc
 from ..core.hosts import is_local_host
 from ..core.options import Options
 from ..core.plan import THREAD_VARS, RankSpec, format_topology, plan_ranks, processes_of
-from ..node import cleanup, hold_signals
+from ..node import cleanup, hold_signals, keys
 from ..supervise.collector import ENROLMENT_SECONDS, Collector
 from ..supervise.inspector import StallInspector
 
@@ -198,7 +198,7 @@ def job_environment(collector: Collector, mark: str, launch_agent: str | None = 
     (:data:`LAUNCH_AGENT_ENV`). Not the job's key
     (:func:`~popdist_lite_launcher.launch.remote.deposit_keys`)."""
     env = {**os.environ, records.COLLECTOR_ENV: collector.address, cleanup.MARK_ENV: mark}
-    env.pop(channel.KEY_FILE_ENV, None)
+    env.pop(keys.KEY_FILE_ENV, None)
     if launch_agent is not None:
         env[LAUNCH_AGENT_ENV] = launch_agent
     return env

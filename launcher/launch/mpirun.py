@@ -29,7 +29,7 @@ from . import session_dirs
 from ..core.api import AttemptResult
 from ..core.text import describe_exception
 from ..node import hold_signals
-from ..node.agent import child_preexec
+from ..node.hold_signals import child_preexec
 from ..node.tee import Tee
 from ..supervise import report
 

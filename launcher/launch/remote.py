@@ -3,7 +3,7 @@
 is usable before mpirun starts (reachable with the launch agent, and able to reach the
 launcher over the job's network with the check's key: the probe,
 :mod:`popdist_lite_launcher.node.probe`), the job's key files
-(:mod:`popdist_lite_launcher.core.channel`) and the cleanup after an attempt
+(:mod:`popdist_lite_launcher.node.keys`) and the cleanup after an attempt
 (:mod:`popdist_lite_launcher.node.cleanup`). Host names are checked earlier, by
 :mod:`popdist_lite_launcher.core.hosts`; the commands put ``--`` before the host
 (:func:`check_command`).
@@ -19,11 +19,10 @@ import sys
 import time
 
 from . import children
-from ..core import channel
 from ..core.api import AttemptError, LauncherError
 from ..core.hosts import is_local_host
 from ..core.plan import RankSpec
-from ..node import cleanup, probe
+from ..node import cleanup, keys, probe
 from ..supervise.collector import Collector
 
 #: Seconds a host gets to answer the reachability check (the launch agent's whole run).
@@ -156,13 +155,13 @@ def check_hosts(launch_agent: str, hosts: list[str], timeout: float = HOST_CHECK
 def deposit_keys(ranks: list[RankSpec], remote: list[str], key: bytes, mark: str,
                  launch_agent: str) -> str | None:
     """Give every rank's agent the job's ``key`` in a file of its own on its host
-    (:func:`channel.write_keys <popdist_lite_launcher.core.channel.write_keys>`), and set the
-    file's path in the rank's environment (:data:`channel.KEY_FILE_ENV
-    <popdist_lite_launcher.core.channel.KEY_FILE_ENV>`, in ``ranks[i].env``): on this host
+    (:func:`keys.write_keys <popdist_lite_launcher.node.keys.write_keys>`), and set the
+    file's path in the rank's environment (:data:`keys.KEY_FILE_ENV
+    <popdist_lite_launcher.node.keys.KEY_FILE_ENV>`, in ``ranks[i].env``): on this host
     directly, on each host of ``remote`` with the launch agent running
-    ``python -m popdist_lite_launcher.core.channel MARK RANK...`` with the key on its standard
+    ``python -m popdist_lite_launcher.node.keys MARK RANK...`` with the key on its standard
     input (all hosts at once), whose printed directory is checked
-    (:func:`channel.is_key_dir <popdist_lite_launcher.core.channel.is_key_dir>`). Returns this
+    (:func:`keys.is_key_dir <popdist_lite_launcher.node.keys.is_key_dir>`). Returns this
     host's key directory (None: no rank here), for the caller to remove after the
     attempt; the cleanup removes the others' (``remove_keys``).
 
@@ -175,17 +174,17 @@ def deposit_keys(ranks: list[RankSpec], remote: list[str], key: bytes, mark: str
     directories: dict[str | None, str] = {}
     try:
         if None in hosts:
-            directories[None] = channel.write_keys(key, hosts[None], mark)
+            directories[None] = keys.write_keys(key, hosts[None], mark)
     except OSError as exc:
         raise AttemptError(f"cannot write the job's key files on this host: {exc}") from None
     outcomes = run_on_hosts(
-        launch_agent, remote, lambda host, index: [sys.executable, "-m", channel.__name__, mark,
+        launch_agent, remote, lambda host, index: [sys.executable, "-m", keys.__name__, mark,
                                                    *map(str, hosts[host])],
         timeout=HOST_CHECK_TIMEOUT_SECONDS, input_text=key.hex() + "\n")
     for host in remote:
         outcome = outcomes[host]
         printed = "" if isinstance(outcome, str) else outcome.stdout.strip()
-        if isinstance(outcome, str) or outcome.returncode != 0 or not channel.is_key_dir(printed, mark):
+        if isinstance(outcome, str) or outcome.returncode != 0 or not keys.is_key_dir(printed, mark):
             if None in directories:
                 shutil.rmtree(directories[None], ignore_errors=True)
             said = outcome if isinstance(outcome, str) else \
@@ -195,7 +194,7 @@ def deposit_keys(ranks: list[RankSpec], remote: list[str], key: bytes, mark: str
         directories[host] = printed
     for host, members in hosts.items():
         for rank in members:
-            ranks[rank].env[channel.KEY_FILE_ENV] = f"{directories[host]}/{channel.key_file_name(rank)}"
+            ranks[rank].env[keys.KEY_FILE_ENV] = f"{directories[host]}/{keys.key_file_name(rank)}"
     return directories.get(None)
 
 

@@ -19,7 +19,7 @@ launch agent (:func:`popdist_lite_launcher.launch.remote.clean_hosts`), and
 process of the caller's user whose environment holds the mark (read from
 ``/proc/PID/environ``), itself and its ancestors excepted, until none is left, and
 :func:`main` removes the attempt's key directory there
-(:func:`popdist_lite_launcher.core.channel.remove_keys`: the files of agents that never
+(:func:`popdist_lite_launcher.node.keys.remove_keys`: the files of agents that never
 started). The mark names processes; it is not a secret: a local user who copies it into
 a process of their own only gets that process killed.
 """
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..core import channel
+from . import keys
 
 #: The variable holding the attempt's mark, in every process of the attempt.
 MARK_ENV = "POPRUN_LITE_ATTEMPT"
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m popdist_lite_launcher.node.cleanup MARK (16 to 64 hex digits)", file=sys.stderr)
         return 2
     killed, left = kill_marked(args[0])
-    channel.remove_keys(args[0])  # key files of agents that never started (channel.write_keys)
+    keys.remove_keys(args[0])  # key files of agents that never started (keys.write_keys)
     if left:
         print(f"{SAID}: {len(left)} process(es) of the attempt still running "
               f"(pids {', '.join(map(str, left[:10]))})", file=sys.stderr)

@@ -46,6 +46,7 @@ one task that holds the signals and prints each one's name for poprun-lite.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -65,6 +66,32 @@ STOP_SIGNAL = signal.SIGINT
 DEFAULT_HELD = (signal.SIGTERM, signal.SIGUSR1)
 _THIS = str(Path(__file__).resolve())
 _NEVER = {signal.SIGKILL, signal.SIGSTOP}
+
+
+def die_with_parent() -> None:
+    """In a child before its exec (``preexec_fn``): get SIGKILL when the parent dies
+    (``prctl(PR_SET_PDEATHSIG)``, Linux only; nothing elsewhere)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except Exception:  # noqa: BLE001 - best effort, never fail the exec
+        pass
+
+
+def child_preexec(then=None):
+    """A child's ``preexec_fn``: :func:`die_with_parent` (Linux), then ``then()`` when
+    given (e.g. the signal state the new program starts with:
+    :func:`block` for mpirun, :func:`ignore_in_child` for a program whose agent holds
+    SIGTERM); None when there is nothing to do."""
+    linux = sys.platform.startswith("linux")
+    if then is None:
+        return die_with_parent if linux else None
+
+    def preexec() -> None:
+        if linux:
+            die_with_parent()
+        then()
+    return preexec
 
 
 def env_value(signals) -> str:

@@ -6,7 +6,7 @@ launcher over the job's network and prove it holds the key of the check: the pro
 reads the key (hex) from its standard input (ssh passes its standard input on; the key
 is never on a command line), connects to the launcher's check server at ``HOST:PORT``
 within :data:`CONNECT_SECONDS` and authenticates as agents do
-(:func:`popdist_lite_launcher.node.agent.connect`: challenge, hello, welcome), with the
+(:func:`popdist_lite_launcher.node.link.connect`: challenge, hello, welcome), with the
 identity ``role="probe"``, ``rank = replica = INDEX`` (the host's place in the check).
 It prints one line and exits 0 when welcomed; otherwise it prints one line on stderr,
 ``poprun-lite probe on NAME: `` and what failed in words (``cannot connect to
@@ -25,7 +25,7 @@ import time
 
 from popdist_lite import records
 
-from .agent import connect
+from .link import connect
 from ..core import channel
 
 #: Seconds the probe has to connect and be welcomed.

@@ -72,6 +72,7 @@ from popdist_lite import records
 from ..core.options import END_MARGIN_SECONDS, PreemptionSettings
 from ..core.text import signal_name
 from ..node import hold_signals
+from ..node.hold_signals import child_preexec
 
 AUTO, ON, OFF = "auto", "on", "off"
 MODES = (AUTO, ON, OFF)
@@ -453,7 +454,6 @@ class Preemption:
         srun = srun or shutil.which("srun")
         if not self.signals or self.settings.job_id is None or not node or not srun or self._watch is not None:
             return False
-        from ..node.agent import child_preexec
 
         command = [srun, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--mpi=none", "--quiet",
                    "--job-name=poprun-lite-signals", sys.executable, "-S", hold_signals.__file__, "--watch"]

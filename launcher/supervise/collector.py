@@ -2,7 +2,7 @@
 
 The launcher starts a :class:`Collector` before mpirun and gives every rank its address
 (``POPRUN_LITE_COLLECTOR=host:port``, in the environment) and the job's key (in a key
-file of its own, :mod:`popdist_lite_launcher.core.channel`). Each agent opens one
+file of its own, :mod:`popdist_lite_launcher.node.keys`). Each agent opens one
 connection, authenticates with the key (:mod:`popdist_lite_launcher.core.channel`: challenge,
 hello, welcome; a job's collector takes each rank's hello once and holds the welcomes
 until every rank has enrolled, ``enrolment``) and sends framed records (format: :mod:`popdist_lite.records`). Anyone

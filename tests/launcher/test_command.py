@@ -11,12 +11,12 @@ import pytest
 
 from popdist_lite import records
 from popdist_lite_launcher import cli
-from popdist_lite_launcher.core import channel, hosts
+from popdist_lite_launcher.core import hosts
 from popdist_lite_launcher.core.api import LauncherError
 from popdist_lite_launcher.core.plan import RankSpec, default_rank_env, format_topology, plan_ranks
 from popdist_lite_launcher.launch.command import (MPICH, OPENMPI, agent_command, build_command, find_mpirun,
                                                   parse_implementation)
-from popdist_lite_launcher.node import agent
+from popdist_lite_launcher.node import agent, keys
 
 def plan(argv):
     opts = cli.parse_args([*argv, "python3", "train.py"])
@@ -161,7 +161,7 @@ def test_plan_env_per_instance():
         assert env["POPDIST_LITE_ROLE"] == "replica"
         assert "POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE" not in env
         # forwarded by name from mpirun's environment; the key file is set per attempt (launch.remote.deposit_keys)
-        assert records.COLLECTOR_ENV not in env and channel.KEY_FILE_ENV not in env
+        assert records.COLLECTOR_ENV not in env and keys.KEY_FILE_ENV not in env
 
 
 def test_plan_hosts_divided_evenly():

@@ -20,6 +20,7 @@ import pytest
 
 from popdist_lite import records
 from popdist_lite_launcher.core import channel
+from popdist_lite_launcher.node import keys
 from popdist_lite_launcher.launch import mpirun as job
 from popdist_lite_launcher.supervise.collector import Collector
 from helpers import JOB_SECONDS, timeout_for
@@ -162,7 +163,7 @@ def test_key_is_on_no_command_line_and_not_in_the_program(tmp_path):
         mpirun = _children(launcher.pid)  # the launcher runs only mpirun (Open MPI 5: prterun)
         assert len(mpirun) == 1
         env = environ_of(mpirun[0])
-        assert "POPRUN_LITE_JOB_KEY" not in env and channel.KEY_FILE_ENV not in env
+        assert "POPRUN_LITE_JOB_KEY" not in env and keys.KEY_FILE_ENV not in env
         collector = env[records.COLLECTOR_ENV]
         cmdlines = {int(p): _cmdline(int(p)) for p in os.listdir("/proc") if p.isdigit()}
         agents = [_parent(rank["pid"]) for rank in ranks]
@@ -170,7 +171,7 @@ def test_key_is_on_no_command_line_and_not_in_the_program(tmp_path):
         assert not [p for p, c in cmdlines.items() if collector in c]
         for rank in ranks:
             assert not rank["environ"] and not rank["initial"]
-            assert channel.KEY_FILE_ENV not in environ_of(rank["pid"])  # the agent took it out
+            assert keys.KEY_FILE_ENV not in environ_of(rank["pid"])  # the agent took it out
             assert environ_of(rank["pid"])[records.COLLECTOR_ENV] == collector
         out, err = finish(tmp_path, launcher)
     finally:
@@ -291,7 +292,7 @@ ATTACKER = textwrap.dedent("""
     import json, os, re, sys, time
     from pathlib import Path
     from popdist_lite import records
-    from popdist_lite_launcher.node.agent import connect
+    from popdist_lite_launcher.node.link import connect
     d = Path(sys.argv[1])
     if os.environ["POPDIST_REPLICA_INDEX_OFFSET"] == "0":
         def environ_of(pid):
