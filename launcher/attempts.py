@@ -48,7 +48,7 @@ from typing import Callable
 
 from .core.api import (Attempt, AttemptError, AttemptResult, Launcher, LauncherError, Membership, MembershipPolicy,
                        Send, Wait, Watcher)
-from .core.text import describe_exception
+from .core.text import describe_exception, hosts_text, say
 from .core.options import Options
 from .core.plan import RESTART_COUNT_ENV
 from .launch import children
@@ -56,9 +56,6 @@ from .supervise import report
 
 #: What the report says of a ``resize_stop`` record no resize was asked for, after its sender.
 UNASKED = "sent resize_stop, but poprun-lite asked for no resize in this attempt"
-
-def _say(text: str) -> None:
-    print(f"poprun-lite: {text}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------ the history
@@ -113,7 +110,7 @@ class AttemptsLoop:
     collectors' counts, added up) stay readable afterwards."""
 
     def __init__(self, opts: Options, launcher: Launcher, policy: MembershipPolicy,
-                 say: Callable[[str], None] = _say, preemption=None):
+                 say: Callable[[str], None] = say, preemption=None):
         self.opts, self.launcher, self.policy, self.say = opts, launcher, policy, say
         self.preemption = preemption  # slurm.preempt.Preemption: a signal asked for a checkpoint
         self.history: list[AttemptRecord] = []
@@ -152,18 +149,10 @@ class AttemptsLoop:
         while True:
             membership = self.policy.next(deadline, say)
             if isinstance(membership, Wait):
-                lines = [f"poprun-lite: {membership.text} (exit code {membership.code})"]
-                if self.history:
-                    lines.append(format_attempts(self.history))
-                print("\n".join(lines), file=sys.stderr, flush=True)
-                return membership.code
+                return self._end_before_an_attempt(membership.text, membership.code)
             if self.preemption is not None and self.preemption.asked:  # a signal while no replica ran
                 code, text = self.preemption.end_unstarted()
-                lines = [f"poprun-lite: job {text} (exit code {code})"]
-                if self.history:
-                    lines.append(format_attempts(self.history))
-                print("\n".join(lines), file=sys.stderr, flush=True)
-                return code
+                return self._end_before_an_attempt(f"job {text}", code)
             record = AttemptRecord(len(self.history) + 1, membership, why)
             self.history.append(record)
             if self.policy.elastic or record.number > 1:
@@ -172,6 +161,15 @@ class AttemptsLoop:
             code, why = self._attempt(record, deadline)
             if code is not None:
                 return code
+
+    def _end_before_an_attempt(self, text: str, code: int) -> int:
+        """The job ends before its next attempt: ``poprun-lite: TEXT (exit code CODE)`` and
+        the attempts so far; ``code``."""
+        lines = [f"poprun-lite: {text} (exit code {code})"]
+        if self.history:
+            lines.append(format_attempts(self.history))
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        return code
 
     def _attempt(self, record: AttemptRecord, deadline: float | None) -> tuple[int | None, str]:
         """Run the attempt of ``record``, print its report: ``(exit code, "")`` when the
@@ -240,7 +238,7 @@ class AttemptsLoop:
         final = result.stop_signal is not None or result.timed_out or result.internal_error is not None
         lost = [] if final else self.policy.lost(record.membership, say, unreachable)
         if lost:
-            record.outcome = f"{_hosts_text(lost)} lost: {summary} (exit code {code})"
+            record.outcome = f"{hosts_text(lost)} lost: {summary} (exit code {code})"
         else:
             self.failures += 1
             record.outcome = f"failed: {summary} (exit code {code})"
@@ -261,7 +259,7 @@ class AttemptsLoop:
             return code, ""
         print(text, file=sys.stderr, flush=True)
         if lost:
-            why = f"{_hosts_text(lost)} lost"
+            why = f"{hosts_text(lost)} lost"
             say(f"{why}: restarting on the hosts left (a change of membership, not counted "
                 f"against --max-restarts)")
             return None, why
@@ -301,7 +299,3 @@ class AttemptsLoop:
                 pass
         lines.append(f"poprun-lite: internal error: {describe_exception(exc)}")
         print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def _hosts_text(names: list[str]) -> str:
-    return ("host " if len(names) == 1 else "hosts ") + ", ".join(names)

@@ -239,13 +239,14 @@ LAUNCHER = "popdist_lite_launcher"
 #: import (docs/launcher.md, "The parts"): core is the vocabulary and imports no other
 #: part; what runs on a rank's host (node) and what watches the job (supervise) stand on
 #: core alone; the mpirun launch (launch) on those three; the backends ssh and slurm on
-#: launch and never on each other; testing is imported by nothing of the launcher.
+#: launch and never on each other; the membership policies on launch and supervise;
+#: testing is imported by nothing of the launcher.
 ALLOWED = {
     "core": set(),
     "node": {"core"},
     "supervise": {"core"},
     "launch": {"core", "node", "supervise"},
-    "membership": {"core", "launch"},
+    "membership": {"core", "launch", "supervise"},
     "ssh": {"core", "launch"},
     "slurm": {"core", "node", "supervise", "launch", "membership"},
     "attempts": {"core", "launch", "supervise"},

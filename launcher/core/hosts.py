@@ -20,6 +20,7 @@ import re
 import socket
 
 from .api import LauncherError
+from .text import shown
 
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 #: An IPv6 scope ID (an interface name or number): ``ipaddress`` accepts any text after
@@ -27,14 +28,7 @@ _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _SCOPE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 #: Longest hostname (RFC 1123 section 2.1).
 MAX_HOSTNAME_CHARS = 253
-_SHOWN_CHARS = 80  # of a bad entry in an error message
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
-
-
-
-
-def _shown(text: str) -> str:
-    return repr(text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "...")
 
 
 def check_host(name: str) -> str:
@@ -51,12 +45,12 @@ def check_host(name: str) -> str:
         scope = getattr(address, "scope_id", None)
         if scope is None or _SCOPE_ID.fullmatch(scope):
             return name
-        raise ValueError(f"{_shown(name)}: an IPv6 scope ID is letters, digits, '_', '.' "
+        raise ValueError(f"{shown(name)}: an IPv6 scope ID is letters, digits, '_', '.' "
                          f"and '-' only")
     if 0 < len(name) <= MAX_HOSTNAME_CHARS and all(_LABEL.fullmatch(label)
                                                    for label in name.split(".")):
         return name
-    raise ValueError(f"{_shown(name)} is not a host name (letters, digits, '-' and '.', "
+    raise ValueError(f"{shown(name)} is not a host name (letters, digits, '-' and '.', "
                      f"labels not starting or ending with '-') or an IP address")
 
 
@@ -93,16 +87,16 @@ def parse_host(text: str) -> tuple[str, int | None]:
     if text.startswith("["):  # [IPv6] or [IPv6]:SLOTS
         address, bracket, rest = text[1:].partition("]")
         if not bracket or (rest and not rest.startswith(":")):
-            raise ValueError(f"expected HOST or HOST:SLOTS, got {_shown(text)}")
+            raise ValueError(f"expected HOST or HOST:SLOTS, got {shown(text)}")
         name, sep, slots = address, rest[:1], rest[1:]
         try:
             ipaddress.IPv6Address(name)
         except ValueError:
-            raise ValueError(f"{_shown(text)}: brackets hold an IPv6 address") from None
+            raise ValueError(f"{shown(text)}: brackets hold an IPv6 address") from None
     else:
         name, sep, slots = text.partition(":")
     if not name or (sep and not (slots.isascii() and slots.isdigit() and int(slots) >= 1)):
-        raise ValueError(f"expected HOST or HOST:SLOTS (SLOTS >= 1), got {_shown(text)}")
+        raise ValueError(f"expected HOST or HOST:SLOTS (SLOTS >= 1), got {shown(text)}")
     return check_host(name), int(slots) if sep else None
 
 
@@ -132,10 +126,10 @@ def parse_hostfile_line(line: str) -> tuple[str, int | None] | None:
     for field in fields[1:]:
         key, sep, value = field.partition("=")
         if not sep:
-            raise ValueError(f"expected key=value after the host, got {_shown(field)}")
+            raise ValueError(f"expected key=value after the host, got {shown(field)}")
         if key == "slots":
             if not (value.isascii() and value.isdigit() and int(value) >= 1):
-                raise ValueError(f"bad slots value {_shown(value)}")
+                raise ValueError(f"bad slots value {shown(value)}")
             slots = int(value)
     return name, slots
 

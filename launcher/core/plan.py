@@ -1,6 +1,7 @@
-"""The rank plan: one :class:`RankSpec` per MPI rank of an
-attempt (:func:`plan_ranks`), its table (:func:`format_topology`), and which ranks are
-which replica's (:func:`processes_of`). The plan does not depend on how the ranks are
+"""The rank plan: how many replicas each host holds (:func:`capacity`, :func:`fill`,
+:func:`placement`), one :class:`RankSpec` per MPI rank of an attempt
+(:func:`plan_ranks`), its table (:func:`format_topology`), and which ranks are which
+replica's (:func:`processes_of`). The plan does not depend on how the ranks are
 started (:mod:`popdist_lite_launcher.launch.base` turns it into an mpirun command)."""
 
 from __future__ import annotations
@@ -51,6 +52,25 @@ def default_rank_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     user already set in ``environ`` (default ``os.environ``)."""
     environ = os.environ if environ is None else environ
     return {name: "1" for name in THREAD_VARS if name not in environ}
+
+
+def capacity(slots: int | None, feeders: int) -> int:
+    """Replicas a host of ``slots`` slots holds (a replica and its ``feeders`` feeders
+    share a host); one for a host listed without slots."""
+    return 1 if slots is None else slots // (1 + feeders)
+
+
+def fill(hosts, replicas: int) -> list[tuple[str | None, int]]:
+    """``(host, replicas on it)``: the ``hosts`` (``(host, room)`` pairs, in order), each
+    filled up to its room until ``replicas`` are placed (Slurm's block distribution);
+    hosts left empty are omitted."""
+    placed, left = [], replicas
+    for host, room in hosts:
+        take = min(room, left)
+        if take > 0:
+            placed.append((host, take))
+            left -= take
+    return placed
 
 
 def placement(opts: Options) -> tuple[tuple[str | None, int], ...]:

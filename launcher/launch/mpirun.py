@@ -30,6 +30,7 @@ from ..core.api import AttemptResult
 from ..core.text import describe_exception
 from ..node import hold_signals
 from ..node.hold_signals import child_preexec
+from ..node.procfs import stat_fields
 from ..node.tee import Tee
 from ..supervise import report
 
@@ -48,16 +49,8 @@ def session_pids(sid: int) -> list[int]:
     except OSError:
         return pids
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # fields after the ")" closing the command name: state ppid pgrp session ...
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 3 and int(fields[3]) == sid:
+        fields = stat_fields(int(entry)) if entry.isdigit() else None
+        if fields and len(fields) > 3 and fields[3] == str(sid):  # state ppid pgrp session ...
             pids.append(int(entry))
     return pids
 

@@ -22,6 +22,7 @@ from . import children
 from ..core.api import AttemptError, LauncherError
 from ..core.hosts import is_local_host
 from ..core.plan import RankSpec
+from ..core.text import shown
 from ..node import cleanup, keys, probe
 from ..supervise.collector import Collector
 
@@ -65,18 +66,16 @@ def run_on_hosts(launch_agent: str, hosts: list[str], command, *, timeout: float
         return dict(zip(unique, pool.map(run, enumerate(unique))))
 
 
-def _agent_problem(launch_agent: str, host: str, outcome) -> str | None:
-    """The sentence naming ``host`` when the launch agent did not run the command there
-    (``outcome``: from :func:`run_on_hosts`), else None."""
+def failure(outcome) -> str | None:
+    """What went wrong running a command on a host (``outcome``: from :func:`run_on_hosts`):
+    why it did not complete, or the command (in backquotes) ``exited with N`` and the last
+    lines it printed (stderr, else stdout); None when it exited 0."""
     if isinstance(outcome, str):
-        problem = outcome
-    elif outcome.returncode != 0:
-        said = (outcome.stderr.strip() or outcome.stdout.strip()).splitlines()[-5:]
-        problem = (f"`{shlex.join(outcome.args)}` exited with {outcome.returncode}"
-                   + (": " + " / ".join(said) if said else ""))
-    else:
+        return outcome
+    if outcome.returncode == 0:
         return None
-    return not_reachable(launch_agent, host, problem)
+    said = (outcome.stderr.strip() or outcome.stdout.strip()).splitlines()[-5:]
+    return f"`{shlex.join(outcome.args)}` exited with {outcome.returncode}" + (": " + " / ".join(said) if said else "")
 
 
 def not_reachable(launch_agent: str, host: str, problem: str) -> str:
@@ -117,8 +116,8 @@ def probe_hosts(launch_agent: str, hosts: list[str], address: str,
         if not isinstance(outcome, str) and outcome.returncode == probe.FAILED and probe.PREFIX in said:
             line = said[said.rindex(probe.PREFIX):].splitlines()[0]
             problems[host] = f"host {host} {line.split(': ', 1)[-1]}"
-        elif _agent_problem(launch_agent, host, outcome) is not None:
-            problems[host] = _agent_problem(launch_agent, host, outcome)
+        elif failure(outcome) is not None:
+            problems[host] = not_reachable(launch_agent, host, failure(outcome))
         elif index[host] not in welcomed:
             problems[host] = (f"host {host}: the probe exited 0 but never authenticated to "
                               f"poprun-lite at {server.address}")
@@ -144,7 +143,8 @@ def check_hosts(launch_agent: str, hosts: list[str], timeout: float = HOST_CHECK
     """
     if address is None:
         outcomes = run_on_hosts(launch_agent, hosts, lambda host, index: ["true"], timeout=timeout)
-        problems = {host: _agent_problem(launch_agent, host, o) for host, o in outcomes.items()}
+        problems = {host: not_reachable(launch_agent, host, failure(o)) if failure(o) else None
+                    for host, o in outcomes.items()}
     else:
         problems = probe_hosts(launch_agent, hosts, address, timeout)
     for host in dict.fromkeys(hosts):
@@ -184,13 +184,12 @@ def deposit_keys(ranks: list[RankSpec], remote: list[str], key: bytes, mark: str
     for host in remote:
         outcome = outcomes[host]
         printed = "" if isinstance(outcome, str) else outcome.stdout.strip()
-        if isinstance(outcome, str) or outcome.returncode != 0 or not keys.is_key_dir(printed, mark):
+        problem = failure(outcome) or (None if keys.is_key_dir(printed, mark) else
+                                       f"it printed {shown(printed)}, not a key directory of the attempt")
+        if problem is not None:
             if None in directories:
                 shutil.rmtree(directories[None], ignore_errors=True)
-            said = outcome if isinstance(outcome, str) else \
-                f"exit code {outcome.returncode}: " + " / ".join(
-                    (outcome.stderr.strip() or printed[:200] or "no output").splitlines()[-3:])
-            raise AttemptError(f"cannot give the job's key to host {host} with the launch agent: {said}")
+            raise AttemptError(f"cannot give the job's key to host {host} with the launch agent: {problem}")
         directories[host] = printed
     for host, members in hosts.items():
         for rank in members:
@@ -209,21 +208,18 @@ def clean_hosts(launch_agent: str, hosts: list[str], mark: str,
     launch agent, all at once).
 
     Returns:
-        for each host where that failed, why; and for the hosts among them that the
-        launch agent did not reach (no answer within ``timeout``, or no word
-        (:data:`~popdist_lite_launcher.node.cleanup.SAID`) from the cleanup command, only the agent's own failure) the
-        sentence naming each (:func:`not_reachable`).
+        for each host where that failed, why (:func:`failure`); and for the hosts among
+        them that the launch agent did not reach (no answer within ``timeout``, or no
+        word (:data:`~popdist_lite_launcher.node.cleanup.SAID`) from the cleanup command,
+        only the agent's own failure) the sentence naming each (:func:`not_reachable`).
     """
     problems, unreached = {}, set()
     outcomes = run_on_hosts(launch_agent, hosts, lambda host, index: remote_command(mark), timeout=timeout)
     for host, outcome in outcomes.items():
-        if isinstance(outcome, str):
-            problems[host] = outcome
-            unreached.add(host)
-        elif outcome.returncode != 0:
-            said = (outcome.stderr.strip() or outcome.stdout.strip()).splitlines()[-3:]
-            problems[host] = f"exit code {outcome.returncode}" + (": " + " / ".join(said) if said else "")
-            if cleanup.SAID not in outcome.stdout + outcome.stderr:
+        problem = failure(outcome)
+        if problem is not None:
+            problems[host] = problem
+            if isinstance(outcome, str) or cleanup.SAID not in outcome.stdout + outcome.stderr:
                 unreached.add(host)
     return problems, {host: not_reachable(launch_agent, host, f"the cleanup after the attempt: {problems[host]}")
                       for host in hosts if host in unreached}

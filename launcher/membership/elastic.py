@@ -30,7 +30,6 @@ the launcher retries, waiting as for hosts.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -39,6 +38,8 @@ from . import discovery
 from ..core.api import LauncherError, Membership, Wait
 from ..core.hosts import is_local_host
 from ..core.options import Options
+from ..core.plan import capacity, fill
+from ..core.text import host_names, hosts_text, listed, say
 from ..launch.address import NodeAddress, launcher_address
 from ..launch import remote
 
@@ -49,34 +50,11 @@ DISCOVERY_INTERVAL_SECONDS = 2.0
 ELASTIC_TIMEOUT_SECONDS = 600.0
 
 
-def _say(text: str) -> None:
-    print(f"poprun-lite: {text}", file=sys.stderr, flush=True)
-
-
-def capacity(slots: int | None, feeders: int) -> int:
-    """Replicas a host of ``slots`` slots holds (a replica and its ``feeders`` feeders
-    share a host); one for a host listed without slots."""
-    return 1 if slots is None else slots // (1 + feeders)
-
-
 def size_attempt(available: list[tuple[str, int | None]], max_replicas: int, feeders: int) -> Membership:
     """The membership of an attempt on the ``available`` hosts, ``(host, slots)`` in
-    discovery order: each host's :func:`capacity`, in that order, up to ``max_replicas``."""
-    placed, left = [], max_replicas
-    for host, slots in available:
-        take = min(capacity(slots, feeders), left)
-        if take > 0:
-            placed.append((host, take))
-            left -= take
-    return Membership(tuple(placed))
-
-
-def _names(hosts) -> str:
-    return ", ".join(host or "this host" for host in hosts)
-
-
-def _hosts_text(names: list[str]) -> str:
-    return ("host " if len(names) == 1 else "hosts ") + _names(names)
+    discovery order: each host's :func:`~popdist_lite_launcher.core.plan.capacity`, in that
+    order, up to ``max_replicas`` (:func:`~popdist_lite_launcher.core.plan.fill`)."""
+    return Membership(tuple(fill(((host, capacity(slots, feeders)) for host, slots in available), max_replicas)))
 
 
 def change(before: Membership, after: Membership) -> str:
@@ -87,15 +65,15 @@ def change(before: Membership, after: Membership) -> str:
     lost = [h for h in old if h not in new]
     added = [h for h in new if h not in old]
     if lost:
-        parts.append(_hosts_text(lost) + " lost")
+        parts.append(hosts_text(lost) + " lost")
     if added:
-        parts.append(_hosts_text(added) + " added")
+        parts.append(hosts_text(added) + " added")
     more = [h for h in new if h in old and new[h] > old[h]]
     fewer = [h for h in new if h in old and new[h] < old[h]]
     if more:
-        parts.append("more replicas on " + _names(more))
+        parts.append("more replicas on " + listed(host_names(more)))
     if fewer:
-        parts.append("fewer replicas on " + _names(fewer))
+        parts.append("fewer replicas on " + listed(host_names(fewer)))
     return "; ".join(parts)
 
 
@@ -104,13 +82,13 @@ def resize_reason(current: Membership, target: Membership,
     """Why the running attempt on ``current`` should stop for a resize, or None: the
     ``target`` membership (from the usable discovered hosts) has more replicas (a grow),
     or a host of ``current`` is no longer discovered or now holds fewer replicas."""
-    listed = dict(available)
-    gone = [h for h in current.names() if h not in listed]
+    slots = dict(available)
+    gone = [h for h in current.names() if h not in slots]
     if gone:
-        return _hosts_text(gone) + " no longer discovered"
-    smaller = [h for h, count in current.hosts if h is not None and capacity(listed[h], feeders) < count]
+        return hosts_text(gone) + " no longer discovered"
+    smaller = [h for h, count in current.hosts if h is not None and capacity(slots[h], feeders) < count]
     if smaller:
-        return _hosts_text(smaller) + " now with fewer slots"
+        return hosts_text(smaller) + " now with fewer slots"
     if target.replicas > current.replicas:
         return change(current, target) or f"{target.replicas} replicas usable"
     return None
@@ -266,7 +244,7 @@ def waiting_note(membership: Membership | None, minimum: int, problems: dict[str
 # ------------------------------------------------------------------ waiting for hosts
 
 def wait_for_membership(cluster: Cluster, deadline: float | None, first: Survey | None = None,
-                        say: Callable[[str], None] = _say) -> "Membership | Wait":
+                        say: Callable[[str], None] = say) -> "Membership | Wait":
     """A membership of at least ``--min-replicas`` replicas: ``first`` (a survey already
     made) if it has enough, else polling :meth:`Cluster.survey` every ``--discovery-interval`` seconds, saying what it
     waits for whenever that changes; a :class:`Wait` when ``--elastic-timeout`` or the

@@ -7,42 +7,37 @@ at a step boundary (:func:`popdist_lite.should_checkpoint`), save a checkpoint, 
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Callable
 
-from popdist_lite import records
-
 from .elastic import DISCOVERY_INTERVAL_SECONDS, Cluster, resize_reason
 from ..core.api import LauncherError, Membership
+from ..core.text import say
 from ..launch import children
+from ..supervise.stop_request import RESEND_SECONDS, StopRequest
 
-#: Seconds between two sends of a resize request to agents that did not get it yet.
-RESEND_SECONDS = 0.5
 #: Most seconds :meth:`ResizeMonitor.stop` waits for the monitor's thread.
 STOP_SECONDS = 30.0
-
-
-def _say(text: str) -> None:
-    print(f"poprun-lite: {text}", file=sys.stderr, flush=True)
 
 
 class ResizeMonitor:
     """During an attempt on ``membership``: every ``interval`` seconds, discovery and the
     probe of the hosts the attempt does not use (:meth:`Cluster.discover`,
-    :meth:`Cluster.usable`); when :func:`resize_reason` finds one, ``send(rank,
-    resize_request)`` to every replica's agent (``rank`` 0 to R-1), again every
-    :data:`RESEND_SECONDS` to those not reached yet, until :meth:`stop`. A discovery
-    error is printed once per distinct message and changes nothing."""
+    :meth:`Cluster.usable`); when :func:`resize_reason` finds one, the
+    :class:`~popdist_lite_launcher.supervise.stop_request.StopRequest` for the new size to
+    every replica's agent (``send(rank, record)``, ``rank`` 0 to R-1), again every
+    :data:`~popdist_lite_launcher.supervise.stop_request.RESEND_SECONDS` to those not
+    reached yet, until :meth:`stop`. A discovery error is printed once per distinct
+    message and changes nothing."""
 
     def __init__(self, cluster: Cluster, membership: Membership, send: Callable[[int, dict], bool],
-                 interval: float = DISCOVERY_INTERVAL_SECONDS, say: Callable[[str], None] = _say):
+                 interval: float = DISCOVERY_INTERVAL_SECONDS, say: Callable[[str], None] = say):
         self.cluster, self.membership, self.send = cluster, membership, send
         self.interval, self.say = interval, say
         self.reason: str | None = None   # why a resize was asked for
         self.target: Membership | None = None
-        self.sent: set[int] = set()
+        self.request: StopRequest | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="poprun-lite resize monitor", daemon=True)
         self._last_error: str | None = None
@@ -65,7 +60,7 @@ class ResizeMonitor:
     @property
     def asked(self) -> bool:
         """Whether a resize request reached a replica's agent in this attempt."""
-        return bool(self.sent)
+        return self.request is not None and bool(self.request.sent)
 
     def check(self) -> None:
         """One round: discovery, probes, the decision (and the first requests)."""
@@ -85,12 +80,10 @@ class ResizeMonitor:
             if reason is None or self._stop.is_set():  # nothing new, or the attempt is over
                 return
             self.reason, self.target = reason, target
+            self.request = StopRequest(self.send, self.membership.replicas, target.replicas)
             self.say(f"asking the replicas to checkpoint and stop for a resize to {target.describe()} "
                      f"({reason})")
-        request = records.make("resize_request", replicas=self.target.replicas)
-        for rank in range(self.membership.replicas):
-            if rank not in self.sent and self.send(rank, request):
-                self.sent.add(rank)
+        self.request.send_round()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval if self.reason is None else RESEND_SECONDS):

@@ -81,6 +81,7 @@ from .hold_signals import child_preexec
 from .link import Link, warn
 from .rank_progress import RankProgress
 from .tee import Tee
+from ..core.text import signal_name
 
 TAIL_LINES = 200
 #: Seconds between forwarding SIGTERM/SIGINT to the program and SIGKILLing it.
@@ -175,13 +176,6 @@ def _request_resize(state: dict, request: dict) -> None:
 REQUESTS = {"signal": _signal_program, "stack_request": _dump_stack, "resize_request": _request_resize}
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"SIG{signum}"
-
-
 def _is_shown(environ) -> bool:
     """False when --only-output-from-instance selects another instance."""
     selected = environ.get("POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE")
@@ -253,7 +247,7 @@ def run(program: list[str]) -> int:
     if holds_term:
         hold_signals.Watch(os.getppid(), lambda: forward(signal.SIGTERM, None),
                            lambda signum, pid: link.send(records.make(
-                               "signalled", {**ident, "time": time.time()}, signal=_signal_name(signum),
+                               "signalled", {**ident, "time": time.time()}, signal=signal_name(signum),
                                sender=pid or None)),
                            held).start()
     else:
@@ -328,7 +322,7 @@ def run(program: list[str]) -> int:
     sig = -code if code < 0 else None
     ident["time"] = ended_at
     link.send(records.make("exit", ident, exitcode=None if sig else code,
-                           signal=_signal_name(sig) if sig else None,
+                           signal=signal_name(sig) if sig else None,
                            stderr_tail=tail if code else "",
                            terminated=stop["signal"] is not None))
     link.close()

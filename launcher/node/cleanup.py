@@ -32,9 +32,9 @@ import secrets
 import signal
 import sys
 import time
-from pathlib import Path
 
 from . import keys
+from .procfs import stat_fields
 
 #: The variable holding the attempt's mark, in every process of the attempt.
 MARK_ENV = "POPRUN_LITE_ATTEMPT"
@@ -63,11 +63,10 @@ def _ancestors() -> set[int]:
     found, pid = set(), os.getpid()
     while pid > 1 and pid not in found:
         found.add(pid)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_bytes()
-            pid = int(stat[stat.rfind(b")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
+        fields = stat_fields(pid)
+        if not fields or len(fields) < 2 or not fields[1].isdigit():
             break
+        pid = int(fields[1])
     return found
 
 

@@ -22,6 +22,7 @@ import time
 
 from popdist_lite import progress
 
+from . import procfs
 from ..core.text import stopped_text
 
 #: Seconds between two reads of the rank's slot.
@@ -145,9 +146,5 @@ class RankProgress:
 def _stopped_state(pid: int) -> str | None:
     """``"T"`` (stopped) or ``"t"`` (traced) if that is the state of process ``pid`` in
     ``/proc/PID/stat``, else None (running, sleeping, gone, or no ``/proc``)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0].decode("ascii", "replace")
-    except (OSError, IndexError):
-        return None
-    return state if state in ("T", "t") else None
+    letter = procfs.state(pid)
+    return letter if letter in ("T", "t") else None

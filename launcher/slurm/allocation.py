@@ -26,36 +26,32 @@ command.
 from __future__ import annotations
 
 import re
-import shutil
 
+from . import scontrol
 from .launcher import SRUN_AGENT
-from .scontrol import _clipped, _shown, job_id, query
+from .scontrol import MAX_TEXT_CHARS, job_id
 from ..core.api import LauncherError
-from ..core.hosts import MAX_HOSTNAME_CHARS, check_host
 from ..core.options import Allocation
+from ..core.plan import fill
+from ..core.text import shown
 
 AUTO, SSH, SLURM = "auto", "ssh", "slurm"
 LAUNCHERS = (AUTO, SSH, SLURM)
 
-#: Longest node list and tasks-per-node text accepted.
-MAX_TEXT_CHARS = 65536
-#: Most nodes of an allocation: ``scontrol show hostnames`` is stopped at the name after.
-MAX_NODES = 65536
 #: Most tasks on one node: the ceiling of Slurm's own ``MaxTasksPerNode`` (slurm.conf(5)).
 MAX_TASKS_PER_NODE = 65533
 #: Most tasks of an allocation in all, so the most replicas it gives a job: far more
 #: than one mpirun command holds (an MPMD context of some 600 bytes a rank).
 MAX_TASKS = 65536
-_NODELIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.,\[\]-]*")
 _TASKS = re.compile(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?")
 def _check_tasks(count: int, total: int, name: str, text: str) -> None:
     """Refuse a node's task ``count`` past :data:`MAX_TASKS_PER_NODE`, or a ``total``
     so far past :data:`MAX_TASKS` (naming ``name`` and its value ``text``)."""
     if count > MAX_TASKS_PER_NODE:
-        raise LauncherError(f"${name} {_shown(text)}: {count} tasks on a node, more than the "
+        raise LauncherError(f"${name} {shown(text)}: {count} tasks on a node, more than the "
                             f"{MAX_TASKS_PER_NODE} Slurm allows (MaxTasksPerNode)")
     if total > MAX_TASKS:
-        raise LauncherError(f"${name} {_shown(text)}: more than {MAX_TASKS} tasks in all, the "
+        raise LauncherError(f"${name} {shown(text)}: more than {MAX_TASKS} tasks in all, the "
                             f"most replicas poprun-lite takes from an allocation")
 
 
@@ -74,7 +70,7 @@ def parse_tasks_per_node(text: str, nodes: int, name: str = "SLURM_TASKS_PER_NOD
     if name == "SLURM_NTASKS_PER_NODE":  # one count, the same on every node
         match = _TASKS.fullmatch(text.strip())
         if not match or match[2] is not None or int(match[1]) < 1:
-            raise LauncherError(f"${name}: expected a count of at least 1, got {_shown(text)}")
+            raise LauncherError(f"${name}: expected a count of at least 1, got {shown(text)}")
         _check_tasks(int(match[1]), int(match[1]) * nodes, name, text)
         return [int(match[1])] * nodes
     counts: list[int] = []
@@ -83,80 +79,20 @@ def parse_tasks_per_node(text: str, nodes: int, name: str = "SLURM_TASKS_PER_NOD
         match = _TASKS.fullmatch(entry.strip())
         if not match:
             raise LauncherError(f"${name}: expected COUNT or COUNT(xREPEAT), comma-separated "
-                                f"(2(x3),1), got {_shown(text)}")
+                                f"(2(x3),1), got {shown(text)}")
         count, repeat = int(match[1]), int(match[2] or 1)
         if count < 1 or repeat < 1:
-            raise LauncherError(f"${name}: counts and repeats must be at least 1, got {_shown(text)}")
+            raise LauncherError(f"${name}: counts and repeats must be at least 1, got {shown(text)}")
         if len(counts) + repeat > nodes:
-            raise LauncherError(f"${name} {_shown(text)} names more nodes than the "
+            raise LauncherError(f"${name} {shown(text)} names more nodes than the "
                                 f"allocation's {nodes}")
         total += count * repeat
         _check_tasks(count, total, name, text)
         counts += [count] * repeat
     if len(counts) != nodes:
-        raise LauncherError(f"${name} {_shown(text)} gives tasks for {len(counts)} node(s), "
+        raise LauncherError(f"${name} {shown(text)} gives tasks for {len(counts)} node(s), "
                             f"the allocation has {nodes}")
     return counts
-
-
-def check_nodelist(text: str, name: str = "SLURM_JOB_NODELIST") -> str:
-    """``text`` itself if it looks like a Slurm host list (``node[1-3,5],gpu07``):
-    letters, digits, ``.``, ``-``, ``,`` and brackets, starting with a letter or digit
-    (so never an option of ``scontrol``).
-
-    Raises:
-        LauncherError: naming ``name`` and the value.
-    """
-    if not text or len(text) > MAX_TEXT_CHARS or not _NODELIST.fullmatch(text):
-        raise LauncherError(f"${name} is not a Slurm host list (node[1-3],other): {_shown(text)}")
-    return text
-
-
-def parse_hostnames(output: str, name: str = "scontrol show hostnames") -> list[str]:
-    """The node names ``scontrol show hostnames`` printed, one a line, each checked
-    with :func:`popdist_lite_launcher.core.hosts.check_host`.
-
-    Raises:
-        LauncherError: a bad name (naming it), a name twice, no names, or more than
-            :data:`MAX_NODES`.
-    """
-    nodes = [line.strip() for line in output.splitlines() if line.strip()]
-    if not nodes:
-        raise LauncherError(f"`{name}` printed no node names")
-    if len(nodes) > MAX_NODES:
-        raise LauncherError(f"`{name}` printed more than {MAX_NODES} node names")
-    for node in nodes:
-        try:
-            check_host(node)
-        except ValueError as exc:
-            raise LauncherError(f"`{name}`: {exc}") from None
-    if len(set(nodes)) != len(nodes):
-        raise LauncherError(f"`{name}` printed a node name more than once")
-    return nodes
-
-
-def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
-    """The nodes of a Slurm host list, in order, as ``scontrol show hostnames`` expands
-    it: read as it prints them and stopped at the name after :data:`MAX_NODES` (a list
-    of a few thousand characters can name millions), then checked by
-    :func:`parse_hostnames`.
-
-    Raises:
-        LauncherError: a bad list, no ``scontrol``, or it failed, printed more than
-            :data:`MAX_NODES` names or bad names.
-    """
-    check_nodelist(nodelist)
-    scontrol = scontrol or shutil.which("scontrol")
-    if not scontrol:
-        raise LauncherError("inside a Slurm allocation, but `scontrol` is not on PATH (needed to "
-                            "expand $SLURM_JOB_NODELIST); pass -H/--hostfile and --launcher ssh")
-    proc = query([scontrol, "show", "hostnames", nodelist], max_lines=MAX_NODES, lines_are="node names",
-                 max_bytes=MAX_NODES * (MAX_HOSTNAME_CHARS + 1))
-    if proc.returncode != 0:
-        said = (proc.stderr.strip() or proc.stdout.strip())[-300:]
-        raise LauncherError(f"`scontrol show hostnames {_clipped(nodelist)}` exited with "
-                            f"{proc.returncode}: {said}")
-    return parse_hostnames(proc.stdout)
 
 
 def from_environment(environ, expand=None) -> Allocation | None:
@@ -175,11 +111,11 @@ def from_environment(environ, expand=None) -> Allocation | None:
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if not nodelist:
         raise LauncherError(f"inside Slurm job {job} but $SLURM_JOB_NODELIST is not set")
-    nodes = (expand or expand_nodelist)(nodelist)
+    nodes = (expand or scontrol.expand_nodelist)(nodelist)
     count = environ.get("SLURM_JOB_NUM_NODES")
     if count is not None and count != str(len(nodes)):
-        raise LauncherError(f"$SLURM_JOB_NUM_NODES {_shown(count)} does not match the "
-                            f"{len(nodes)} node(s) of $SLURM_JOB_NODELIST {_shown(nodelist)}")
+        raise LauncherError(f"$SLURM_JOB_NUM_NODES {shown(count)} does not match the "
+                            f"{len(nodes)} node(s) of $SLURM_JOB_NODELIST {shown(nodelist)}")
     for name in ("SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
         text = environ.get(name)
         if text:
@@ -210,7 +146,7 @@ def choose_launcher(choice: str, inside: bool, hosts_given: bool) -> str:
 
 def place(nodes: list[str], slots: dict[str, int], replicas: int) -> list[tuple[str, int]]:
     """``(node, replicas)`` filling the nodes in order up to their slots (Slurm's block
-    distribution), nodes left empty omitted.
+    distribution, :func:`~popdist_lite_launcher.core.plan.fill`), nodes left empty omitted.
 
     Raises:
         LauncherError: more replicas than slots.
@@ -219,14 +155,7 @@ def place(nodes: list[str], slots: dict[str, int], replicas: int) -> list[tuple[
     if replicas > total:
         raise LauncherError(f"--num-replicas {replicas} is more than the {total} task(s) of the "
                             f"Slurm allocation")
-    placed, left = [], replicas
-    for node in nodes:
-        if left == 0:
-            break
-        count = min(slots[node], left)
-        placed.append((node, count))
-        left -= count
-    return placed
+    return fill(((node, slots[node]) for node in nodes), replicas)
 
 
 def configure(opts, environ) -> None:

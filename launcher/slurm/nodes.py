@@ -27,14 +27,14 @@ Policies (:func:`make_policy`):
 Everything ``squeue`` and ``sinfo`` print is checked before use: the job's node list by
 Slurm's host-list grammar and its expansion (``scontrol show hostnames``) name by name
 with :func:`popdist_lite_launcher.core.hosts.check_host`
-(:func:`popdist_lite_launcher.slurm.allocation.expand_nodelist`); a ``sinfo`` line counts only when
+(:func:`popdist_lite_launcher.slurm.scontrol.expand_nodelist`); a ``sinfo`` line counts only when
 it names one of the allocation's nodes and its state fits the grammar ``word[flags]``.
 Output that does not pass leaves a node without a state (not usable; why names the
 failed ``squeue`` too, if it failed), or the job's node list unknown (then the
 allocation's nodes are kept, their states deciding); when ``sinfo`` itself fails,
 the states are unknown and only the probe decides. Each query's output is read as it
-comes and stopped past :data:`MAX_OUTPUT_CHARS` (:func:`popdist_lite_launcher.slurm.scontrol.query`):
-a query stopped so has failed.
+comes and stopped past :data:`~popdist_lite_launcher.slurm.scontrol.MAX_OUTPUT_BYTES`
+(:func:`popdist_lite_launcher.slurm.scontrol.query`): a query stopped so has failed.
 """
 
 from __future__ import annotations
@@ -42,28 +42,20 @@ from __future__ import annotations
 import re
 import subprocess
 
-from .allocation import SLURM, expand_nodelist
-from .scontrol import query, route_to_node
+from .allocation import SLURM
+from .scontrol import MAX_OUTPUT_BYTES, check_nodelist, expand_nodelist, query, route_to_node
 from ..core.api import LauncherError, Membership
 from ..core.options import Options
+from ..core.plan import capacity, fill
+from ..core.text import counted, shown
 from ..launch.address import launcher_address
 from ..launch.remote import probe_hosts
-from ..membership.elastic import Cluster, capacity, size_attempt
+from ..membership.elastic import Cluster, size_attempt
 from ..membership.policies import ElasticPolicy, FixedPolicy
 
-#: Seconds one ``squeue``/``sinfo`` may take.
-QUERY_TIMEOUT_SECONDS = 30.0
-#: Most bytes read from one query's output.
-MAX_OUTPUT_CHARS = 1 << 20
 #: Slurm node states (``sinfo %T``, flags removed) in which a node runs steps.
 USABLE_STATES = frozenset({"allocated", "mixed", "idle", "completing", "planned"})
 _STATE = re.compile(r"([a-z_]{1,40})([*~#!%$@^+-]{0,8})")
-_NODELIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.,\[\]-]{0,65535}")
-_SHOWN_CHARS = 80
-
-
-def _shown(text: str) -> str:
-    return repr(text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "...")
 
 
 def parse_states(output: str, nodes: list[str]) -> dict[str, str]:
@@ -76,7 +68,7 @@ def parse_states(output: str, nodes: list[str]) -> dict[str, str]:
         ``{node: state}`` for the nodes of ``nodes`` found (``down*``, ``mixed``, ...).
     """
     wanted, states = set(nodes), {}
-    for line in output[:MAX_OUTPUT_CHARS].splitlines():
+    for line in output[:MAX_OUTPUT_BYTES].splitlines():
         fields = line.split()
         if len(fields) != 2 or fields[0] not in wanted or not _STATE.fullmatch(fields[1]):
             continue
@@ -94,9 +86,9 @@ def usable_state(state: str | None) -> bool:
 class Nodes:
     """The nodes of Slurm job ``job_id`` (an :class:`~popdist_lite_launcher.slurm.allocation.Allocation`'s
     id and nodes) as Slurm and a probe see them now. ``run(argv)`` runs a query and
-    returns its :class:`subprocess.CompletedProcess` (default: the real command, under
-    :data:`QUERY_TIMEOUT_SECONDS`, its output bounded: :func:`_run`); ``expand(nodelist)`` expands a Slurm host list
-    (default :func:`popdist_lite_launcher.slurm.allocation.expand_nodelist`)."""
+    returns its :class:`subprocess.CompletedProcess` (default: the real command, its
+    output bounded: :func:`_run`); ``expand(nodelist)`` expands a Slurm host list
+    (default :func:`popdist_lite_launcher.slurm.scontrol.expand_nodelist`)."""
 
     def __init__(self, job_id: str, nodes: list[str], launch_agent: str, network_interface=None,
                  run=None, expand=None, probe=None):
@@ -113,12 +105,14 @@ class Nodes:
             proc = self._run(["squeue", "-h", "-j", self.job_id, "-o", "%N"])
         except (OSError, subprocess.SubprocessError, LauncherError) as exc:
             return list(self.nodes), f"squeue: {exc}"
-        text = proc.stdout[:MAX_OUTPUT_CHARS].strip()
+        text = proc.stdout[:MAX_OUTPUT_BYTES].strip()
         if proc.returncode != 0 or not text:
             said = (proc.stderr or "").strip()[-200:]
             return list(self.nodes), f"squeue -j {self.job_id} printed no node list: {said!r}"
-        if not _NODELIST.fullmatch(text):
-            return list(self.nodes), f"squeue -j {self.job_id} printed no node list: {_shown(text)}"
+        try:
+            check_nodelist(text)
+        except LauncherError:
+            return list(self.nodes), f"squeue -j {self.job_id} printed no node list: {shown(text)}"
         try:
             listed = set(self._expand(text))
         except LauncherError as exc:
@@ -177,12 +171,12 @@ class Nodes:
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
     """``argv`` run with :func:`popdist_lite_launcher.slurm.scontrol.query`: at most
-    :data:`MAX_OUTPUT_CHARS` bytes of output read, :data:`QUERY_TIMEOUT_SECONDS`.
+    :data:`~popdist_lite_launcher.slurm.scontrol.MAX_OUTPUT_BYTES` bytes of output read.
 
     Raises:
         LauncherError: as that function.
     """
-    return query(argv, max_bytes=MAX_OUTPUT_CHARS, timeout=QUERY_TIMEOUT_SECONDS)
+    return query(argv, max_bytes=MAX_OUTPUT_BYTES)
 
 
 def nodes_of(opts: Options) -> Nodes:
@@ -212,17 +206,12 @@ class SlurmFixedPolicy(FixedPolicy):
         if not gone:
             return []
         if self.opts.max_restarts == 0:
-            say(f"not restarting without {_node_word(gone)} {', '.join(gone)} (no --max-restarts "
+            say(f"not restarting without {counted('node', gone)} (no --max-restarts "
                 f"or --min-replicas)")
             return []
         self.left = [node for node in self.left if node not in gone]
         feeders = self.opts.feeders_per_replica
-        placed, want = [], self.opts.num_replicas
-        for node in self.left:
-            take = min(capacity(self.slots[node], feeders), want)
-            if take > 0:
-                placed.append((node, take))
-                want -= take
+        placed = fill(((node, capacity(self.slots[node], feeders)) for node in self.left), self.opts.num_replicas)
         if not placed:
             say(f"no node of Slurm job {self.nodes.job_id} is left to restart on")
             return []
@@ -261,8 +250,3 @@ def make_policy(opts: Options) -> FixedPolicy | ElasticPolicy | None:
     if opts.elastic:
         return ElasticPolicy(opts, SlurmCluster(opts, nodes))
     return SlurmFixedPolicy(opts, nodes)
-
-
-def _node_word(names) -> str:
-    return "node" if len(names) == 1 else "nodes"
-

@@ -67,12 +67,13 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from popdist_lite import records
-
+from . import scontrol
+from ..core.api import LauncherError
 from ..core.options import END_MARGIN_SECONDS, PreemptionSettings
-from ..core.text import signal_name
+from ..core.text import counted, say, signal_name
 from ..node import hold_signals
 from ..node.hold_signals import child_preexec
+from ..supervise.stop_request import StopRequest
 
 AUTO, ON, OFF = "auto", "on", "off"
 MODES = (AUTO, ON, OFF)
@@ -83,10 +84,6 @@ DEFAULT_GRACE_SECONDS = 30.0
 #: Seconds of Slurm's KillWait kept for stopping the job and printing the report
 #: (:func:`with_grace`).
 REPORT_SECONDS = 2.0
-#: Seconds ``scontrol`` may take.
-SCONTROL_TIMEOUT_SECONDS = 30.0
-#: Seconds between two sends of the stop request to agents that did not get it yet.
-RESEND_SECONDS = 0.5
 #: Signals that cannot be the requeue signal: caught elsewhere, uncatchable, or not a
 #: request (SIGCHLD ...).
 REFUSED_SIGNALS = {"SIGTERM", "SIGINT", "SIGKILL", "SIGSTOP", "SIGCHLD", "SIGCONT", "SIGPIPE",
@@ -104,11 +101,6 @@ _KILL_WAIT = re.compile(r"^KillWait\s*=\s*([0-9]{1,6}) sec\s*$", re.M)
 _REQUEUE = re.compile(r"(?<!\S)Requeue=([01])(?!\S)")
 _END_TIME = re.compile(r"(?<!\S)EndTime=(\S*)")
 _TIMESTAMP = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}")
-_JOB_ID = re.compile(r"[0-9]{1,20}")
-
-
-def _say(text: str) -> None:
-    print(f"poprun-lite: {text}", file=sys.stderr, flush=True)
 
 
 def parse_signal(text: str) -> int:
@@ -161,33 +153,22 @@ def parse_end_time(output: str) -> float | None:
         return None
 
 
-def _scontrol(args: list[str], scontrol: str | None = None) -> tuple[int, str]:
-    """``scontrol ARGS``: (exit code, stdout or what went wrong); -1 when it cannot run."""
-    scontrol = scontrol or shutil.which("scontrol")
-    if not scontrol:
-        return -1, "`scontrol` is not on PATH"
+def kill_wait(command: str | None = None) -> float | None:
+    """Slurm's KillWait (seconds) from ``scontrol show config`` (``command``: the scontrol
+    to run); None if unknown."""
     try:
-        proc = subprocess.run([scontrol, *args], capture_output=True, text=True, errors="replace",
-                              stdin=subprocess.DEVNULL, timeout=SCONTROL_TIMEOUT_SECONDS)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return -1, f"cannot run `scontrol {' '.join(args)}`: {exc}"
-    if proc.returncode != 0:
-        said = (proc.stderr.strip() or proc.stdout.strip())[-300:]
-        return proc.returncode, f"`scontrol {' '.join(args)}` exited with {proc.returncode}: {said}"
-    return 0, proc.stdout
+        return parse_kill_wait(scontrol.run(["show", "config"], command=command))
+    except LauncherError:
+        return None
 
 
-def kill_wait(scontrol: str | None = None) -> float | None:
-    """Slurm's KillWait (seconds) from ``scontrol show config``; None if unknown."""
-    code, out = _scontrol(["show", "config"], scontrol)
-    return parse_kill_wait(out) if code == 0 else None
-
-
-def job_end(job_id: str, scontrol: str | None = None) -> float | None:
+def job_end(job_id: str, command: str | None = None) -> float | None:
     """The job's end (seconds since the epoch) from ``scontrol show job``; None if it has
     none or it is unknown."""
-    code, out = _scontrol(["show", "job", "-o", job_id], scontrol)
-    return parse_end_time(out) if code == 0 else None
+    try:
+        return parse_end_time(scontrol.run(["show", "job", "-o", job_id], command=command))
+    except LauncherError:
+        return None
 
 
 # ------------------------------------------------------------------ settings
@@ -252,19 +233,15 @@ def third_signal(signum: int) -> str:
             f"without waiting for it")
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
 def grace_expired(grace: float, signum: int, replicas: int, stopped: set[int]) -> str:
     """The stop reason when ``grace`` seconds after ``signum`` not every replica rank
     (0 to ``replicas`` - 1) reached a boundary (``stopped``: those that did)."""
     missing = [rank for rank in range(replicas) if rank not in stopped]
     if len(missing) == replicas:
         return (f"no replica reached a step boundary within {grace:g} s of {signal_name(signum)}: "
-                f"{_ranks(missing)} did not")
-    return (f"{_ranks(missing)} did not reach a step boundary within {grace:g} s of "
-            f"{signal_name(signum)} ({_ranks(sorted(stopped))} did)")
+                f"{counted('rank', missing)} did not")
+    return (f"{counted('rank', missing)} did not reach a step boundary within {grace:g} s of "
+            f"{signal_name(signum)} ({counted('rank', sorted(stopped))} did)")
 
 
 # ------------------------------------------------------------------ start-up
@@ -311,7 +288,7 @@ class Preemption:
     read from Slurm now when left to Slurm: :func:`with_grace`); ``scontrol`` is the
     command run for ``show config``, ``show job`` and ``requeue`` (default: from PATH)."""
 
-    def __init__(self, settings: PreemptionSettings, say: Callable[[str], None] = _say, scontrol: str | None = None):
+    def __init__(self, settings: PreemptionSettings, say: Callable[[str], None] = say, scontrol: str | None = None):
         self.settings = with_grace(settings, lambda: kill_wait(scontrol))
         self.say, self.scontrol = say, scontrol
         self.signum: int | None = None     # the first signal
@@ -326,7 +303,6 @@ class Preemption:
         self._send: Callable[[int, dict], bool] | None = None
         self._replicas = 0
         self._announced: set[int] = set()  # replica ranks at their boundary, as the last poll saw
-        self._sent: set[int] = set()
         self._sender: threading.Thread | None = None
         self._over = threading.Event()
         self._previous: dict[int, object] = {}
@@ -484,7 +460,7 @@ class Preemption:
     def begin(self, send: Callable[[int, dict], bool], replicas: int) -> None:
         """An attempt of ``replicas`` replicas starts; ``send(rank, record)`` reaches the
         agent of replica rank ``rank``."""
-        self._send, self._replicas, self._sent = send, replicas, set()
+        self._send, self._replicas = send, replicas
         self._announced = set()
         self._over.clear()
         self._sender = None
@@ -542,14 +518,7 @@ class Preemption:
                 self.deadline = self.at + grace
             self.say(f"{signal_name(self.signum)}: asking the replicas to checkpoint at their next step "
                      f"boundary ({words})")
-        request = records.make("resize_request", replicas=self._replicas)
-        while not self._over.is_set():
-            for rank in range(self._replicas):
-                if rank not in self._sent and self._send(rank, request):
-                    self._sent.add(rank)
-            if len(self._sent) == self._replicas:
-                return
-            self._over.wait(RESEND_SECONDS)
+        StopRequest(self._send, self._replicas, self._replicas).send_until(self._over)
 
     # the end ----------------------------------------------------------------
 
@@ -561,7 +530,7 @@ class Preemption:
         name = signal_name(self.signum)
         missing = [rank for rank in range(self._replicas) if rank not in saved]
         if missing:
-            text = f"stopped at a step boundary after {name}, but {_ranks(missing)} reported no checkpoint saved"
+            text = f"stopped at a step boundary after {name}, but {counted('rank', missing)} reported no checkpoint saved"
         else:
             text = f"stopped at a step boundary after {name} (checkpoint saved)"
         return self._ended(text)
@@ -585,17 +554,19 @@ class Preemption:
         # Slurm ends the running job it requeues (SIGTERM first): the job is over, so
         # poprun-lite lets that SIGTERM pass and finishes its report
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        code, out = _scontrol(["requeue", job], self.scontrol)
-        if code != 0:
-            return f"not requeued: {out}"
+        try:
+            scontrol.run(["requeue", job], command=self.scontrol)
+        except LauncherError as exc:
+            return f"not requeued: {exc}"
         return f"requeued (scontrol requeue {job})"
 
     def _requeueable(self) -> bool | str:
         if not self.settings.requeue or self.settings.job_id is None:
             return True  # not asked: requeue_decision says why
-        code, out = _scontrol(["show", "job", "-o", self.settings.job_id], self.scontrol)
-        if code != 0:
-            return out
+        try:
+            out = scontrol.run(["show", "job", "-o", self.settings.job_id], command=self.scontrol)
+        except LauncherError as exc:
+            return str(exc)
         return parse_requeue(out) if parse_requeue(out) is not None else \
             "`scontrol show job` shows no Requeue= field"
 
@@ -606,7 +577,7 @@ def requeue_decision(settings: PreemptionSettings, requeueable: bool | str) -> s
     finding out (``requeueable`` a text)."""
     if not settings.requeue:
         return "--no-requeue"
-    if settings.job_id is None or not _JOB_ID.fullmatch(settings.job_id):
+    if settings.job_id is None or not scontrol.JOB_ID.fullmatch(settings.job_id):
         return "not in a Slurm job"
     if isinstance(requeueable, str):
         return requeueable

@@ -25,6 +25,8 @@ from __future__ import annotations
 import signal as _signal
 from dataclasses import dataclass
 
+from ..core.text import indent
+
 #: Lines of a rank's stderr tail shown in the report.
 SHOWN_TAIL_LINES = 40
 
@@ -192,13 +194,6 @@ def root_cause(failures: list[Failure]) -> Failure | None:
     return min(close, key=lambda f: (_primacy(f), f.time))
 
 
-def _indent(text: str, max_lines: int | None = None, prefix: str = "  ") -> list[str]:
-    lines = text.rstrip("\n").splitlines()
-    if max_lines is not None and len(lines) > max_lines:
-        lines = [f"... ({len(lines) - max_lines} earlier lines not shown)"] + lines[-max_lines:]
-    return [prefix + line for line in lines]
-
-
 def format_report(failures: list[Failure], exit_code: int, *, reason: str | None = None,
                   mpirun_tail: str = "", cause: str | None = None) -> str:
     """Format the report (no trailing newline).
@@ -222,16 +217,16 @@ def format_report(failures: list[Failure], exit_code: int, *, reason: str | None
             return "\n".join(lines)
         lines.append("no failure records from the ranks; last lines of mpirun's output:"
                      if mpirun_tail.strip() else "no failure records from the ranks")
-        lines += _indent(mpirun_tail, SHOWN_TAIL_LINES)
+        lines += indent(mpirun_tail, max_lines=SHOWN_TAIL_LINES)
         return "\n".join(lines)
     cause = root_cause(failures)
     if cause is not None:
         lines.append(f"root cause: {cause.title()}: {cause.status()}")
         if cause.traceback:
             lines.append(f"  {cause.exception}: {cause.message}")
-            lines += _indent(cause.traceback)
+            lines += indent(cause.traceback)
         elif cause.stderr_tail.strip():
-            lines += _indent(cause.stderr_tail, SHOWN_TAIL_LINES)
+            lines += indent(cause.stderr_tail, max_lines=SHOWN_TAIL_LINES)
         elif cause.has_exit_record:
             lines.append("  (no output on stderr)")
     others = [f for f in failures if f is not cause]
@@ -247,9 +242,9 @@ def format_report(failures: list[Failure], exit_code: int, *, reason: str | None
             lines.append(text)
             if failure.is_candidate:  # an independent failure: show its error too
                 if failure.traceback:
-                    lines += _indent(failure.traceback, 15, "    ")
+                    lines += indent(failure.traceback, "    ", 15)
                 elif failure.stderr_tail.strip():
-                    lines += _indent(failure.stderr_tail, 15, "    ")
+                    lines += indent(failure.stderr_tail, "    ", 15)
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core.text import STOPPED
+from ..core.text import STOPPED, counted, indent
 
 @dataclass(frozen=True)
 class Progress:
@@ -106,11 +106,6 @@ def _call(number: int, lane: str) -> str:
     return f"collective call #{number}" + ("" if lane == "main" else f" on the {lane} lane")
 
 
-def _plural(items: list[int], word: str = "replica") -> str:
-    names = ", ".join(str(i) for i in items)
-    return f"{word}s {names}" if len(items) > 1 else f"{word} {names}"
-
-
 def _where(p: Progress | None) -> str:
     if p is None:
         return ""
@@ -119,10 +114,6 @@ def _where(p: Progress | None) -> str:
                f"pid {p.pid}" if p.pid is not None else None]
     details = ", ".join(d for d in details if d)
     return f" ({details})" if details else ""
-
-
-def _indent(text: str, prefix: str) -> list[str]:
-    return [prefix + line for line in text.rstrip("\n").splitlines()]
 
 
 def format_stall(stall: Stall, now: float, stacks: dict[int, list[tuple[str, str]]] | None = None,
@@ -139,9 +130,9 @@ def format_stall(stall: Stall, now: float, stacks: dict[int, list[tuple[str, str
     stacks = stacks or {}
     waiters = [r for r, _ in stall.waiting]
     absent = [r for r, _ in stall.missing]
-    lines = [f"{title}: {_plural(waiters)} {'have' if len(waiters) > 1 else 'has'} waited "
+    lines = [f"{title}: {counted('replica', waiters)} {'have' if len(waiters) > 1 else 'has'} waited "
              f"{stall.waited:.1f} s in {stall.op} ({_call(stall.call, stall.lane)}) for "
-             f"{_plural(absent)}, which did not enter it"]
+             f"{counted('replica', absent)}, which did not enter it"]
     for r, seconds in stall.waiting:
         lines.append(f"  waiting: replica {r}{_where(stall.where.get(r))} for {seconds:.1f} s")
     for r, last in stall.missing:
@@ -164,5 +155,5 @@ def format_stall(stall: Stall, now: float, stacks: dict[int, list[tuple[str, str
                 lines.append(f"  Python stack of {who}: not available, {text.strip()}")
                 continue
             lines.append(f"  Python stack of {who}:")
-            lines += _indent(text, "    ")
+            lines += indent(text, "    ")
     return "\n".join(lines)

@@ -103,7 +103,35 @@ def _leftover_veths(prefix: str = PREFIX) -> list[str]:
     return [n for n in names if n.startswith(f"{prefix}v")]
 
 
-class TestHosts:
+class Locked:
+    """A set-up (``setup()``, ``teardown()``: the subclass's) used as a context manager
+    that holds the file lock :attr:`lock_file` from its start to its teardown, so two
+    test runs wait for each other instead of colliding; a failed setup is torn down."""
+
+    lock_file: str
+    _lock = None
+
+    def __enter__(self):
+        self._lock = open(self.lock_file, "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        try:
+            self.setup()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _release(self) -> None:
+        """Let the next run in (the end of the teardown)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+
+class TestHosts(Locked):
     """``n`` test hosts named ``pdlh1..pdlhN`` (use as a context manager). Another set
     of hosts that can exist beside these (the Slurm test cluster's) names its own
     ``prefix`` (host names, and veths ``PREFIXv1..``), ``bridge``, ``subnet`` (the first
@@ -119,20 +147,6 @@ class TestHosts:
         self.bridge_address = f"{subnet}.1"
         self.names = [f"{prefix}{i + 1}" for i in range(n)]
         self.addresses = {name: f"{subnet}.{11 + i}" for i, name in enumerate(self.names)}
-        self._lock = None
-
-    def __enter__(self) -> "TestHosts":
-        self._lock = open(self.lock_file, "w")
-        fcntl.flock(self._lock, fcntl.LOCK_EX)
-        try:
-            self.setup()
-        except BaseException:
-            self.teardown()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.teardown()
 
     def setup(self) -> None:
         self._remove_all()
@@ -165,9 +179,7 @@ class TestHosts:
         try:
             self._remove_all()
         finally:
-            if self._lock is not None:
-                self._lock.close()
-                self._lock = None
+            self._release()
 
     def run(self, host: str, command: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """Run a shell command on ``host`` through the launch agent."""

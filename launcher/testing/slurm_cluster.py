@@ -30,7 +30,6 @@ the bridge and :data:`DIRECTORY`.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import secrets
 import shutil
@@ -42,6 +41,7 @@ import time
 from pathlib import Path
 
 from . import netns_hosts
+from ..node import procfs
 
 PREFIX = "pdls"
 BRIDGE = "pdlsbr0"
@@ -181,14 +181,16 @@ exec "$@"
 """
 
 
-class TestCluster:
+class TestCluster(netns_hosts.Locked):
     """A Slurm cluster of ``n`` nodes with ``cpus`` CPUs each (declared; more than the
     machine has is allowed) and one partition, :data:`PARTITION` (use as a context
     manager: ``with TestCluster(2) as cluster: cluster.run(["sbatch", ...])``)."""
 
+    lock_file = LOCK_FILE
+
     def __init__(self, n: int = 2, cpus: int = 2):
         self.hosts = netns_hosts.TestHosts(n + 1, prefix=PREFIX, bridge=BRIDGE, subnet=SUBNET,
-                                         mark=MARK, lock_file=LOCK_FILE, hosts_file=False)
+                                           mark=MARK, lock_file=LOCK_FILE, hosts_file=False)
         self.nodes = list(self.hosts.names[:n])
         self.login = self.hosts.names[n]
         self.cpus = cpus
@@ -197,22 +199,8 @@ class TestCluster:
         self.accounting = accounting_unavailable() is None
         self.work = DIRECTORY / "work"
         self.conf = DIRECTORY / "slurm.conf"
-        self._lock = None
 
     # -- life cycle ------------------------------------------------------------------
-    def __enter__(self) -> "TestCluster":
-        self._lock = open(LOCK_FILE, "w")
-        fcntl.flock(self._lock, fcntl.LOCK_EX)
-        try:
-            self.setup()
-        except BaseException:
-            self.teardown()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.teardown()
-
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """``base`` (default ``os.environ``) with ``SLURM_CONF`` naming this cluster and
         no variable of an enclosing Slurm job."""
@@ -331,9 +319,7 @@ class TestCluster:
                     self.hosts.teardown()  # kills what is left in each namespace
                 finally:
                     shutil.rmtree(DIRECTORY, ignore_errors=True)
-                    if self._lock is not None:
-                        self._lock.close()
-                        self._lock = None
+                    self._release()
 
     # -- use -------------------------------------------------------------------------
     def run(self, command: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
@@ -434,11 +420,7 @@ def _is_daemon(pid: int) -> bool:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    return procfs.state(pid) not in (None, "Z")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,11 +19,10 @@ from helpers import JOB_SECONDS, timeout_for
 from popdist_lite_launcher import cli
 from popdist_lite_launcher.attempts import AttemptRecord, format_attempts
 from popdist_lite_launcher.core.api import Membership
-from popdist_lite_launcher.core.plan import plan_ranks
+from popdist_lite_launcher.core.plan import capacity, plan_ranks
 from popdist_lite_launcher.membership import elastic
 from popdist_lite_launcher.membership.discovery import DiscoveryError
-from popdist_lite_launcher.membership.elastic import (Cluster, capacity, change, resize_reason, size_attempt,
-                                                      wait_for_membership)
+from popdist_lite_launcher.membership.elastic import Cluster, change, resize_reason, size_attempt, wait_for_membership
 from popdist_lite_launcher.membership.resize import ResizeMonitor
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
@@ -165,7 +164,7 @@ def test_monitor_asks_every_replica_once_more_slots_are_usable():
     assert sent == [(0, {"kind": "resize_request", "replicas": 4}), (1, {"kind": "resize_request", "replicas": 4})]
     reach.add(1)
     monitor.check()                      # again to the one not reached
-    assert sent[2:] == [(1, {"kind": "resize_request", "replicas": 4})] and monitor.sent == {0, 1}
+    assert sent[2:] == [(1, {"kind": "resize_request", "replicas": 4})] and monitor.request.sent == {0, 1}
     monitor.check()
     assert len(sent) == 3 and len(said) == 1
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -152,10 +153,12 @@ def test_clean_hosts_through_the_launch_agent(tmp_path):
         failing = tmp_path / "failing"
         failing.write_text("#!/usr/bin/env bash\necho 'node2: host is down' >&2\nexit 255\n")
         failing.chmod(0o755)
+        command = shlex.join([str(failing), "--", "node2", *remote.remote_command(mark)])
+        said = f"`{command}` exited with 255: node2: host is down"
         assert remote.clean_hosts(str(failing), ["node2"], mark) == \
-            ({"node2": "exit code 255: node2: host is down"},
+            ({"node2": said},
              {"node2": f"host node2 is not reachable with the launch agent {str(failing)!r}: the cleanup after "
-                       f"the attempt: exit code 255: node2: host is down"})
+                       f"the attempt: {said}"})
         # the cleanup ran there but failed: the host was reached
         ran = tmp_path / "ran-but-failed"
         ran.write_text("#!/usr/bin/env bash\necho 'poprun-lite cleanup: 1 process(es) of the attempt "

@@ -11,7 +11,7 @@ import pytest
 
 from popdist_lite_launcher.core.api import LauncherError, Membership
 from popdist_lite_launcher.membership.policies import ElasticPolicy
-from popdist_lite_launcher.slurm import allocation, nodes as slurm_nodes
+from popdist_lite_launcher.slurm import nodes as slurm_nodes, scontrol
 from popdist_lite_launcher.slurm.launcher import SlurmLauncher
 
 
@@ -25,7 +25,7 @@ def expand(nodelist: str) -> list[str]:
              "n[1-2],x;y": "n1\nn2\nx;y\n"}
     if nodelist not in names:
         raise LauncherError(f"unexpected list {nodelist!r}")
-    return allocation.parse_hostnames(names[nodelist])
+    return scontrol.parse_hostnames(names[nodelist])
 
 
 def fake_nodes(squeue: str, sinfo: str, probe=None, calls=None) -> slurm_nodes.Nodes:
@@ -134,7 +134,7 @@ def in_allocation(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "17")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-3]")
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3)")
-    monkeypatch.setattr(allocation, "expand_nodelist", expand)
+    monkeypatch.setattr(scontrol, "expand_nodelist", expand)
 
 
 def options(*argv):

@@ -9,7 +9,7 @@ import pytest
 
 from popdist_lite_launcher.core.api import Attempt, LauncherError
 from popdist_lite_launcher.core.plan import plan_ranks
-from popdist_lite_launcher.slurm import allocation
+from popdist_lite_launcher.slurm import allocation, scontrol
 from popdist_lite_launcher.slurm.launcher import SRUN_AGENT, SlurmLauncher, mpirun_args
 from popdist_lite_launcher.ssh.launcher import ATTEMPT_AGENT, SshLauncher
 
@@ -54,32 +54,32 @@ def test_hostile_tasks_per_node(text, match):
 
 
 def test_hostnames_are_checked():
-    assert allocation.parse_hostnames("n1\nn2\n") == ["n1", "n2"]
+    assert scontrol.parse_hostnames("n1\nn2\n") == ["n1", "n2"]
     for output, match in [("n1\n-oProxyCommand=x\n", "not a host name"), ("", "no node names"),
                           ("n1\nn1\n", "more than once"), ("n 1\n", "not a host name"),
                           ("n1;reboot\n", "not a host name")]:
         with pytest.raises(LauncherError, match=match):
-            allocation.parse_hostnames(output)
+            scontrol.parse_hostnames(output)
 
 
 @pytest.mark.parametrize("text", ["", "-n1", "n[1-2] x", "n$(id)", "n1;n2", "a" * 70000])
 def test_hostile_nodelist_never_reaches_scontrol(text):
     # refused before scontrol runs (running this one would fail with "cannot run")
     with pytest.raises(LauncherError, match="not a Slurm host list"):
-        allocation.expand_nodelist(text, scontrol="/nonexistent/scontrol")
+        scontrol.expand_nodelist(text, scontrol="/nonexistent/scontrol")
 
 
 def test_expand_nodelist_runs_scontrol(tmp_path):
     fake = tmp_path / "scontrol"
     fake.write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] || exit 3\necho a1; echo a2\n")
     fake.chmod(0o755)
-    assert allocation.expand_nodelist("a[1-2]", scontrol=str(fake)) == ["a1", "a2"]
+    assert scontrol.expand_nodelist("a[1-2]", scontrol=str(fake)) == ["a1", "a2"]
     fake.write_text("#!/bin/sh\necho 'a1 && reboot'\n")
     with pytest.raises(LauncherError, match="not a host name"):
-        allocation.expand_nodelist("a[1-2]", scontrol=str(fake))
+        scontrol.expand_nodelist("a[1-2]", scontrol=str(fake))
     fake.write_text("#!/bin/sh\necho 'bad list' >&2; exit 1\n")
     with pytest.raises(LauncherError, match="exited with 1: bad list"):
-        allocation.expand_nodelist("a[1-2]", scontrol=str(fake))
+        scontrol.expand_nodelist("a[1-2]", scontrol=str(fake))
 
 
 def test_allocation_from_the_environment():
@@ -141,7 +141,7 @@ def in_allocation(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "17")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
-    monkeypatch.setattr(allocation, "expand_nodelist", expand_two)
+    monkeypatch.setattr(scontrol, "expand_nodelist", expand_two)
 
 
 def test_options_inside_an_allocation(in_allocation):
