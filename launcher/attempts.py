@@ -283,7 +283,7 @@ class AttemptsLoop:
             print(f"poprun-lite: timeline {state} {path}", file=sys.stderr, flush=True)
 
     def _print_internal_error(self, exc: Exception) -> None:
-        """What is known when the launcher itself failed outside :func:`~popdist_lite_launcher.launch.mpirun.run_job`:
+        """What is known when the launcher itself failed outside :func:`~popdist_lite_launcher.launch.mpirun.run_mpirun`:
         the last attempt's failures, the attempts so far, and the error."""
         lines = ["poprun-lite: job ended by an internal error in poprun-lite (exit code 1)"]
         if self.last is not None:

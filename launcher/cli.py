@@ -123,7 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "replica, the PopDist environment in every rank, and a failure report\n"
                     "naming the root cause.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _topology_options(parser)
+    _host_options(parser)
+    _mpirun_options(parser)
+    _output_options(parser)
+    _recovery_options(parser)
+    _preemption_options(parser)
+    _elastic_options(parser)
+    parser.add_argument("program", help="the program to run in every instance")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
+    return parser
 
+
+def _topology_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--num-replicas`` and where the replicas run."""
     topo = parser.add_argument_group("topology")
     topo.add_argument("--num-replicas", type=_positive_int, default=None, metavar="N",
                       help="number of replicas (default 1; inside a Slurm allocation without "
@@ -146,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hostfile in Open MPI (`host slots=N`) or MPICH (`host:N`) format; "
                             "its hosts are used like --host")
 
+
+def _host_options(parser: argparse.ArgumentParser) -> None:
+    """The options of how other hosts are reached, and the job's network."""
     net = parser.add_argument_group("hosts and network")
     net.add_argument("--launch-agent", default="ssh", metavar="AGENT",
                      help="program that runs a command on another host, called as "
@@ -166,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "network and proves it holds the check's key (the check fails fast "
                           "naming the host and what failed)")
 
+
+def _mpirun_options(parser: argparse.ArgumentParser) -> None:
+    """The options of mpirun itself and its arguments."""
     mpi = parser.add_argument_group("mpirun")
     mpi.add_argument("--mpirun", default=None, metavar="PATH",
                      help="mpirun/mpiexec to use (also $POPRUN_LITE_MPIRUN)")
@@ -177,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                      type=_instance_args, metavar='IDX:"ARGS"',
                      help="arguments added to instance IDX's context (repeatable)")
 
+
+def _output_options(parser: argparse.ArgumentParser) -> None:
+    """The options of output, the topology table, ``--timeout``, the timeline."""
     out = parser.add_argument_group("output and control")
     out.add_argument("--only-output-from-instance", type=_non_negative_int, default=None,
                      metavar="N", help="discard the output of the other instances (failure "
@@ -195,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "write one Chrome-trace JSON file (open it in Perfetto); sets "
                           "POPDIST_LITE_TIMELINE for the ranks")
 
+
+def _recovery_options(parser: argparse.ArgumentParser) -> None:
+    """The options of stalls and restarts."""
     recovery = parser.add_argument_group("stalls and restarts")
     recovery.add_argument("--stall-warning", type=_non_negative_float, default=60.0,
                           metavar="SECONDS",
@@ -212,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "attempt in POPDIST_LITE_RESTART_COUNT (0, 1, ...). SIGINT and "
                                "SIGTERM stop without restarting (default 0)")
 
+
+def _preemption_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the scheduler's signals (docs/slurm.md)."""
     sched = parser.add_argument_group("preemption and time limits (docs/slurm.md)")
     sched.add_argument("--preemption", choices=preempt.MODES, default=preempt.AUTO,
                        help="`on`: the requeue signal and SIGTERM ask the replicas to checkpoint "
@@ -236,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
                             f"KillWait less {preempt.REPORT_SECONDS:g} s, else "
                             f"{preempt.DEFAULT_GRACE_SECONDS:g})")
 
+
+def _elastic_options(parser: argparse.ArgumentParser) -> None:
+    """The options of elastic jobs (docs/elastic.md)."""
     grow = parser.add_argument_group("elastic jobs (docs/elastic.md)")
     grow.add_argument("--min-replicas", type=_positive_int, default=None, metavar="N",
                       help="make the job elastic: run with N to --num-replicas replicas on the "
@@ -256,10 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
                       default=elastic.ELASTIC_TIMEOUT_SECONDS, metavar="SECONDS",
                       help="longest wait for --min-replicas usable replicas before an attempt "
                            f"(default {elastic.ELASTIC_TIMEOUT_SECONDS:g}; --timeout bounds it too)")
-
-    parser.add_argument("program", help="the program to run in every instance")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
-    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -386,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
         loop = AttemptsLoop(opts, make_launcher(opts, mpirun, implementation, preemption, node_address),
                             make_policy(opts, node_address), preemption=preemption)
         code = loop.run()
-    except KeyboardInterrupt:  # outside run_job, which handles SIGINT itself
+    except KeyboardInterrupt:  # outside run_mpirun, which handles SIGINT itself
         code = 128 + signal.SIGINT
         print("poprun-lite: interrupted by SIGINT", file=sys.stderr, flush=True)
     finally:

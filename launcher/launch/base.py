@@ -10,7 +10,7 @@ the key reaches every rank's agent in a file of its own on its host
 first (the probe, :func:`~popdist_lite_launcher.launch.remote.check_hosts`) unless the
 membership policy checked them already; mpirun runs the MPMD command of the rank plan
 (:func:`popdist_lite_launcher.core.plan.plan_ranks`, :mod:`popdist_lite_launcher.launch.command`)
-under supervision (:func:`popdist_lite_launcher.launch.mpirun.run_job`); when the job
+under supervision (:func:`popdist_lite_launcher.launch.mpirun.run_mpirun`); when the job
 has ended, whatever is left of the attempt is killed on every host
 (:mod:`popdist_lite_launcher.node.cleanup`).
 """
@@ -96,7 +96,7 @@ class MpirunLauncher:
 
     def _launch(self, attempt: Attempt, ranks: list[RankSpec], remote: list[str], address: str,
                 collector: Collector, mark: str) -> AttemptResult:
-        """Build the attempt's mpirun command and run it (:func:`~popdist_lite_launcher.launch.mpirun.run_job`) with its
+        """Build the attempt's mpirun command and run it (:func:`~popdist_lite_launcher.launch.mpirun.run_mpirun`) with its
         stall inspector and watcher; with ``--print-topology`` print the rank table first
         (after the Slurm allocation's line when the job runs on one)."""
 
@@ -142,7 +142,7 @@ class MpirunLauncher:
         if self.preemption is not None:
             self.preemption.begin(collector.send, attempt.membership.replicas)
         try:
-            return mpirun.run_job(cmd, collector, timeout=attempt.timeout, inspector=inspector, env=env,
+            return mpirun.run_mpirun(cmd, collector, timeout=attempt.timeout, inspector=inspector, env=env,
                                preemption=self.preemption)
         except OSError as exc:
             raise AttemptError(f"cannot run {self.mpirun}: {exc}") from None

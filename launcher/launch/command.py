@@ -9,6 +9,7 @@ implementations.
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import sys
 
 from ..core.api import LauncherError
 from ..core.plan import RankSpec
+from ..node import agent as rank_agent
 
 OPENMPI = "openmpi"
 MPICH = "mpich"
@@ -92,8 +94,9 @@ def detect_implementation(mpirun: str) -> str:
 
 
 def agent_command(program: list[str]) -> list[str]:
-    """The per-rank command: the agent supervising ``program``."""
-    return [sys.executable, "-m", "popdist_lite_launcher.node.agent", "--", *program]
+    """The per-rank command: the agent supervising ``program``
+    (:mod:`popdist_lite_launcher.node.agent`)."""
+    return [sys.executable, "-m", rank_agent.__name__, "--", *program]
 
 
 def build_command(mpirun: str, implementation: str, ranks: list[RankSpec],
@@ -132,66 +135,82 @@ def build_command(mpirun: str, implementation: str, ranks: list[RankSpec],
         raise LauncherError("a job needs at least one rank")
     agent = agent_command(program) if agent is None else agent
     ompi = implementation == OPENMPI
-    cmd = [mpirun]
     if ompi:
-        cmd += ["--bind-to", "none"]
-        if oversubscribe:
-            cmd.append("--oversubscribe")
-        if allow_run_as_root:
-            cmd.append("--allow-run-as-root")
-        if tag_output:
-            cmd.append("--tag-output")
-        if hostfile:
-            cmd += ["--hostfile", hostfile]
-        if launch_agent:
-            cmd += ["--prtemca", "plm_ssh_agent", launch_agent]
-        if network:
-            cmd += ["--prtemca", "oob_tcp_if_include", network,
-                    "--mca", "btl_tcp_if_include", network]
+        first = _openmpi_options(tag_output, oversubscribe, allow_run_as_root, hostfile, launch_agent, network)
     else:
-        if tag_output:
-            cmd.append("-prepend-rank")
-        hosts = [spec.host for spec in ranks]
-        if any(hosts):
-            # hydra takes hosts only globally; its ranks fill this list's entries in
-            # order, so runs of equal hosts in rank order place every rank exactly
-            runs: list[list] = []
-            for host in hosts:
-                if runs and runs[-1][0] == host:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([host, 1])
-            cmd += ["-hosts", ",".join(f"{h or 'localhost'}:{n}" for h, n in runs)]
-        elif hostfile:
-            cmd += ["-f", hostfile]
-        if launch_agent:
-            cmd += ["-launcher", "ssh", "-launcher-exec", launch_agent]
-        if launcher_address:
-            cmd += ["-localhost", launcher_address]
-        if network and "/" not in network:
-            cmd += ["-iface", network]
-    cmd += list(global_args)
-
-    slots: dict[str, int] = {}
-    for spec in ranks:
-        if spec.host is not None:
-            slots[spec.host] = slots.get(spec.host, 0) + 1
-
+        first = _mpich_options(ranks, tag_output, hostfile, launch_agent, network, launcher_address)
+    cmd = [mpirun, *first, *global_args]
+    slots = collections.Counter(spec.host for spec in ranks if spec.host is not None)
     for i, spec in enumerate(ranks):
         if i:
             cmd.append(":")
-        if ompi:
-            cmd += ["-np", "1"]
-            if spec.host is not None:
-                cmd += ["-H", f"{spec.host}:{slots[spec.host]}"]
-            for name in export:
-                cmd += ["-x", name]
-            for name, value in spec.env.items():
-                cmd += ["-x", f"{name}={value}"]
-        else:
-            cmd += ["-n", "1"]
-            for name, value in spec.env.items():
-                cmd += ["-env", name, str(value)]
-        cmd += list(spec.mpi_args)
-        cmd += agent
+        cmd += _openmpi_context(spec, slots, export) if ompi else _mpich_context(spec)
+        cmd += [*spec.mpi_args, *agent]
     return cmd
+
+
+def _openmpi_options(tag_output: bool, oversubscribe: bool, allow_run_as_root: bool, hostfile: str | None,
+                     launch_agent: str | None, network: str | None) -> list[str]:
+    """Open MPI's global options of :func:`build_command`."""
+    options = ["--bind-to", "none"]
+    if oversubscribe:
+        options.append("--oversubscribe")
+    if allow_run_as_root:
+        options.append("--allow-run-as-root")
+    if tag_output:
+        options.append("--tag-output")
+    if hostfile:
+        options += ["--hostfile", hostfile]
+    if launch_agent:
+        options += ["--prtemca", "plm_ssh_agent", launch_agent]
+    if network:
+        options += ["--prtemca", "oob_tcp_if_include", network, "--mca", "btl_tcp_if_include", network]
+    return options
+
+
+def _mpich_options(ranks: list[RankSpec], tag_output: bool, hostfile: str | None, launch_agent: str | None,
+                   network: str | None, launcher_address: str | None) -> list[str]:
+    """MPICH's global options of :func:`build_command`."""
+    options = ["-prepend-rank"] if tag_output else []
+    hosts = [spec.host for spec in ranks]
+    if any(hosts):
+        # hydra takes hosts only globally; its ranks fill this list's entries in
+        # order, so runs of equal hosts in rank order place every rank exactly
+        runs: list[list] = []
+        for host in hosts:
+            if runs and runs[-1][0] == host:
+                runs[-1][1] += 1
+            else:
+                runs.append([host, 1])
+        options += ["-hosts", ",".join(f"{h or 'localhost'}:{n}" for h, n in runs)]
+    elif hostfile:
+        options += ["-f", hostfile]
+    if launch_agent:
+        options += ["-launcher", "ssh", "-launcher-exec", launch_agent]
+    if launcher_address:
+        options += ["-localhost", launcher_address]
+    if network and "/" not in network:
+        options += ["-iface", network]
+    return options
+
+
+def _openmpi_context(spec: RankSpec, slots: collections.Counter, export) -> list[str]:
+    """The start of one rank's Open MPI context: one process on its host (``host:slots``,
+    the ranks on that host), the variables forwarded by name and its own."""
+    context = ["-np", "1"]
+    if spec.host is not None:
+        context += ["-H", f"{spec.host}:{slots[spec.host]}"]
+    for name in export:
+        context += ["-x", name]
+    for name, value in spec.env.items():
+        context += ["-x", f"{name}={value}"]
+    return context
+
+
+def _mpich_context(spec: RankSpec) -> list[str]:
+    """The start of one rank's MPICH context: one process and its variables (hydra
+    forwards mpirun's environment itself)."""
+    context = ["-n", "1"]
+    for name, value in spec.env.items():
+        context += ["-env", name, str(value)]
+    return context

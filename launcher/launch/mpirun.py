@@ -1,6 +1,6 @@
 """Running the mpirun command: signals, timeout, lost ranks, hard kill, failure records.
 
-:func:`run_job` starts mpirun in a new session (first removing the session
+:func:`run_mpirun` starts mpirun in a new session (first removing the session
 directories killed mpiruns left: :mod:`~popdist_lite_launcher.launch.session_dirs`), passes its
 stdout and stderr through (keeping stderr's last lines, and ending a line the job left
 unfinished), forwards SIGINT/SIGTERM to it, enforces ``--timeout``, stops the job when the collector has lost a rank's agent (a host went down: mpirun may wait
@@ -10,7 +10,7 @@ for it for minutes) or when mpirun is still running
 mpirun's session (mpirun gives each rank its own process group, so killing one group
 is not enough). The failures come from the collector's records. Whatever goes wrong in
 the launcher itself, the session is killed in a ``finally`` (here, and in ``main`` for
-anything outside :func:`run_job`: :func:`kill_sessions`), so a job is never left
+anything outside :func:`run_mpirun`: :func:`kill_sessions`), so a job is never left
 running without its supervisor. If the launcher itself is killed (SIGKILL: no
 ``finally``), mpirun gets SIGKILL from the kernel (``PR_SET_PDEATHSIG``) and every agent,
 on every host, sees its connection to the launcher end and SIGKILLs its program
@@ -69,18 +69,18 @@ def kill_session(sid: int) -> None:
 
 
 def kill_sessions() -> None:
-    """SIGKILL what is left of every session :func:`run_job` started and has not seen
+    """SIGKILL what is left of every session :func:`run_mpirun` started and has not seen
     end (the launcher's last resort, in ``main``'s ``finally``)."""
     for sid in list(_sessions):
         kill_session(sid)
         _sessions.discard(sid)
 
 
-_sessions: set[int] = set()  # mpirun sessions started by run_job and not yet over
+_sessions: set[int] = set()  # mpirun sessions started by run_mpirun and not yet over
 
 
-def run_job(cmd: list[str], collector, *, timeout: float | None = None,
-            env: dict[str, str] | None = None, inspector=None, preemption=None) -> AttemptResult:
+def run_mpirun(cmd: list[str], collector, *, timeout: float | None = None,
+               env: dict[str, str] | None = None, inspector=None, preemption=None) -> AttemptResult:
     """Run ``cmd`` (an mpirun command) to completion; failures come from ``collector``
     (a :class:`~popdist_lite_launcher.supervise.collector.Collector` whose address the ranks got).
 
@@ -109,121 +109,152 @@ def run_job(cmd: list[str], collector, *, timeout: float | None = None,
     Raises:
         OSError: mpirun cannot be started.
     """
-    result = AttemptResult(returncode=0)
-    state = {"proc": None, "stop_at": None}
+    return _Supervision(cmd, collector, timeout, env, inspector, preemption).run()
 
-    def stop(signum):
-        if preemption is not None and signum == signal.SIGTERM:
+
+class _Supervision:
+    """One call of :func:`run_mpirun` (its arguments, module docstring): mpirun's process,
+    the copies of its output, when it was told to stop, and the result so far."""
+
+    def __init__(self, cmd: list[str], collector, timeout: float | None, env: dict[str, str] | None,
+                 inspector, preemption):
+        self.cmd, self.collector, self.timeout, self.env = cmd, collector, timeout, env
+        self.inspector, self.preemption = inspector, preemption
+        self.result = AttemptResult(returncode=0)
+        self.proc: subprocess.Popen | None = None
+        self.stop_at: float | None = None  # monotonic: when mpirun was told to stop
+        self.out: Tee | None = None        # mpirun's stdout, copied
+        self.tail: Tee | None = None       # its stderr, copied, the last lines kept
+
+    def run(self) -> AttemptResult:
+        preemption = self.preemption
+        # handlers first: a Ctrl-C while starting must not orphan mpirun (its own session)
+        handled = dict.fromkeys((signal.SIGINT, signal.SIGTERM, *(preemption.signals if preemption else ())))
+        previous = {s: signal.signal(s, self.interrupt) for s in handled}
+        try:
+            session_dirs.remove_stale(self.env)
+            proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, env=self.env,
+                                    preexec_fn=child_preexec((lambda: hold_signals.block(preemption.signals))
+                                                             if preemption is not None else None))
+        except BaseException:
+            _restore(previous)
+            raise
+        _sessions.add(proc.pid)
+        try:
+            self.proc = proc
+            if self.result.stop_signal is not None:
+                self.stop(self.result.stop_signal)
+            self.out = Tee(os.dup(proc.stdout.fileno()), _fileno(sys.stdout, 1), 0)
+            proc.stdout.close()
+            self.tail = Tee(os.dup(proc.stderr.fileno()), _fileno(sys.stderr, 2), MPIRUN_TAIL_LINES, drop=b"\0")
+            proc.stderr.close()
+            self.supervise()
+        except Exception as exc:  # noqa: BLE001 - reported; the finally below ends the job
+            self.result.internal_error = describe_exception(exc)
+        finally:
+            _restore(previous)
+            if preemption is not None and preemption.signum is not None and self.result.stop_signal is None:
+                self.result.stop_signal = preemption.signum
+            if self.result.internal_error or self.stop_at is not None or proc.poll() is None:
+                kill_session(proc.pid)  # leftovers that ignored the stop request, or no supervisor
+            _sessions.discard(proc.pid)
+        self.collect()
+        return self.result
+
+    def stop(self, signum: int) -> None:
+        """Tell mpirun to stop (once noted: the collector counts what follows as
+        consequences); SIGINT instead of SIGTERM when it holds the signals."""
+        if self.preemption is not None and signum == signal.SIGTERM:
             signum = hold_signals.STOP_SIGNAL  # mpirun holds SIGTERM
-        if state["stop_at"] is None:
-            state["stop_at"] = time.monotonic()
-            collector.stopping()
-        if state["proc"] is not None:
+        if self.stop_at is None:
+            self.stop_at = time.monotonic()
+            self.collector.stopping()
+        if self.proc is not None:
             try:
-                state["proc"].send_signal(signum)
+                self.proc.send_signal(signum)
             except OSError:
                 pass
 
-    def interrupt(signum, _frame=None):
+    def interrupt(self, signum, _frame=None) -> None:
+        """The handler of SIGINT, SIGTERM and the preemption's signals."""
+        result, preemption = self.result, self.preemption
         if preemption is not None and result.stop_signal is None:
             why = preemption.on_signal(signum)
             if why is None:
                 return  # the replicas are asked for a checkpoint (preemption.poll)
             if why:  # a second signal: stop now, with the first's exit code
                 result.stop_reason, result.stop_signal = why, preemption.signum
-                stop(signal.SIGTERM)
+                self.stop(signal.SIGTERM)
                 return
         if result.stop_signal is None:
             result.stop_signal = signum
             if result.stop_reason is None:
                 result.stop_reason = f"job interrupted by {signal.Signals(signum).name}"
-        stop(signum)
+        self.stop(signum)
 
-    # handlers first: a Ctrl-C while starting must not orphan mpirun (its own session)
-    handled = dict.fromkeys((signal.SIGINT, signal.SIGTERM, *(preemption.signals if preemption else ())))
-    previous = {s: signal.signal(s, interrupt) for s in handled}
-    try:
-        session_dirs.remove_stale(env)
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, env=env,
-                                preexec_fn=child_preexec((lambda: hold_signals.block(preemption.signals))
-                                                         if preemption is not None else None))
-    except BaseException:
-        _restore(previous)
-        raise
-    _sessions.add(proc.pid)
-    tail = out = None
-    try:
-        state["proc"] = proc
-        if result.stop_signal is not None:
-            stop(result.stop_signal)
-        out = Tee(os.dup(proc.stdout.fileno()), _fileno(sys.stdout, 1), 0)
-        proc.stdout.close()
-        tail = Tee(os.dup(proc.stderr.fileno()), _fileno(sys.stderr, 2), MPIRUN_TAIL_LINES, drop=b"\0")
-        proc.stderr.close()
-        _supervise(proc, collector, timeout, inspector, result, state, stop, preemption)
-    except Exception as exc:  # noqa: BLE001 - reported; the finally below ends the job
-        result.internal_error = describe_exception(exc)
-    finally:
-        _restore(previous)
-        if preemption is not None and preemption.signum is not None and result.stop_signal is None:
-            result.stop_signal = preemption.signum
-        if result.internal_error or state["stop_at"] is not None or proc.poll() is None:
-            kill_session(proc.pid)  # leftovers that ignored the stop request, or no supervisor
-        _sessions.discard(proc.pid)
-    try:
-        result.returncode = proc.wait(timeout=SESSION_KILL_DELAY_SECONDS)
-        session_dirs.remove(proc.pid, env)
-        for copy in (out, tail):
-            if copy is not None:
-                copy.end_line(timeout=2.0)  # a job ended mid-line: the next output starts a line
-        result.mpirun_tail = tail.text(timeout=2.0) if tail is not None else ""
-        collector.wait_closed(2.0)
-        collector.finish()
-        result.failures = report.merge_records(collector.failure_records())
-        result.saved = {r.get("rank") for r in collector.records("checkpoint_saved") if r.get("role") == "replica"}
-    except Exception as exc:  # noqa: BLE001 - report what is known
-        result.internal_error = result.internal_error or describe_exception(exc)
-    return result
+    def supervise(self) -> None:
+        """The loop, every 0.1 s until mpirun has ended: the timeout, the collector's
+        failures, the stall inspector, the preemption, the session's SIGKILL."""
+        proc, collector, result = self.proc, self.collector, self.result
+        start = time.monotonic()
+        failed_at = None
+        killed = False
+        while True:
+            try:
+                result.returncode = proc.wait(timeout=0.1)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if self.timeout and self.stop_at is None and now - start > self.timeout:
+                result.timed_out = True
+                result.stop_reason = f"job timed out after {self.timeout:g} s"
+                self.stop(signal.SIGTERM)
+            if failed_at is None and collector.has_failure():
+                failed_at = now
+            if failed_at is not None and self.stop_at is None and (
+                    collector.lost_cause() or now - failed_at > FAILED_JOB_STOP_DELAY_SECONDS):
+                self.stop(signal.SIGTERM)
+            self.poll_watchers()
+            if self.stop_at is not None and not killed and now - self.stop_at > SESSION_KILL_DELAY_SECONDS:
+                kill_session(proc.pid)
+                killed = True
 
-
-def _supervise(proc, collector, timeout, inspector, result: AttemptResult, state: dict, stop,
-               preemption=None) -> None:
-    """The loop of :func:`run_job`, until mpirun has ended."""
-    start = time.monotonic()
-    failed_at = None
-    killed = False
-    while True:
-        try:
-            result.returncode = proc.wait(timeout=0.1)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-        now = time.monotonic()
-        if timeout and state["stop_at"] is None and now - start > timeout:
-            result.timed_out = True
-            result.stop_reason = f"job timed out after {timeout:g} s"
-            stop(signal.SIGTERM)
-        if failed_at is None and collector.has_failure():
-            failed_at = now
-        if failed_at is not None and state["stop_at"] is None and (
-                collector.lost_cause() or now - failed_at > FAILED_JOB_STOP_DELAY_SECONDS):
-            stop(signal.SIGTERM)
-        if inspector is not None and state["stop_at"] is None:
-            block = inspector.poll()
+    def poll_watchers(self) -> None:
+        """The stall inspector and the preemption, while mpirun has not been told to stop:
+        either may stop it."""
+        result, collector = self.result, self.collector
+        if self.inspector is not None and self.stop_at is None:
+            block = self.inspector.poll()
             if block is not None:
                 result.stall = block
                 result.stop_reason = "job stalled"
-                stop(signal.SIGTERM)
-        if preemption is not None and state["stop_at"] is None:
-            why = preemption.poll(lambda: {r.get("rank") for r in collector.records("resize_stop")})
+                self.stop(signal.SIGTERM)
+        if self.preemption is not None and self.stop_at is None:
+            why = self.preemption.poll(lambda: {r.get("rank") for r in collector.records("resize_stop")})
             if why:
-                result.stop_reason, result.stop_signal = why, preemption.signum
-                stop(signal.SIGTERM)
-        if state["stop_at"] is not None and not killed \
-                and now - state["stop_at"] > SESSION_KILL_DELAY_SECONDS:
-            kill_session(proc.pid)
-            killed = True
+                result.stop_reason, result.stop_signal = why, self.preemption.signum
+                self.stop(signal.SIGTERM)
+
+    def collect(self) -> None:
+        """After mpirun's end: its exit status, the end of its output, the failures and
+        saved checkpoints the collector recorded."""
+        proc, collector, result = self.proc, self.collector, self.result
+        try:
+            result.returncode = proc.wait(timeout=SESSION_KILL_DELAY_SECONDS)
+            session_dirs.remove(proc.pid, self.env)
+            for copy in (self.out, self.tail):
+                if copy is not None:
+                    copy.end_line(timeout=2.0)  # a job ended mid-line: the next output starts a line
+            result.mpirun_tail = self.tail.text(timeout=2.0) if self.tail is not None else ""
+            collector.wait_closed(2.0)
+            collector.finish()
+            result.failures = report.merge_records(collector.failure_records())
+            result.saved = {r.get("rank") for r in collector.records("checkpoint_saved")
+                            if r.get("role") == "replica"}
+        except Exception as exc:  # noqa: BLE001 - report what is known
+            result.internal_error = result.internal_error or describe_exception(exc)
 
 
 def _fileno(stream, default: int) -> int:

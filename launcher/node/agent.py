@@ -142,37 +142,35 @@ def _relay(program: _ProgramSocket, link: Link, ident: dict) -> None:
         sock.close()
 
 
-def _signal_program(state: dict, request: dict) -> None:
+def _signal_program(agent: "_Agent", request: dict) -> None:
     """``{"kind": "signal", "signal": "SIGUSR1"}``: send that signal to the program."""
-    proc = state.get("child")
+    proc = agent.child
     if proc is not None and proc.poll() is None:
         proc.send_signal(signal.Signals[request["signal"]])
 
 
-def _dump_stack(state: dict, request: dict) -> None:
+def _dump_stack(agent: "_Agent", request: dict) -> None:
     """``{"kind": "stack_request", "request": N}``: answer with the program's Python
     stacks (``stack`` record), from a thread (the dump takes up to two seconds)."""
-    proc, watched, link = state.get("child"), state.get("progress"), state.get("link")
+    proc, watched, link = agent.child, agent.progress, agent.link
     if proc is None or watched is None or link is None:
         return
 
     def answer():
         text = watched.dump_stack(proc.pid) if proc.poll() is None else ""
-        link.send(records.make("stack", {**state["ident"], "time": time.time()},
+        link.send(records.make("stack", {**agent.ident, "time": time.time()},
                                request=request["request"], text=text))
     threading.Thread(target=answer, daemon=True).start()
 
 
-def _request_resize(state: dict, request: dict) -> None:
+def _request_resize(agent: "_Agent", request: dict) -> None:
     """``{"kind": "resize_request", "replicas": N}``: tell the program (one
     :data:`records.RESIZE <popdist_lite.records.RESIZE>` byte on its socket), where
     :func:`popdist_lite.should_checkpoint` finds it."""
-    program = state.get("program")
-    if program is not None:
-        program.write(records.RESIZE)
+    agent.program_socket.write(records.RESIZE)
 
 
-#: The launcher's requests this agent understands: record kind -> handler(state, request).
+#: The launcher's requests this agent understands: record kind -> handler(agent, request).
 REQUESTS = {"signal": _signal_program, "stack_request": _dump_stack, "resize_request": _request_resize}
 
 
@@ -193,144 +191,182 @@ def run(program: list[str]) -> int:
     enrol with the launcher. Sends the records described in the module docstring. Does
     not raise for failures of the program.
     """
-    environ = os.environ
-    holds_term = bool(environ.get(hold_signals.ENV))
-    held = hold_signals.held(environ) if holds_term else ()
-    if holds_term:  # before any thread starts: every thread of the agent blocks them
-        hold_signals.block(held)
-    key = keys.take_key(environ)  # the key file is gone before anything is started
-    ident = records.env_identity(environ)
-    shown = _is_shown(environ)
-    ours, theirs = socket.socketpair()
-    child_env = dict(environ)
-    child_env[records.RECORD_FD_ENV] = str(theirs.fileno())
+    agent = _Agent(program, os.environ)
+    waits = agent.connect()  # a launcher to enrol with: hold the program until then
+    tail_reader = agent.start(waits)
+    if tail_reader is None:  # the program could not be started
+        return agent.report(127, time.time(), agent.failure)
+    if waits and not agent.enrolled(tail_reader):
+        return NOT_STARTED
+    relay = agent.watch()
+    return agent.report(*agent.wait(relay, tail_reader))
 
-    pass_fds = [theirs.fileno()]
-    pmi_fd = environ.get("PMI_FD")
-    if pmi_fd and pmi_fd.isdigit():
-        pass_fds.append(int(pmi_fd))
 
-    stop = {"signal": None, "time": None, "child": None, "ident": ident, "progress": None,
-            "program": _ProgramSocket(ours)}
-    if environ.get(records.INSPECTOR_ENV) == "1":  # the launcher's stall inspector is on
-        try:
-            stop["progress"] = RankProgress()
-            child_env.update(stop["progress"].env())
-            pass_fds += stop["progress"].fds()
-        except OSError as exc:
-            warn(f"no stall inspection for this rank: {exc}")
+class _Agent:
+    """One run of the agent (:func:`run`): its program and the program's socket, its link
+    to the launcher, and the first signal that told it to stop (and when)."""
 
-    def forward(signum, _frame):
-        if stop["signal"] is None:
-            stop["signal"], stop["time"] = signum, time.monotonic()
-        proc = stop["child"]
+    def __init__(self, program: list[str], environ):
+        self.program = program
+        self.holds_term = bool(environ.get(hold_signals.ENV))
+        self.held = hold_signals.held(environ) if self.holds_term else ()
+        if self.holds_term:  # before any thread starts: every thread of the agent blocks them
+            hold_signals.block(self.held)
+        self.key = keys.take_key(environ)  # the key file is gone before anything is started
+        self.collector_address = environ.get(records.COLLECTOR_ENV)
+        self.ident = records.env_identity(environ)
+        self.shown = _is_shown(environ)
+        ours, self.theirs = socket.socketpair()
+        self.program_socket = _ProgramSocket(ours)
+        self.child_env = dict(environ)
+        self.child_env[records.RECORD_FD_ENV] = str(self.theirs.fileno())
+        self.pass_fds = [self.theirs.fileno()]
+        pmi_fd = environ.get("PMI_FD")
+        if pmi_fd and pmi_fd.isdigit():
+            self.pass_fds.append(int(pmi_fd))
+        self.signal: int | None = None      # the first signal that told the agent to stop
+        self.stopped_at: float | None = None  # when (monotonic)
+        self.child: subprocess.Popen | None = None
+        self.link: Link | None = None
+        self.failure = ""                     # why the program could not be started
+        self.progress: RankProgress | None = None
+        if environ.get(records.INSPECTOR_ENV) == "1":  # the launcher's stall inspector is on
+            try:
+                self.progress = RankProgress()
+                self.child_env.update(self.progress.env())
+                self.pass_fds += self.progress.fds()
+            except OSError as exc:
+                warn(f"no stall inspection for this rank: {exc}")
+
+    def forward(self, signum, _frame=None) -> None:
+        """A signal for the program: noted (the first one and its time), then passed on."""
+        if self.signal is None:
+            self.signal, self.stopped_at = signum, time.monotonic()
+        proc = self.child
         if proc is not None and proc.poll() is None:
             try:  # a held program ignores SIGTERM; the MPI daemon's SIGINT means the same stop
-                proc.send_signal(signal.SIGKILL if holds_term and signum in (signal.SIGTERM, signal.SIGINT)
+                proc.send_signal(signal.SIGKILL if self.holds_term and signum in (signal.SIGTERM, signal.SIGINT)
                                  else signum)
             except OSError:
                 pass
 
-    def on_request(request: dict) -> None:
+    def on_request(self, request: dict) -> None:
         handler = REQUESTS.get(request["kind"])
         if handler is not None:
-            handler(stop, request)
+            handler(self, request)
 
-    def on_lost() -> None:
+    def on_lost(self) -> None:
         """The connection to the launcher ended: the launcher is gone, end the program."""
-        forward(signal.SIGKILL, None)
+        self.forward(signal.SIGKILL)
         warn("lost the connection to the launcher; ended the program")
 
-    signal.signal(signal.SIGINT, forward)
-    link = Link(environ.get(records.COLLECTOR_ENV), key)
-    stop["link"] = link
-    if holds_term:
-        hold_signals.Watch(os.getppid(), lambda: forward(signal.SIGTERM, None),
-                           lambda signum, pid: link.send(records.make(
-                               "signalled", {**ident, "time": time.time()}, signal=signal_name(signum),
-                               sender=pid or None)),
-                           held).start()
-    else:
-        signal.signal(signal.SIGTERM, forward)
-    waits = not link.ready.is_set()  # a launcher to enrol with: hold the program until then
+    def connect(self) -> bool:
+        """The signal handlers (or the held signals' watch) and the link; whether the
+        program must wait for the launcher's welcome (there is a launcher to enrol with)."""
+        signal.signal(signal.SIGINT, self.forward)
+        self.link = link = Link(self.collector_address, self.key)
+        if self.holds_term:
+            hold_signals.Watch(os.getppid(), lambda: self.forward(signal.SIGTERM),
+                               lambda signum, pid: link.send(records.make(
+                                   "signalled", {**self.ident, "time": time.time()}, signal=signal_name(signum),
+                                   sender=pid or None)),
+                               self.held).start()
+        else:
+            signal.signal(signal.SIGTERM, self.forward)
+        return not link.ready.is_set()
 
-    read_fd, write_fd = os.pipe()
-    stdout = None if shown else subprocess.DEVNULL
-    relay = None
-    try:
-        if waits and shutil.which(program[0]) is None:
-            raise FileNotFoundError(f"{program[0]}: no such executable")
-        command = [*HOLD, str(theirs.fileno()), *program] if waits else program
-        child = subprocess.Popen(
-            command, env=child_env, stdout=stdout, stderr=write_fd, pass_fds=pass_fds,
-            preexec_fn=child_preexec((lambda: hold_signals.ignore_in_child(held)) if holds_term else None))
-    except OSError as exc:
-        os.close(read_fd)
+    def start(self, waits: bool) -> Tee | None:
+        """Start the program (held until the welcome when ``waits``: :data:`HOLD`) and the
+        link's handshake; the copy of the program's stderr, or None when it could not be
+        started (:attr:`failure` says why)."""
+        read_fd, write_fd = os.pipe()
+        try:
+            if waits and shutil.which(self.program[0]) is None:
+                raise FileNotFoundError(f"{self.program[0]}: no such executable")
+            command = [*HOLD, str(self.theirs.fileno()), *self.program] if waits else self.program
+            self.child = subprocess.Popen(
+                command, env=self.child_env, stdout=None if self.shown else subprocess.DEVNULL, stderr=write_fd,
+                pass_fds=self.pass_fds,
+                preexec_fn=child_preexec((lambda: hold_signals.ignore_in_child(self.held)) if self.holds_term
+                                         else None))
+        except OSError as exc:
+            os.close(read_fd)
+            os.close(write_fd)
+            self.theirs.close()
+            self.program_socket.sock.close()
+            print(f"poprun-lite agent: cannot start {self.program[0]!r}: {exc}", file=sys.stderr)
+            self.failure = str(exc)
+            self.link.start(self.ident, self.on_request)
+            return None
         os.close(write_fd)
-        theirs.close()
-        ours.close()
-        print(f"poprun-lite agent: cannot start {program[0]!r}: {exc}", file=sys.stderr)
-        child, code, tail = None, 127, str(exc)
-        link.start(ident, on_request)
-    else:
-        os.close(write_fd)
-        theirs.close()
-        tail_reader = Tee(read_fd, sys.stderr.fileno() if shown else None, TAIL_LINES)
-        ident["pid"] = child.pid
-        stop["child"] = child
-        link.start(ident, on_request, on_lost)
-        if waits:
-            while not link.ready.wait(0.1) and child.poll() is None:
-                pass
-            if link.session is None:  # not enrolled: the held shell reads EOF, runs nothing
-                ours.close()
-                child.wait()
-                tail_reader.text(timeout=1.0)
-                warn("the program was not started (no enrolment with the launcher)")
-                return NOT_STARTED
-            stop["program"].write(b"\n")  # the held shell runs the program
-        relay = threading.Thread(target=_relay, args=(stop["program"], link, ident), daemon=True)
+        self.theirs.close()
+        tail_reader = Tee(read_fd, sys.stderr.fileno() if self.shown else None, TAIL_LINES)
+        self.ident["pid"] = self.child.pid
+        self.link.start(self.ident, self.on_request, self.on_lost)
+        return tail_reader
+
+    def enrolled(self, tail_reader: Tee) -> bool:
+        """Wait for the link's welcome, then let the held program run; False (it never
+        runs) when the agent could not enrol."""
+        while not self.link.ready.wait(0.1) and self.child.poll() is None:
+            pass
+        if self.link.session is None:  # not enrolled: the held shell reads EOF, runs nothing
+            self.program_socket.sock.close()
+            self.child.wait()
+            tail_reader.text(timeout=1.0)
+            warn("the program was not started (no enrolment with the launcher)")
+            return False
+        self.program_socket.write(b"\n")  # the held shell runs the program
+        return True
+
+    def watch(self) -> threading.Thread:
+        """While the program runs: the relay of its records (the thread), its progress
+        records, and a stop signal that came while it started."""
+        relay = threading.Thread(target=_relay, args=(self.program_socket, self.link, self.ident), daemon=True)
         relay.start()
-        if stop["progress"] is not None:
-            watched = stop["progress"]
+        if self.progress is not None:
+            watched, link = self.progress, self.link
             watched.watch(lambda lane, call, op, since: link.send(records.make(
-                "progress", {**ident, "time": time.time()}, lane=lane, call=call, op=op, since=since,
+                "progress", {**self.ident, "time": time.time()}, lane=lane, call=call, op=op, since=since,
                 **watched.storage_fields())))
-        if stop["signal"] is not None:  # told to stop while starting the child
-            forward(stop["signal"], None)
+        if self.signal is not None:  # told to stop while starting the child
+            self.forward(self.signal)
+        return relay
 
-    ended_at = time.time()
-    if child is not None:
+    def wait(self, relay: threading.Thread, tail_reader: Tee) -> tuple[int, float, str]:
+        """The program's end: ``(exit status, when it ended, stderr's last lines)``; it is
+        SIGKILLed :data:`PROGRAM_KILL_DELAY_SECONDS` after a stop signal."""
+        child = self.child
         # a thread blocked in waitpid notes the moment the program ended: the report
         # orders failures by time, and a peer's error follows a death within milliseconds
         ended = {}
-        waiter = threading.Thread(target=lambda: ended.update(code=child.wait(), at=time.time()),
-                                  daemon=True)
+        waiter = threading.Thread(target=lambda: ended.update(code=child.wait(), at=time.time()), daemon=True)
         waiter.start()
         while waiter.is_alive():
             waiter.join(0.2)
-            stopped_at = stop["time"]
+            stopped_at = self.stopped_at
             if waiter.is_alive() and stopped_at is not None \
                     and time.monotonic() - stopped_at > PROGRAM_KILL_DELAY_SECONDS:
                 child.kill()
-        code, ended_at = ended["code"], ended["at"]
         # when told to stop, mpirun SIGKILLs us soon: do not wait long for the pipes
-        wait = 0.2 if stop["signal"] is not None else 2.0
+        wait = 0.2 if self.signal is not None else 2.0
         relay.join(wait)
-        tail = tail_reader.text(timeout=wait)
+        return ended["code"], ended["at"], tail_reader.text(timeout=wait)
 
-    sig = -code if code < 0 else None
-    ident["time"] = ended_at
-    link.send(records.make("exit", ident, exitcode=None if sig else code,
-                           signal=signal_name(sig) if sig else None,
-                           stderr_tail=tail if code else "",
-                           terminated=stop["signal"] is not None))
-    link.close()
-    if stop["progress"] is not None:
-        stop["progress"].close()
-    if code == 0:
-        return 0
-    return 128 + sig if sig else code
+    def report(self, code: int, ended_at: float, tail: str) -> int:
+        """Send the ``exit`` record, close the link; the agent's exit code."""
+        sig = -code if code < 0 else None
+        self.ident["time"] = ended_at
+        self.link.send(records.make("exit", self.ident, exitcode=None if sig else code,
+                                    signal=signal_name(sig) if sig else None,
+                                    stderr_tail=tail if code else "",
+                                    terminated=self.signal is not None))
+        self.link.close()
+        if self.progress is not None:
+            self.progress.close()
+        if code == 0:
+            return 0
+        return 128 + sig if sig else code
 
 
 def main(argv: list[str] | None = None) -> None:

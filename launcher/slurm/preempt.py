@@ -49,7 +49,7 @@ finish), after printing how it ended; its report says "(checkpoint saved)" only 
 every replica reported its save (``checkpoint_saved`` records, sent by
 :func:`popdist_lite.save_checkpoint` for a save begun after ``should_checkpoint()``
 answered True). :class:`Preemption` holds a job's state: the signal handlers of
-:func:`popdist_lite_launcher.launch.mpirun.run_job` call :meth:`Preemption.on_signal`, its
+:func:`popdist_lite_launcher.launch.mpirun.run_mpirun` call :meth:`Preemption.on_signal`, its
 supervision loop :meth:`Preemption.poll`, and the attempts loop
 :meth:`Preemption.finish` once the replicas stopped at a boundary.
 """

@@ -21,7 +21,7 @@ import pytest
 from popdist_lite import records
 from popdist_lite_launcher.core import channel
 from popdist_lite_launcher.node import keys
-from popdist_lite_launcher.launch import mpirun as job
+from popdist_lite_launcher.launch import mpirun
 from popdist_lite_launcher.supervise.collector import Collector
 from helpers import JOB_SECONDS, timeout_for
 from peers import alive, wait_for
@@ -218,7 +218,7 @@ SLEEPERS = textwrap.dedent("""
 """)
 
 
-def test_run_job_kills_the_session_when_supervising_fails(tmp_path, monkeypatch):
+def test_run_mpirun_kills_the_session_when_supervising_fails(tmp_path, monkeypatch):
     prog = tmp_path / "sleepers.py"
     prog.write_text(SLEEPERS)
     pid_file = tmp_path / "pids"
@@ -231,11 +231,11 @@ def test_run_job_kills_the_session_when_supervising_fails(tmp_path, monkeypatch)
                 raise KeyError("terminated")  # the bug the old record handling had
             return False
         monkeypatch.setattr(collector, "has_failure", has_failure)
-        result = job.run_job([sys.executable, str(prog), str(pid_file)], collector, timeout=JOB_SECONDS)
+        result = mpirun.run_mpirun([sys.executable, str(prog), str(pid_file)], collector, timeout=JOB_SECONDS)
     assert result.internal_error.startswith("KeyError: 'terminated' (at test_hostile.py:")
     pids = [int(p) for p in pid_file.read_text().split()]
     wait_for(lambda: not any(alive(p) for p in pids), 60, "the session's processes to be gone")
-    assert not job._sessions
+    assert not mpirun._sessions
 
 
 @pytest.mark.parametrize("where", ["supervision", "main"])

@@ -18,7 +18,7 @@ import pytest
 
 from popdist_lite_launcher import __version__
 
-from popdist_lite_launcher.launch import mpirun as job
+from popdist_lite_launcher.launch import mpirun
 from popdist_lite_launcher.supervise.collector import Collector
 from helpers import JOB_SECONDS, timeout_for
 from peers import alive, wait_for
@@ -246,9 +246,9 @@ def test_timeout_stops_job(tmp_path):
     wait_for(lambda: not any(alive(p) for p in pids), 60, "the rank processes to be gone")
 
 
-def test_run_job_kills_whole_session_when_stop_is_ignored(tmp_path, monkeypatch):
+def test_run_mpirun_kills_whole_session_when_stop_is_ignored(tmp_path, monkeypatch):
     """If mpirun itself does not stop, every process of its session is SIGKILLed."""
-    monkeypatch.setattr(job, "SESSION_KILL_DELAY_SECONDS", 1.0)
+    monkeypatch.setattr(mpirun, "SESSION_KILL_DELAY_SECONDS", 1.0)
     stubborn = program(tmp_path, "stubborn.py", """
         import os, signal, subprocess, sys, time
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -262,7 +262,7 @@ def test_run_job_kills_whole_session_when_stop_is_ignored(tmp_path, monkeypatch)
     """)
     pid_file = tmp_path / "pids"
     with Collector() as collector:
-        result = job.run_job([*stubborn, str(pid_file)], collector, timeout=1.0)
+        result = mpirun.run_mpirun([*stubborn, str(pid_file)], collector, timeout=1.0)
     assert result.timed_out and result.returncode == -signal.SIGKILL
     pids = [int(p) for p in pid_file.read_text().split()]
     wait_for(lambda: not any(alive(p) for p in pids), 60, "the session's processes to be gone")

@@ -202,11 +202,11 @@ class _Collector:
 
 
 def _command(monkeypatch, launcher_class, opts, implementation="openmpi"):
-    """The mpirun command ``launcher_class`` runs for attempt 0 of ``opts`` (mpirun.run_job
+    """The mpirun command ``launcher_class`` runs for attempt 0 of ``opts`` (mpirun.run_mpirun
     replaced by a recorder), with the ranks' hosts taken as remote."""
     from popdist_lite_launcher.launch import mpirun
     seen = []
-    monkeypatch.setattr(mpirun, "run_job", lambda cmd, collector, **kw: seen.append(cmd))
+    monkeypatch.setattr(mpirun, "run_mpirun", lambda cmd, collector, **kw: seen.append(cmd))
     ranks = plan_ranks(opts)
     remote = list(dict.fromkeys(spec.host for spec in ranks))
     launcher = launcher_class(opts, "mpirun", implementation)
