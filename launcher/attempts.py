@@ -9,7 +9,8 @@ or through Slurm). The vocabulary is :mod:`popdist_lite_launcher.core.api`.
 One attempt: the policy gives its membership (a fixed job: ``--num-replicas`` over
 ``-H``/``--hostfile`` or this machine, every time; an elastic job: the usable
 discovered hosts, waiting for ``--min-replicas``), the launcher runs it and returns its
-:class:`Outcome`, or raises :class:`AttemptError` when it could not start it (hosts
+:class:`~popdist_lite_launcher.core.api.Outcome`, or raises
+:class:`~popdist_lite_launcher.core.api.AttemptError` when it could not start it (hosts
 failing their check, no collector, no mpirun). The loop then decides, the same way for
 every job:
 
@@ -223,7 +224,8 @@ class AttemptsLoop:
         """A failed attempt: its report, and whether the job goes on. ``cause_stops``:
         the ``resize_stop`` records no resize was asked for, when they are what failed
         (the ranks all exited 0); ``other_stops``: such records in an attempt that failed
-        anyway (named after its report); ``unreachable``: :attr:`Outcome.unreachable`."""
+        anyway (named after its report); ``unreachable``:
+        :attr:`Outcome.unreachable <popdist_lite_launcher.core.api.Outcome>`."""
         opts, say = self.opts, self.say
         cause, stop_reason = result.stall, result.stop_reason
         if result.timed_out and opts.timeout:  # the attempt had what was left of --timeout

@@ -37,15 +37,15 @@ def on_test_hosts(n: int, ranks: int):
     if not n:
         yield []
         return
-    from popdist_lite_launcher.testing import netns_hosts as testhosts
+    from popdist_lite_launcher.testing import netns_hosts
 
-    reason = testhosts.unavailable()
+    reason = netns_hosts.unavailable()
     if reason:
         raise RuntimeError(reason)
     mca = "--mca btl tcp,self" + (" --mca mpi_yield_when_idle 1" if _oversubscribed(ranks) else "")
-    with testhosts.TestHosts(n) as hosts:
-        yield ["-H", ",".join(hosts.names), "--launch-agent", testhosts.LAUNCH_AGENT,
-               "--network-interface", testhosts.CIDR, f"--mpi-global-args={mca}"]
+    with netns_hosts.TestHosts(n) as hosts:
+        yield ["-H", ",".join(hosts.names), "--launch-agent", netns_hosts.LAUNCH_AGENT,
+               "--network-interface", netns_hosts.CIDR, f"--mpi-global-args={mca}"]
 
 
 def _oversubscribed(ranks: int) -> bool:

@@ -59,9 +59,7 @@ import sys
 import time
 from pathlib import Path
 
-from popdist_lite_launcher.testing import slurm_cluster as testcluster
-
-from popdist_lite_launcher.testing import netns_hosts as testhosts
+from popdist_lite_launcher.testing import netns_hosts, slurm_cluster
 
 JOB_TIMEOUT = 180
 
@@ -234,8 +232,8 @@ def ssh_to_first_step(cluster, python: str, env: dict) -> float:
     out = cluster.work / "bench-ssh.out"
     command = [python, "-m", "popdist_lite_launcher", "--timeout", str(JOB_TIMEOUT),
                "-H", ",".join(cluster.nodes), "--launcher", "ssh", "--num-replicas", "4",
-               "--launch-agent", testhosts.LAUNCH_AGENT, "--network-interface",
-               f"{testcluster.SUBNET}.0/24", *example(cluster, python)]
+               "--launch-agent", netns_hosts.LAUNCH_AGENT, "--network-interface",
+               f"{slurm_cluster.SUBNET}.0/24", *example(cluster, python)]
     with open(out, "w") as sink:
         start = time.monotonic()
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
@@ -263,7 +261,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    reason = testcluster.unavailable()
+    reason = slurm_cluster.unavailable()
     if reason:
         sys.exit(f"bench_slurm: {reason}")
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -272,7 +270,7 @@ def main() -> None:
     for _ in range(args.runs):
         run: dict = {}
         start = time.monotonic()
-        cluster = testcluster.TestCluster(2)
+        cluster = slurm_cluster.TestCluster(2)
         with cluster:
             run["cluster_up_s"] = time.monotonic() - start
             run["srun_job_s"] = timed_job(cluster, "srun true", cluster.env())

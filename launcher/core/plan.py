@@ -90,7 +90,7 @@ def plan_ranks(opts: Options, attempt: int = 0,
                membership: Membership | None = None) -> list[RankSpec]:
     """One :class:`RankSpec` per MPI rank, in rank order, with its PopDist environment.
     (The collector's address and the job's key, the same for every rank, are not in the
-    specs: :func:`job_environment` puts them in mpirun's environment, forwarded by name.)
+    specs: :func:`~popdist_lite_launcher.launch.base.job_environment` puts them in mpirun's environment, forwarded by name.)
 
     Instance ``i`` drives replica ``i``; instances are placed on the hosts of
     ``membership`` (an elastic job's attempt: its replica count is the attempt's),

@@ -70,7 +70,7 @@ class ElasticPolicy:
     def lost(self, membership: Membership, say, unreachable: dict[str, str]) -> list[str]:
         """After a failed attempt on ``membership``: its hosts that are gone now (and the
         survey kept for the next attempt, in which the hosts of ``unreachable``, from
-        :attr:`Outcome.unreachable`, fail without a probe); [] when discovery fails."""
+        :attr:`Outcome.unreachable <popdist_lite_launcher.core.api.Outcome>`, fail without a probe); [] when discovery fails."""
         try:
             self._survey = self.cluster.survey(unreachable=unreachable)
         except LauncherError as exc:

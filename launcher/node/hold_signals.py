@@ -16,7 +16,7 @@ SIGUSR1 by default) are:
 * blocked in the MPI daemons on other nodes, which start through this file run as a
   script (:func:`daemon_command`: ``python -S hold_signals.py COMMAND...`` blocks them
   and execs COMMAND): Open MPI's ``prte_launch_agent``, MPICH's srun through
-  :data:`SRUN_HELD` (its ``-launcher-exec``), which puts it before ``hydra_pmi_proxy``;
+  :data:`~popdist_lite_launcher.slurm.launcher.SRUN_HELD` (its ``-launcher-exec``), which puts it before ``hydra_pmi_proxy``;
 * waited for by each agent (launcher/node/agent.py, :class:`Watch`): SIGTERM from its parent
   (the MPI daemon ending the job) stops its program; any held signal from anyone else
   (Slurm, or any process of the job's user: docs/security.md) becomes a ``signalled``
@@ -58,7 +58,8 @@ from pathlib import Path
 #: :func:`block`). The same name as :data:`popdist_lite.records.HOLD_ENV` (this file also
 #: runs as a script under ``python -S``, without the package).
 ENV = "POPRUN_LITE_HOLD_SIGNALS"
-#: The python that runs this file on the nodes, for :data:`SRUN_HELD`.
+#: The python that runs this file on the nodes, for
+#: :data:`~popdist_lite_launcher.slurm.launcher.SRUN_HELD`.
 PYTHON_ENV = "POPRUN_LITE_HOLD_PYTHON"
 #: What poprun-lite sends mpirun to stop a job whose processes hold SIGTERM.
 STOP_SIGNAL = signal.SIGINT

@@ -15,10 +15,11 @@ inside an allocation without ``-H``/``--hostfile``, else ``ssh`` (:func:`configu
 
 Every value read from Slurm's environment and from Slurm's commands is checked before
 it is used (node names with the grammar of :mod:`popdist_lite_launcher.core.hosts`), and
-bounded before it costs memory: the environment's texts at :data:`MAX_TEXT_CHARS`, the
-commands' output read as it comes and stopped at a limit
-(:func:`popdist_lite_launcher.slurm.scontrol.query`; the node list at :data:`MAX_NODES`
-names), tasks at :data:`MAX_TASKS_PER_NODE` a node and :data:`MAX_TASKS` in all. A bad
+bounded before it costs memory: the environment's texts at
+:data:`~popdist_lite_launcher.slurm.scontrol.MAX_TEXT_CHARS`, the commands' output read as
+it comes and stopped at a limit (:func:`popdist_lite_launcher.slurm.scontrol.query`; the
+node list at :data:`~popdist_lite_launcher.slurm.scontrol.MAX_NODES` names), tasks at
+:data:`MAX_TASKS_PER_NODE` a node and :data:`MAX_TASKS` in all. A bad
 one raises :class:`~popdist_lite_launcher.core.api.LauncherError` naming the variable or
 command.
 """
@@ -98,7 +99,7 @@ def parse_tasks_per_node(text: str, nodes: int, name: str = "SLURM_TASKS_PER_NOD
 def from_environment(environ, expand=None) -> Allocation | None:
     """The allocation this process runs in, from ``environ`` (None outside one): its
     nodes (``SLURM_JOB_NODELIST``, else ``SLURM_NODELIST``, through ``expand``, default
-    :func:`expand_nodelist`) and the
+    :func:`~popdist_lite_launcher.slurm.scontrol.expand_nodelist`) and the
     tasks on each (``SLURM_TASKS_PER_NODE``, else ``SLURM_NTASKS_PER_NODE``); the node
     count is checked against ``SLURM_JOB_NUM_NODES`` when that is set.
 

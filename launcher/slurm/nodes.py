@@ -198,7 +198,7 @@ class SlurmFixedPolicy(FixedPolicy):
     def lost(self, membership: Membership, say, unreachable: dict[str, str]) -> list[str]:
         """After a failed attempt on ``membership``: its nodes that are lost (each named,
         with why, through ``say``; ``unreachable``: :attr:`Outcome.unreachable
-        <popdist_lite_launcher.attempts.Outcome>`); the next membership is set on the
+        <popdist_lite_launcher.core.api.Outcome>`); the next membership is set on the
         nodes left. [] without ``--max-restarts`` (the job fails) or when no node is left."""
         gone = self.nodes.gone(membership.names(), unreachable)
         for node, why in gone.items():

@@ -3,7 +3,7 @@ trying poprun-lite's Slurm paths by hand (docs/slurm.md): it needs root and Debi
 ``slurm-wlm`` and ``munge`` packages (``libpmix-dev`` too for ``srun --mpi=pmix``).
 
 :class:`TestCluster` makes ``n`` nodes ``pdls1..pdlsN``, test hosts of
-:class:`popdist_lite_launcher.netns_hosts.TestHosts` on their own bridge :data:`BRIDGE` and
+:class:`popdist_lite_launcher.testing.netns_hosts.TestHosts` on their own bridge :data:`BRIDGE` and
 subnet ``10.251.0.0/24`` (so that they can exist beside the multi-host tests' hosts),
 each running a ``slurmd`` in its network namespace with its own hostname (UTS
 namespace) and a private tmpfs on ``/tmp`` (mount namespace), and one more test host,
@@ -424,9 +424,9 @@ def _alive(pid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m popdist_lite_launcher.testing.slurm_cluster [NODES]``: start a cluster of NODES
-    nodes (default 2), print how to use it, keep it until SIGINT or SIGTERM, then remove
-    it. Exit code 0, or 1 when it cannot be made here (the reason printed)."""
+    """``python -m popdist_lite_launcher.testing.slurm_cluster [NODES]``: start a cluster of
+    NODES nodes (default 2), print how to use it, keep it until SIGINT or SIGTERM, then
+    remove it. Exit code 0, or 1 when it cannot be made here (the reason printed)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) > 1 or (args and not (args[0].isdigit() and 1 <= int(args[0]) <= 8)):
         print("usage: python -m popdist_lite_launcher.testing.slurm_cluster [NODES (1-8, default 2)]",
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     reason = unavailable()
     if reason:
-        print(f"testcluster: {reason}", file=sys.stderr)
+        print(f"slurm_cluster: {reason}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the teardown runs
     with TestCluster(int(args[0]) if args else 2) as cluster:

@@ -17,7 +17,6 @@ import time
 import pytest
 
 from popdist_lite_launcher import __version__
-
 from popdist_lite_launcher.launch import mpirun
 from popdist_lite_launcher.supervise.collector import Collector
 from helpers import JOB_SECONDS, timeout_for

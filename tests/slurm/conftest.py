@@ -6,9 +6,9 @@ job and poprun-lite runs under a timeout."""
 
 import pytest
 
-from popdist_lite_launcher.testing import slurm_cluster as testcluster
+from popdist_lite_launcher.testing import slurm_cluster
 
-REASON = testcluster.unavailable()
+REASON = slurm_cluster.unavailable()
 
 
 @pytest.fixture(scope="session")
@@ -17,5 +17,5 @@ def cluster():
     test failed)."""
     if REASON:
         pytest.skip(REASON)
-    with testcluster.TestCluster(2) as made:
+    with slurm_cluster.TestCluster(2) as made:
         yield made

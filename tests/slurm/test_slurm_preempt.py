@@ -55,7 +55,7 @@ import numpy as np
 import pytest
 
 from popdist_lite.checkpoint.__main__ import export
-from popdist_lite_launcher.testing import slurm_cluster as testcluster
+from popdist_lite_launcher.testing import slurm_cluster
 from test_slurm_launch import MPIS, ROOT, mpi_env, python_of, wait_for
 
 PROG = ROOT / "tests" / "progs" / "hosts_elastic_prog.py"
@@ -109,7 +109,7 @@ class Job:
             wait_for(predicate, what, timeout)
         except AssertionError as exc:
             shown = self.cluster.run(["scontrol", "show", "job", self.id])
-            log = testcluster.DIRECTORY / "slurmctld.log"
+            log = slurm_cluster.DIRECTORY / "slurmctld.log"
             said = [line for line in (log.read_text(errors="replace") if log.exists() else "").splitlines()
                     if f"JobId={self.id}" in line or f"job {self.id}" in line.lower()][-30:]
             raise AssertionError(f"{exc}; job {self.id} ({self.state() or 'gone'}), its output:\n"
