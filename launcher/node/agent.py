@@ -2,10 +2,11 @@
 
 mpirun starts one agent per rank (like torchrun's per-worker agent) on the rank's host.
 The agent reads the job's key from its key file and removes the file
-(:func:`popdist_lite_launcher.node.keys.take_key`: no process's environment holds the key,
-only the file's path), starts the program as its child, tees the child's stderr while keeping its
-last lines, forwards SIGTERM/SIGINT, and keeps ONE authenticated TCP connection to the
-launcher's collector (``POPRUN_LITE_COLLECTOR``; :class:`Link`, framing and handshake in
+(:func:`popdist_lite_launcher.node.keys.take_key`: no process's environment holds the
+key, only the file's path), starts the program as its child, tees the child's stderr
+while keeping its last lines, forwards SIGTERM/SIGINT, and keeps ONE authenticated TCP
+connection to the launcher's collector (``POPRUN_LITE_COLLECTOR``;
+:class:`~popdist_lite_launcher.node.link.Link`, framing and handshake in
 :mod:`popdist_lite_launcher.core.channel`) over which it sends records
 (:mod:`popdist_lite.records`): ``hello``, a ``heartbeat`` every second, the ``error``
 record of its program (the uncaught exception from ``popdist_lite``'s excepthook,
