@@ -137,7 +137,7 @@ for rank in range(agents):
 print(json.dumps(handshakes), flush=True)
 ident = records.identity(rank=0, replica=0, pid=os.getpid())
 for call in range(count):
-    links[0].send(records.make("progress", ident, call=call, op="all_reduce", since=1.0))
+    links[0].send(records.make("progress", ident, lane="main", call=call, op="all_reduce", since=1.0))
 sys.stdin.read()  # until the launcher has counted them
 """
 
