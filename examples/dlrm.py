@@ -18,8 +18,10 @@ builds it, with TorchRec's module names:
 * ``DenseArch``: an MLP (ReLU after every layer) over the 13 dense features,
   ``log(1 + x)`` of Criteo's integers, to ``embedding_dim``;
 * ``SparseArch``: an ``EmbeddingBagCollection`` of 26 tables, one per categorical
-  feature, pooled to ``(B, 26, embedding_dim)``; the tables are sharded over the
-  replicas and updated by their own optimizer in the backward pass;
+  feature, pooled to ``(B, 26, embedding_dim)``: ``popdist_lite.torch``'s, whose tables
+  are placed over the replicas (row-wise by default; ``--sharding``) and updated by
+  their own optimizer in the backward pass, every table's IDs, rows and gradients in
+  one exchange;
 * ``InteractionArch``: the dense output and the 26 pooled vectors, pairwise dot
   products (the upper triangle), concatenated with the dense output;
 * ``OverArch``: an MLP (ReLU but after the last layer) to one logit; the loss is binary
@@ -35,7 +37,13 @@ through ``popdist_lite.infeed`` from host feed processes (``poprun-lite
 Every ``--log-every`` steps replica 0 prints the log loss and ROC AUC of the window's
 predictions, gathered from all replicas (scikit-learn's ``log_loss`` and
 ``roc_auc_score``). Each prediction is made before the model trains on it (progressive
-validation), so the figures measure samples the model has not seen.
+validation), so the figures measure samples the model has not seen. What replica 0
+prints, and ``--log-dir``, are the Shakespeare examples' (run_log.py): a first line
+before the slow start-up, a tqdm bar on a terminal, ``Step N, loss = X, AUC = Y, R
+steps/s, ETA T``, ``checkpoint step N saved (path, size, seconds)``, and the final log
+loss and AUC on the last line; with ``--log-dir DIR`` the lines in ``DIR/log.txt`` and
+the loss curve in ``DIR/loss.png``. Every step and its data loading and model
+computation are marked on the timeline (``poprun-lite --timeline``).
 
 Checkpoints, elastic resizes and Slurm as examples/shakespeare_torch.py:
 ``--checkpoint-dir DIR --checkpoint-every N`` saves the dense weights, the tables and
@@ -48,10 +56,10 @@ the example asks ``popdist_lite.should_checkpoint()`` at every step boundary, th
 and stops) neither repeats nor skips a sample. ``--emb-cache-kib`` keeps the larger
 tables on local disk behind a cache (``popdist_lite.DiskStorage``, docs/offload.md).
 
-The embedding seam: the sparse tables are built in one place, ``make_tables`` below,
-from ``embedding_bags`` (a TorchRec-style collection of one
-``popdist_lite.torch.HostEmbeddingBag`` per table); the library's own collection takes
-its place by changing that import.
+The sparse tables are built in one place, ``make_tables`` below, as TorchRec builds
+them (``EmbeddingBagConfig`` s into an ``EmbeddingBagCollection``); a TorchRec
+collection would take their place by changing the import and the optimizer's spelling
+(docs/torch.md, "Coming from TorchRec").
 """
 
 from __future__ import annotations
@@ -70,13 +78,16 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import criteo  # noqa: E402  (the TSV format, the feed's dataset)
+import run_log  # noqa: E402  (what replica 0 prints)
+
+if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv[1:]):
+    run_log.starting(__file__, "importing PyTorch")  # the first line, before an import of seconds
 
 import popdist_lite as pl  # noqa: E402
 import torch  # noqa: E402
 import popdist_lite.torch as pt  # noqa: E402
 
-# ---- the embedding seam: popdist_lite.torch's EmbeddingBagCollection replaces this import
-from embedding_bags import EmbeddingBagCollection, EmbeddingBagConfig, features_from_ids  # noqa: E402
+from popdist_lite.torch import EmbeddingBagCollection, EmbeddingBagConfig  # noqa: E402
 
 F = torch.nn.functional
 DEFAULT_DATA = ROOT / "data" / "criteo-synthetic"
@@ -174,21 +185,34 @@ class DLRM(torch.nn.Module):
         return self.over_arch(self.inter_arch(dense, self.sparse_arch(sparse_features)))
 
 
-def make_tables(sizes: list[int], dim: int, args) -> torch.nn.Module:
-    """The embedding seam: the 26 tables, one per categorical feature (table ``t_cat_j``
-    looks up feature ``cat_j``), as a TorchRec-style ``EmbeddingBagCollection``."""
+def make_tables(sizes: list[int], dim: int, args) -> EmbeddingBagCollection:
+    """The 26 tables, one per categorical feature (table ``t_cat_j`` looks up feature
+    ``cat_j``, initialised with seed ``args.seed + j``), in one ``EmbeddingBagCollection``
+    placed by ``--sharding``; with ``--emb-cache-kib``, the tables whose weights per
+    replica exceed the cache on local disk, sharing one cache of that size per table."""
     row_wise_adagrad = args.optimizer == "adagrad"
     spec = (pl.HostEmbeddingAdagradOptimizerSpec(args.emb_lr, rowwise=True) if row_wise_adagrad
             else pl.HostEmbeddingOptimizerSpec(args.emb_lr))
-    tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=n, feature_names=[name])
-              for name, n in zip(criteo.CAT_NAMES, sizes)]
+    tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=n, feature_names=[name],
+                                 seed=args.seed + j)
+              for j, (name, n) in enumerate(zip(criteo.CAT_NAMES, sizes))]
     storage = {}
-    if args.emb_cache_kib is not None:  # tables whose weights per replica exceed the cache go to disk
+    if args.emb_cache_kib is not None:
         cache = int(args.emb_cache_kib * 1024)
-        disk = pl.DiskStorage(cache, directory=None if args.emb_dir is None else str(args.emb_dir))
-        storage = {t.name: disk for t in tables if -(-t.num_embeddings // pl.num_replicas()) * dim * 4 > cache}
-    return EmbeddingBagCollection(tables=tables, optimizer_spec=spec, seed=args.seed, storage=storage,
-                                  partition_strategy=args.partition_strategy)
+        big = [t.name for t in tables if -(-t.num_embeddings // pl.num_replicas()) * dim * 4 > cache]
+        if big:  # one disk stack: its cache is that of the tables it holds
+            disk = pl.DiskStorage(cache * len(big), directory=None if args.emb_dir is None else str(args.emb_dir))
+            storage = {name: disk for name in big}
+    plan = None if args.sharding == "planner" else {t.name: args.sharding for t in tables}
+    planner = pl.EmbeddingShardingPlanner(batch_size=args.batch_size)  # one ID per bag and feature
+    return EmbeddingBagCollection(tables=tables, optimizer=spec, storage=storage, plan=plan, planner=planner)
+
+
+def sparse_features(ids: np.ndarray) -> pl.KeyedJaggedArray:
+    """The feed's ``(B, 26)`` IDs as the collection's keyed input: one ID per bag,
+    feature after feature (``KeyedJaggedTensor.from_lengths_sync``'s layout)."""
+    return pl.KeyedJaggedArray.from_lengths(criteo.CAT_NAMES, np.ascontiguousarray(ids.T).reshape(-1),
+                                            np.ones(ids.size, np.int64))
 
 
 # --------------------------------------------------------------------------------------
@@ -216,15 +240,15 @@ def window_metrics(predictions: list[np.ndarray], labels: list[np.ndarray]) -> t
 # --------------------------------------------------------------------------------------
 # data
 # --------------------------------------------------------------------------------------
-def ensure_data(path: Path) -> None:
-    """Write the default synthetic data on replica 0 if it is missing; every replica
-    learns the outcome through a broadcast."""
+def ensure_data(path: Path, say) -> None:
+    """Write the default synthetic data on replica 0 if it is missing (``say`` tells the
+    user); every replica learns the outcome through a broadcast."""
     missing = pl.all_reduce(np.array([0 if path.exists() else 1], np.int32), op="max")
     if not missing[0]:
         return
     ok = np.zeros(1, np.int32)
     if pl.replica_id() == 0:
-        print(f"{path} is missing; writing {DEFAULT_ROWS} synthetic lines with {GENERATOR} ...", flush=True)
+        say(f"{path} is missing; writing {DEFAULT_ROWS} synthetic lines with {GENERATOR} ...")
         tmp = path.with_name(path.name + ".tmp")
         try:
             r = subprocess.run([sys.executable, str(GENERATOR), str(tmp), "--rows", str(DEFAULT_ROWS)],
@@ -236,6 +260,34 @@ def ensure_data(path: Path) -> None:
             print(f"dlrm.py: {GENERATOR} failed: {e}", file=sys.stderr)
     if not pl.broadcast(ok, root=0)[0]:
         raise SystemExit(f"dlrm.py: replica {pl.replica_id()}: could not write {path}; run {GENERATOR} by hand")
+
+
+#: Data up to this many bytes (uncompressed) are counted for the progress bar's total.
+COUNT_MAX_BYTES = 1 << 30
+
+
+def steps_in_data(paths: list[Path], batch_size: int, replicas: int, epochs: int, position: int) -> int | None:
+    """The steps left in the data for ``replicas`` replicas after ``position`` global
+    batches (the feed's): each of the ``epochs`` passes is every line once, global batch
+    ``g`` lines ``[g*B, (g+1)*B)`` (the last partial one dropped), and the replicas stop
+    together when the one with the fewest batches has none left. ``None`` when counting
+    would cost a read of more than :data:`COUNT_MAX_BYTES` or of compressed files (the
+    bar then shows no total and the step lines no ETA). Local: replica 0's display only."""
+    try:
+        files = criteo.list_files(paths)
+        if any(f.suffix == ".gz" for f in files) or sum(f.stat().st_size for f in files) > COUNT_MAX_BYTES:
+            return None
+        lines = 0
+        for f in files:
+            with open(f, "rb") as stream:
+                last = b"\n"
+                while chunk := stream.read(1 << 20):
+                    lines += chunk.count(b"\n")
+                    last = chunk[-1:]
+                lines += last != b"\n"  # a last line without its newline is a line
+    except (OSError, ValueError):
+        return None  # the feed says what is wrong with the data
+    return max(lines * epochs // batch_size - position, 0) // replicas
 
 
 # --------------------------------------------------------------------------------------
@@ -273,8 +325,10 @@ def parse_args(argv=None):
                    help="dense: torch.optim's SGD or Adagrad; tables: SGD or row-wise Adagrad")
     p.add_argument("--lr", type=float, default=0.05, help="dense learning rate")
     p.add_argument("--emb-lr", type=float, default=1.0, help="the tables' learning rate")
-    p.add_argument("--partition-strategy", choices=["TOKEN", "ENCODING"], default="TOKEN",
-                   help="how each table is split across replicas")
+    p.add_argument("--sharding", choices=["row_wise", "column_wise", "table_wise", "data_parallel", "planner"],
+                   default="row_wise",
+                   help="every table's placement over the replicas (row_wise: TOKEN, column_wise: ENCODING), or "
+                        "each table's by the planner (EmbeddingShardingPlanner)")
     p.add_argument("--emb-cache-kib", type=float, default=None, metavar="KIB",
                    help="keep each table whose weights per replica exceed KIB KiB on local disk (--emb-dir) behind "
                         "a cache of KIB KiB (DiskStorage, docs/offload.md); default: all in memory")
@@ -292,6 +346,7 @@ def parse_args(argv=None):
                    help="save in the background (training continues while the files are written)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
+    run_log.add_log_dir_argument(p)
     args = p.parse_args(argv)
     if (args.resume or args.checkpoint_every is not None) and args.checkpoint_dir is None:
         p.error("--resume and --checkpoint-every need --checkpoint-dir")
@@ -313,27 +368,29 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    pl.init()
     data = args.data if args.data is not None else [DEFAULT_DATA]
     sizes = args.num_embeddings_per_feature or [args.num_embeddings] * criteo.CAT_FEATURES
+    run_log.starting(__file__, f"starting MPI, then reading {', '.join(map(str, data))} and making the "
+                               f"{criteo.CAT_FEATURES} tables")
+    pl.init()
 
     # Before any collective: on a feed process this call serves its replica and never returns.
     feed = pl.infeed(criteo.make_dataset(data, batch_size=args.batch_size, num_embeddings=sizes, epochs=args.epochs),
                      prefetch_depth=3)
     rank, replicas = pl.replica_id(), pl.num_replicas()
-
-    def log(msg: str) -> None:
-        if rank == 0:
-            print(msg, flush=True)
+    run = run_log.RunLog(rank == 0, bar=run_log.stdout_is_terminal(), log_dir=args.log_dir)
+    log = run.say
 
     if args.data is None:
-        ensure_data(DEFAULT_DATA)
+        ensure_data(DEFAULT_DATA, log)
 
     # Every replica builds the same model (seeded); DistributedDataParallel broadcasts replica 0's.
     torch.manual_seed(args.seed)
     model = DLRM(make_tables(sizes, args.embedding_dim, args), dense_in_features=criteo.INT_FEATURES,
                  dense_arch_layer_sizes=args.dense_arch_layer_sizes, over_arch_layer_sizes=args.over_arch_layer_sizes)
     ddp = pt.DistributedDataParallel(model)
+    if args.sharding == "planner":
+        log(str(model.sparse_arch.embedding_bag_collection.plan))
     optimizer = (torch.optim.Adagrad(ddp.parameters(), lr=args.lr) if args.optimizer == "adagrad"
                  else torch.optim.SGD(ddp.parameters(), lr=args.lr))
 
@@ -349,80 +406,87 @@ def main(argv=None) -> int:
             first = state["step"]
             log(f"resumed from {latest} (step {first})")
 
+    checkpoints = run_log.Checkpoints(run, args.checkpoint_dir, args.checkpoint_keep, args.checkpoint_async)
+    committed = checkpoints.committed  # waits for a background save, then says it is saved
+
     def save(step: int) -> None:
         state["step"] = step
-        began = time.perf_counter()
-        path = pl.save_checkpoint(args.checkpoint_dir, state, step=step, keep=args.checkpoint_keep,
-                                  blocking=not args.checkpoint_async)
-        if args.checkpoint_async:
-            log(f"checkpoint step {step} saving in the background ({path})")
-        elif rank == 0:
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-            log(f"checkpoint step {step} saved ({path}, {size / 2**20:.1f} MiB, {time.perf_counter() - began:.1f} s)")
+        checkpoints.save(state, step)
 
     dense_params = sum(p.numel() for p in ddp.parameters())
     log(f"DLRM: {criteo.CAT_FEATURES} tables of {sizes[0] if len(set(sizes)) == 1 else 'up to ' + str(max(sizes))} "
-        f"x {args.embedding_dim} ({args.partition_strategy}), dense arch {args.dense_arch_layer_sizes}, "
+        f"x {args.embedding_dim} ({args.sharding}), dense arch {args.dense_arch_layer_sizes}, "
         f"over arch {args.over_arch_layer_sizes} ({dense_params} dense parameters), {args.optimizer} "
         f"(lr {args.lr:g}, tables {args.emb_lr:g}); {replicas} replica(s) x batch {args.batch_size}; "
         f"data {', '.join(map(str, data))}")
 
+    total = args.steps
+    if rank == 0:  # the bar's total and the ETA: the steps the data hold, when they are cheap to count
+        left = steps_in_data(data, args.batch_size, replicas, args.epochs, feed.position)
+        if left is not None:
+            total = first + left if total is None else min(total, first + left)
+    run.start(first if total is None else min(first, total), total)
     predictions, labels = [], []
-    window_start = start = time.perf_counter()
-    done, last = first, None  # steps done; (step, log loss, AUC) of the last window printed
+    start = time.perf_counter()
+    done = first  # steps done
     steps = range(first, args.steps) if args.steps is not None else itertools.count(first)
     for step in steps:
-        batch = next(feed, None)
+        pl.timeline.step(step)
+        with pl.timeline.span("data"):
+            batch = next(feed, None)
         if batch is None:  # the data ended (on every replica at the same step)
             break
         label = torch.from_numpy(batch["label"])
-        logits = ddp(torch.from_numpy(batch["dense"]),
-                     features_from_ids(criteo.CAT_NAMES, torch.from_numpy(batch["sparse"]))).squeeze(1)
-        loss = F.binary_cross_entropy_with_logits(logits, label)
-        optimizer.zero_grad()
-        loss.backward()  # the tables' updates and the dense all-reduce
-        optimizer.step()
+        with pl.timeline.span("model"):  # forward, backward (the tables' update inside) and the optimizer
+            logits = ddp(torch.from_numpy(batch["dense"]), sparse_features(batch["sparse"])).squeeze(1)
+            loss = F.binary_cross_entropy_with_logits(logits, label)
+            optimizer.zero_grad()
+            loss.backward()  # the tables' updates and the dense all-reduce
+            optimizer.step()
         predictions.append(torch.sigmoid(logits.detach()).numpy())  # made before this step's update
         labels.append(batch["label"])
         done = step + 1
         if step == 0 or done % args.log_every == 0 or done == args.steps:
             metrics = window_metrics(predictions, labels)
-            now = time.perf_counter()
             if metrics is not None:
-                rate = len(labels) * args.batch_size * replicas / (now - window_start)
-                last = (step, *metrics)
-                log(f"Step {step}, loss = {metrics[0]:.4f}, AUC = {metrics[1]:.4f} ({rate:.0f} samples/s)")
+                run.loss(step, metrics[0], {"AUC": metrics[1]})
             predictions, labels = [], []
-            window_start = now
+        run.advance()
         if args.checkpoint_dir is not None and pl.should_checkpoint():
             # an elastic job's launcher or the scheduler asks us to stop: every replica stops at this step
             save(done)
-            pl.wait_checkpoint()
+            committed()
+            run.close_bar()
             log(f"stopping at step {done} for a resize or a requeue (checkpoint saved)")
             return 0
         if args.checkpoint_every and done % args.checkpoint_every == 0:
+            committed()  # the previous background save, if any
             save(done)
     trained = done - first
     if labels:  # the window the data ended in
         metrics = window_metrics(predictions, labels)
         if metrics is not None:
-            last = (done - 1, *metrics)
-            log(f"Step {done - 1}, loss = {metrics[0]:.4f}, AUC = {metrics[1]:.4f}")
+            run.loss(done - 1, metrics[0], {"AUC": metrics[1]})
     if args.checkpoint_dir is not None:
         if trained > 0 and (not args.checkpoint_every or done % args.checkpoint_every):
             save(done)
-        pl.wait_checkpoint()  # a background save, if any, is committed before we exit
+        committed()  # a background save, if any, is committed before we exit
     elapsed = time.perf_counter() - start
-    if rank == 0 and trained > 0:
-        log(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} ms/step, "
-            f"{trained * args.batch_size * replicas / elapsed:.0f} samples/s) on {replicas} replica(s); "
-            f"final loss = {last[1]:.4f}, AUC = {last[2]:.4f} (the window up to step {last[0]})")
-    disk = [m.table.storage_stats for m in model.modules() if isinstance(m, pt.HostEmbeddingBag)]
-    disk = [d for d in disk if d is not None]
-    if disk and trained > 0:
-        hits, misses = sum(d["hits"] for d in disk), sum(d["misses"] for d in disk)
-        log(f"{len(disk)} table(s) on disk (replica 0): hit rate {hits / max(hits + misses, 1):.3f}, "
-            f"{sum(d['rows_read'] for d in disk)} rows read, {sum(d['rows_written'] for d in disk)} written")
+    run.close_bar()
+    collection = model.sparse_arch.embedding_bag_collection
+    disks = [stack.shard.disk.stats for stack in collection.core.stacks if stack.shard.disk is not None]
+    if disks and trained > 0:  # the disk tables' stacks (tables of one kind share a stack, its file and cache)
+        hits, misses = sum(d["hits"] for d in disks), sum(d["misses"] for d in disks)
+        on_disk = sum(t.storage_stats is not None for t in collection.tables.values())
+        log(f"{on_disk} table(s) on disk (replica 0): hit rate {hits / max(hits + misses, 1):.3f}, "
+            f"{sum(d['rows_read'] for d in disks)} rows read, {sum(d['rows_written'] for d in disks)} written")
+    if trained > 0:
+        run.finish(f"trained {trained} steps in {elapsed:.1f} s ({1000 * elapsed / trained:.1f} ms/step, "
+                   f"{trained * args.batch_size * replicas / elapsed:.0f} samples/s) on {replicas} replica(s)",
+                   title=f"examples/dlrm.py: {replicas} replica(s), {args.sharding} (log loss)")
+    else:
+        run.finish(f"nothing to train: the run was at step {first}" + (f" of {args.steps}" if args.steps else "")
+                   + " (or the data had no batch left)", title="")
     return 0
 
 

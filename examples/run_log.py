@@ -1,9 +1,10 @@
-"""What the Shakespeare examples tell their user, from replica 0: a first line before the
-slow start-up (MPI, the framework's import, the text, the tables), a tqdm progress bar on
-a terminal, step lines with the loss, a rate and an ETA, a line per checkpoint (path,
-size, seconds), and the final loss on the last line; with ``--log-dir DIR`` the same
-lines in ``DIR/log.txt`` and the loss curve in ``DIR/loss.png`` (matplotlib, the
-``[plot]`` extra; without it, a one-line note).
+"""What the examples (Shakespeare's and DLRM's) tell their user, from replica 0: a first
+line before the slow start-up (MPI, the framework's import, the data, the tables), a tqdm
+progress bar on a terminal, step lines with the loss (and the example's other metrics,
+DLRM's AUC), a rate and an ETA, a line per checkpoint (path, size, seconds), and the
+final loss (and metrics) on the last line; with ``--log-dir DIR`` the same lines in
+``DIR/log.txt`` and the loss curve in ``DIR/loss.png`` (matplotlib, the ``[plot]`` extra;
+without it, a one-line note).
 
 The bar goes to stdout with the step lines written through it (``tqdm.write``), so the
 two keep their order in one stream. Under poprun-lite a rank's stdout is a terminal
@@ -18,7 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-import popdist_lite
+# Whether an MPI launcher started us, read when this module is imported (before
+# popdist_lite.init(): initialising MPI as a singleton makes Open MPI set these variables
+# in our own environment).
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "POPDIST_NUM_TOTAL_REPLICAS")
+UNDER_LAUNCHER = any(v in os.environ for v in _LAUNCHER_VARS)
+
+import popdist_lite  # noqa: E402  (importing it starts no MPI)
 
 #: A bar's terminal size (columns, lines) when it is unknown and ``$COLUMNS``/``$LINES`` unset.
 DEFAULT_SIZE = (80, 24)
@@ -59,6 +66,20 @@ def starting(script: str, doing: str) -> None:
         line = f"{Path(script).name}: {doing} ..."
         print(line, flush=True)
         _early.append(line)
+
+
+def stdout_is_terminal() -> bool:
+    """Whether a progress bar makes sense on stdout.
+
+    Under an MPI launcher ``isatty()`` is unreliable: Open MPI hands each rank a pseudo-
+    terminal even when the launcher's own output is a pipe or a file.  There we trust
+    ``POPDIST_LITE_STDOUT_ISATTY`` (``1``/``0``) if the launcher sets it, else no bar.
+    """
+    if not sys.stdout.isatty():
+        return False
+    if UNDER_LAUNCHER:
+        return os.environ.get("POPDIST_LITE_STDOUT_ISATTY", "0") == "1"
+    return True
 
 
 def bar_size(stream) -> dict:
@@ -105,7 +126,9 @@ class RunLog:
         self.lead, self.want_bar, self.log_dir = lead, bar, log_dir
         self.bar = None
         self.losses: list[tuple[int, float]] = []  # (step, loss) of every step line
-        self.total = self.first = 0
+        self.metrics: dict[str, float] = {}  # the other metrics of the last step line
+        self.total: int | None = 0
+        self.first = 0
         self._mark: tuple[int, float] | None = None  # (step, perf_counter) of the last step line
         self._file = None
         if lead and log_dir is not None:
@@ -125,10 +148,12 @@ class RunLog:
             self._file.write(line + "\n")
             self._file.flush()
 
-    def start(self, first: int, total: int) -> None:
-        """Training runs from step ``first`` to ``total`` (exclusive): open the bar."""
+    def start(self, first: int, total: int | None) -> None:
+        """Training runs from step ``first`` to ``total`` (exclusive; ``None``: until the
+        data end, a count unknown: a bar without a percentage, step lines without an
+        ETA): open the bar."""
         self.first, self.total = first, total
-        if self.lead and self.want_bar and total > first:
+        if self.lead and self.want_bar and (total is None or total > first):
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=first, unit="step", file=sys.stdout, **bar_size(sys.stdout))
@@ -138,18 +163,22 @@ class RunLog:
         if self.bar is not None:
             self.bar.update(1)
 
-    def loss(self, step: int, value: float) -> None:
-        """``Step N, loss = X``, with the steps per second since the previous such line
-        and the time left at that rate (tqdm's format)."""
+    def loss(self, step: int, value: float, metrics: dict[str, float] | None = None) -> None:
+        """``Step N, loss = X`` (then ``, NAME = V`` for each of ``metrics``), with the
+        steps per second since the previous such line and the time left at that rate
+        (tqdm's format; no ETA when the step count is unknown)."""
         if not self.lead:
             return
         now = time.perf_counter()
-        text = f"Step {step}, loss = {value:.4f}"
+        self.metrics = dict(metrics or {})
+        text = f"Step {step}, loss = {value:.4f}" + "".join(f", {k} = {v:.4f}" for k, v in self.metrics.items())
         if self._mark is not None and step > self._mark[0] and now > self._mark[1]:
             rate = (step - self._mark[0]) / (now - self._mark[1])
             from tqdm import tqdm
 
-            text += f", {rate:.1f} steps/s, ETA {tqdm.format_interval((self.total - step - 1) / rate)}"
+            text += f", {rate:.1f} steps/s"
+            if self.total is not None:
+                text += f", ETA {tqdm.format_interval(max(self.total - step - 1, 0) / rate)}"
         self._mark = (step, now)
         self.losses.append((step, value))
         if self.bar is not None:
@@ -172,14 +201,16 @@ class RunLog:
 
     def finish(self, line: str, title: str) -> None:
         """End the run: close the bar, draw the loss curve (with ``log_dir``), and print
-        ``line`` with the final loss as the last line."""
+        ``line`` with the final loss (and the last step line's other metrics) as the
+        last line."""
         if not self.lead:
             return
         self.close_bar()
         if self.log_dir is not None and self.losses:
             self.say(self.draw_curve(title))
         if self.losses:
-            line += f"; final loss {self.losses[-1][1]:.4f}"
+            line += f"; final loss {self.losses[-1][1]:.4f}" + "".join(f", {k} {v:.4f}"
+                                                                     for k, v in self.metrics.items())
         self.say(line)
         if self._file is not None:
             self._file.close()

@@ -56,7 +56,6 @@ example runs 25 x 1000 steps).
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -68,15 +67,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-# Whether an MPI launcher started us. Read before importing popdist_lite: initialising MPI
-# as a singleton makes Open MPI set these variables in our own environment.
-_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE",
-                  "POPDIST_NUM_TOTAL_REPLICAS")
-UNDER_LAUNCHER = any(v in os.environ for v in _LAUNCHER_VARS)
-
 import char_model  # noqa: E402
 import popdist_lite  # noqa: E402
 import run_log  # noqa: E402
+from run_log import stdout_is_terminal  # noqa: E402  (also shakespeare_torch's and shakespeare_jax's)
 
 DEFAULT_DATA = ROOT / "data" / "shakespeare.txt"
 FETCH_SCRIPT = ROOT / "scripts" / "fetch_shakespeare"
@@ -86,7 +80,7 @@ OUTPUTS = 256             # the guide example's tf.layers.dense(partial, 256)
 
 # Defaults of the next-character configuration, measured on a 2-core machine: with 2
 # replicas (one core each) a step takes 83-89 ms, so the default 600 steps train in
-# ~55 s (the demo's budget is ~3 minutes including installation), and the printed loss
+# ~55 s (`scripts/demo shakespeare`'s budget is ~3 minutes including installation), and the printed loss
 # goes 5.55 (step 0, ~ln 256) -> 3.5 (mean of steps 1-32) -> 2.0 (step 200) -> 1.7
 # (step 600) -> 1.6 (step 1000). lr >= 2, or lr 0.5 without clipping, sometimes diverged early
 # (exploding GRU gradients); lr 1 with clipping is stable over several random seeds and
@@ -422,20 +416,6 @@ def parse_args(argv=None):
     if args.seq_len < min_len:
         p.error(f"--seq-len must be >= {min_len}")
     return args
-
-
-def stdout_is_terminal() -> bool:
-    """Whether a progress bar makes sense on stdout.
-
-    Under an MPI launcher ``isatty()`` is unreliable: Open MPI hands each rank a pseudo-
-    terminal even when the launcher's own output is a pipe or a file.  There we trust
-    ``POPDIST_LITE_STDOUT_ISATTY`` (``1``/``0``) if the launcher sets it, else no bar.
-    """
-    if not sys.stdout.isatty():
-        return False
-    if UNDER_LAUNCHER:
-        return os.environ.get("POPDIST_LITE_STDOUT_ISATTY", "0") == "1"
-    return True
 
 
 def main(argv=None) -> int:

@@ -119,21 +119,53 @@ def run_mpi(n: int, args: list[str], timeout: float = JOB_SECONDS, env: dict | N
 
 # ------------------------------------------------------- the examples' output lines
 
+def run_on_a_terminal(args: list[str], rows: int, columns: int, timeout: float = JOB_SECONDS) -> tuple[int, str]:
+    """Run ``args`` (in ROOT, a clean environment) with stdout and stderr on a new pty
+    of ``rows`` x ``columns`` (0 x 0: a size unknown, as Open MPI gives its ranks);
+    ``(exit code, everything it wrote)``."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    try:
+        p = subprocess.Popen(args, stdout=slave, stderr=subprocess.STDOUT, env=clean_env(), cwd=ROOT)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO once the child has closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        code = p.wait(timeout=timeout)
+    finally:
+        os.close(master)
+    return code, b"".join(chunks).decode(errors="replace")
+
+
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
-def check_run_lines(stdout: str, script: str, checkpoints: list[int] = ()) -> list[str]:
+def check_run_lines(stdout: str, script: str, checkpoints: list[int] = (), metrics: tuple[str, ...] = ()
+                    ) -> list[str]:
     """Check what an example's replica 0 printed (examples/run_log.py): a first line
-    ``script: ... ...`` before anything else; ``Step N, loss = X`` lines, each after the
-    first with ``, R steps/s, ETA mm:ss``; a ``checkpoint step N saved (path, size,
-    seconds)`` line for each of ``checkpoints``, naming a checkpoint of that step whose
-    files' bytes are the size given (to its printed precision); and the final loss, that
-    of the last step line, at the end of the last line. Returns the lines."""
+    ``script: ... ...`` before anything else; ``Step N, loss = X`` lines (then ``, NAME =
+    V`` for each of ``metrics``, DLRM's ``AUC``), each after the first with ``, R steps/s,
+    ETA mm:ss``; a ``checkpoint step N saved (path, size, seconds)`` line for each of
+    ``checkpoints``, naming a checkpoint of that step whose files' bytes are the size
+    given (to its printed precision); and the final loss and metrics, those of the last
+    step line, at the end of the last line. Returns the lines."""
     lines = stdout.splitlines()
     assert lines and lines[0].startswith(f"{script}: ") and lines[0].endswith(" ..."), lines[:3]
     steps = [line for line in lines if line.startswith("Step ")]
     assert steps, stdout
-    rated = re.compile(r"^Step \d+, loss = [^\s,]+, \d+\.\d steps/s, ETA (\d+:)?\d\d:\d\d$")
+    named = "".join(rf", {name} = ([^\s,]+)" for name in metrics)
+    rated = re.compile(rf"^Step \d+, loss = [^\s,]+{named}, \d+\.\d steps/s, ETA (\d+:)?\d\d:\d\d$")
     assert all(rated.match(line) for line in steps[1:]), steps
     saved = re.compile(r"^checkpoint step (\d+) saved \((.+), ([\d.]+) (B|KiB|MiB|GiB), ([\d.]+) s"
                        r"( in the training loop, written in the background)?\)$")
@@ -144,8 +176,9 @@ def check_run_lines(stdout: str, script: str, checkpoints: list[int] = ()) -> li
         assert path.name == f"step-{int(m[1]):08d}" and (path / "manifest.json").is_file(), m[0]
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         assert abs(size / _UNITS[m[4]] - float(m[3])) <= 0.051, (m[0], size)
-    last_loss = re.match(r"^Step \d+, loss = ([^\s,]+)", steps[-1])[1]
-    assert lines[-1].endswith(f"; final loss {last_loss}"), lines[-3:]
+    last = re.match(rf"^Step \d+, loss = ([^\s,]+){named}", steps[-1])
+    final = f"; final loss {last[1]}" + "".join(f", {name} {value}" for name, value in zip(metrics, last.groups()[1:]))
+    assert lines[-1].endswith(final), (final, lines[-3:])
     return lines
 
 

@@ -2,8 +2,9 @@
 update. One 2-replica job: one step of each recommender variant (popdist-lite's
 HostEmbeddingBag, HostEmbedding and numpy API; TorchRec's ROW_WISE and TABLE_WISE
 DistributedModelParallel) on a 1000 x 8 table against numpy's SGD step with the mean of
-the replicas' gradients, and three DLRM steps of popdist-lite's and TorchRec's (its
-planner's plan and TABLE_WISE) from the same weights."""
+the replicas' gradients, and three DLRM steps of popdist-lite's (popdist_lite.torch's
+EmbeddingBagCollection of the 26 tables, and of one table of all their rows) and
+TorchRec's (its planner's plan and TABLE_WISE) from the same weights."""
 
 import json
 import subprocess
@@ -14,7 +15,7 @@ from helpers import JOB_SECONDS, ROOT, requires_torchrec, timeout_for
 pytestmark = [requires_torchrec, timeout_for(1)]
 
 RECSYS = ("binding_bag", "binding", "numpy_bag", "numpy", "torchrec_rw", "torchrec_tw")
-DLRM = ("torchrec", "torchrec_tw", "popdist")
+DLRM = ("torchrec", "torchrec_tw", "popdist", "popdist_stacked")
 
 
 def test_every_variant_makes_the_same_update():
@@ -29,6 +30,9 @@ def test_every_variant_makes_the_same_update():
         assert got["untouched_rows_unchanged"], (v, got)
     assert check["recsys.torchrec_rw"]["plan"] == {"t0": "row_wise/fused ranks=[0, 1]"}
     assert check["recsys.torchrec_tw"]["plan"] == {"t0": "table_wise/fused ranks=[0]"}
+    assert check["dlrm.popdist"]["collection"] == "popdist_lite.torch.collection.EmbeddingBagCollection"
+    assert set(check["dlrm.popdist"]["plan"].values()) == {"row_wise ranks=[0, 1]"}
+    assert check["dlrm.popdist_stacked"]["plan"] == {"stacked": "row_wise ranks=[0, 1]"}
     for v in DLRM:
         got = check[f"dlrm.{v}"]
         assert got["tables_moved_max"] > 0 and got["table_max_abs_err"] < 1e-3 * got["tables_moved_max"], (v, got)

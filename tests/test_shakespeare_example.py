@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import EXAMPLE, JOB_SECONDS, ROOT, TINY, check_run_lines, clean_env, run_mpi, timeout_for
+from helpers import (EXAMPLE, JOB_SECONDS, ROOT, TINY, check_run_lines, clean_env, run_mpi, run_on_a_terminal,
+                     timeout_for)
 
 FETCH = ROOT / "scripts" / "fetch_shakespeare"
 sys.path.insert(0, str(ROOT / "examples"))
@@ -108,31 +109,9 @@ def test_progress_bar_on_a_terminal(tiny, rows, columns):
     """On a terminal (single process) a tqdm bar is drawn, also on one whose size is
     unknown (0 x 0, the pty Open MPI gives a rank under poprun-lite, where tqdm alone
     draws a bar of no width: a blank line); the step lines still appear."""
-    pty = pytest.importorskip("pty")
-    import fcntl
-    import struct
-    import termios
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
-    try:
-        p = subprocess.Popen([sys.executable, str(EXAMPLE), "--data", str(tiny), "--steps", "3",
-                              "--seq-len", "20", "--batch-size", "4", "--log-every", "1",
-                              "--sample-chars", "0"],
-                             stdout=slave, stderr=subprocess.STDOUT, env=clean_env(), cwd=ROOT)
-        os.close(slave)
-        chunks = []
-        while True:
-            try:
-                data = os.read(master, 4096)
-            except OSError:  # EIO once the child has closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
-        assert p.wait(timeout=JOB_SECONDS) == 0
-    finally:
-        os.close(master)
-    out = b"".join(chunks).decode(errors="replace")
+    code, out = run_on_a_terminal([sys.executable, str(EXAMPLE), "--data", str(tiny), "--steps", "3", "--seq-len",
+                                   "20", "--batch-size", "4", "--log-every", "1", "--sample-chars", "0"], rows, columns)
+    assert code == 0, out
     assert re.search(r"100%\|#*\| 3/3 \[", out) or re.search(r"100%\|█+\| 3/3 \[", out), out
     assert [n for n, _ in _steps(out.replace("\r\n", "\n").replace("\r", "\n"))] == [0, 1, 2]
 

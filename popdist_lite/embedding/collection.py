@@ -115,7 +115,7 @@ class ShardedTable:
     Attributes:
         name, shape (``(t, e)``), dtype (lookup dtype), master_dtype, config, sharding
         (its :class:`~.placement.ParameterSharding`), optimizer_spec, trainable,
-        stochastic_rounding (its stack's).
+        stochastic_rounding (the table's own streams, of its seed, also inside a stack).
     """
 
     def __init__(self, collection: "TableCollection", stack: Stack, slot):
@@ -125,7 +125,7 @@ class ShardedTable:
         self.dtype, self.master_dtype = config.spec.dtype, config.spec.master_dtype
         self.sharding: ParameterSharding = slot.layout.sharding
         self.optimizer_spec, self.trainable = config.spec.optimizer_spec, config.trainable
-        self.stochastic_rounding = stack.shard.stochastic_rounding
+        self.stochastic_rounding = slot.rounding
 
     @property
     def partition_strategy(self) -> str:
@@ -151,7 +151,7 @@ class ShardedTable:
     def state(self) -> TableState:
         """This replica's state of the table: live views of its rows of the stack's
         weights and optimizer slots (a disk stack first writes its cache back), their
-        layouts and the stack's stochastic-rounding generator states. Local."""
+        layouts and the states of the table's stochastic-rounding streams. Local."""
         shard = self._stack.shard
         shard.sync()
         arrays, layouts = shard.arrays()
@@ -163,7 +163,7 @@ class ShardedTable:
         return TableState(name=self.name, shape=self.shape, dtype=self.dtype, master_dtype=self.master_dtype,
                           partition_strategy=strategy, num_replicas=self._collection.comm.size,
                           replica=self._collection.comm.rank, arrays=mine, layouts=layouts,
-                          generators=shard.stochastic_rounding.generator_states(),
+                          generators=self.stochastic_rounding.generator_states(),
                           partitions={"table": layout.table_partition(), "row": layout.row_partition()})
 
     def get_embedding_tensor(self, master: bool = False) -> np.ndarray:
@@ -228,7 +228,7 @@ class ShardedTable:
         return self.state().state_dict()
 
     def validate_state_dict(self, state_dict: dict, saved) -> None:
-        """Refuse a checkpoint of a table of another shape, or generator states its stack
+        """Refuse a checkpoint of a table of another shape, or generator states its streams
         cannot take (before anything changes).
 
         Raises:
@@ -245,10 +245,10 @@ class ShardedTable:
             raise ValueError(f"table {saved.name!r}: {exc}") from None
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Finish a load: the arrays were filled in place; restore the stack's rounding
-        streams (from its first table) and refresh the served rows. Local."""
+        """Finish a load: the arrays were filled in place; restore the table's rounding
+        streams and refresh the served rows. Local."""
         generators = (state_dict or {}).get("generators") or {}
-        if generators and self._slot is self._stack.slots[0]:
+        if generators:
             self.stochastic_rounding.set_generator_states(generators)
         self._stack.shard.loaded(self._slot.rows)
 
@@ -430,7 +430,7 @@ class TableCollection:
                     slot.layout.shard_from_block(tables[slot.index], 0, rows)
                     continue
                 low, high = (c.weight_init_min, c.weight_init_max) if c.weight_init_min is not None else (-0.05, 0.05)
-                for first, block in default_blocks(c.shape, c.spec.master_dtype, c.seed, low, high):
+                for first, block in default_blocks(c.shape, c.spec.master_dtype, c.spec.seed, low, high):
                     slot.layout.shard_from_block(block, first, rows)
             stack.shard.initialized()
 

@@ -14,6 +14,7 @@ disk storage, as :func:`popdist_lite.create_host_embedding` takes them.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -70,6 +71,14 @@ def dtype_of(value) -> np.dtype:
         raise TypeError(f"argument data_type: expected a float dtype or FP32/FP16/FP64, got {value!r}") from None
 
 
+def name_seed(name: str) -> int:
+    """The seed of a table left at ``seed=None``: ``2**128`` plus the first 16 bytes of
+    the SHA-256 of its name (UTF-8) read as a little-endian integer. Every name has its
+    own (so tables of one shape start from different values, whatever their order), and
+    none equals an explicit seed below ``2**128``."""
+    return (1 << 128) + int.from_bytes(hashlib.sha256(name.encode()).digest()[:16], "little")
+
+
 @dataclass(frozen=True)
 class EmbeddingConfig:
     """One table of a collection whose features are looked up one row per ID (TorchRec's
@@ -87,7 +96,8 @@ class EmbeddingConfig:
         weight_init_max, weight_init_min: the default initializer's range (TorchRec's
             names): rows are uniform in ``[min, max)``; both ``None``: ``[-0.05, 0.05)``
             (popdist-lite's default). Either way from counter-based random blocks of
-            ``seed``, so the table is the same at every replica count and placement.
+            the table's seed (``seed``, else its name's), so the table is the same at
+            every replica count, placement and position in the collection.
         optimizer: a host optimizer spec (:class:`popdist_lite.HostEmbeddingOptimizerSpec`
             and the others), applied in the update by the replica(s) holding each row;
             ``None`` or a learning rate of 0: not trainable.
@@ -99,7 +109,12 @@ class EmbeddingConfig:
             :func:`popdist_lite.create_host_embedding`.
         initializer: ``None`` (the seeded uniform above), a full ``(t, e)`` array or
             ``initializer((t, e), dtype) -> array``, the same on every replica.
-        seed: the default initializer's and stochastic rounding's seed.
+        seed: the default initializer's and the table's stochastic-rounding streams'
+            seed, an int >= 0; ``None`` (default): one of the table's own, from its
+            name (:func:`name_seed`), so tables of one shape start from different values
+            (TorchRec gives every table its own random initial values) and no explicit
+            seed below ``2**128`` gives the same values. ``spec.seed`` is the seed in
+            force.
         max_ids_per_partition, max_unique_ids_per_partition, allow_id_dropping,
             enable_minibatching: SparseCore's ID limits for the IDs one replica sends
             to one owner of this table in one call (row-wise and table-wise placements
@@ -124,7 +139,7 @@ class EmbeddingConfig:
     master_weights: Any = field(default=None, kw_only=True)
     stochastic_rounding: Any = field(default=None, kw_only=True)
     initializer: Any = field(default=None, kw_only=True, compare=False)
-    seed: int = field(default=0, kw_only=True)
+    seed: int | None = field(default=None, kw_only=True)
     max_ids_per_partition: int | None = field(default=None, kw_only=True)
     max_unique_ids_per_partition: int | None = field(default=None, kw_only=True)
     allow_id_dropping: bool = field(default=False, kw_only=True)
@@ -146,6 +161,10 @@ class EmbeddingConfig:
                              f"names, got {self.feature_names!r}")
         object.__setattr__(self, "feature_names", names)
         object.__setattr__(self, "data_type", dtype_of(self.data_type))
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+                raise ValueError(f"{owner}: argument seed: expected None or an int >= 0, got {self.seed!r}")
+            object.__setattr__(self, "seed", int(self.seed))
         bounds = (self.weight_init_min, self.weight_init_max)
         if bounds != (None, None):
             ok = all(isinstance(b, (int, float, np.floating, np.integer)) and not isinstance(b, bool)
@@ -187,8 +206,9 @@ class EmbeddingConfig:
         Raises:
             ValueError, TypeError: as :func:`popdist_lite.create_host_embedding`.
         """
+        seed = name_seed(self.name) if self.seed is None else self.seed
         return TableSpec.from_arguments(
-            self.name, self.shape, self.data_type, "TOKEN", self.optimizer, self.seed,
+            self.name, self.shape, self.data_type, "TOKEN", self.optimizer, seed,
             master_weights=self.master_weights, stochastic_rounding=self.stochastic_rounding,
             max_ids_per_partition=self.max_ids_per_partition,
             max_unique_ids_per_partition=self.max_unique_ids_per_partition,

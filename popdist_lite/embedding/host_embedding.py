@@ -403,7 +403,9 @@ class HostEmbedding:
         file's memory maps.
 
         Raises:
-            RuntimeError: a disk table's partition file was truncated or replaced."""
+            RuntimeError: a disk table's partition file was truncated (the file has no
+                name, so nothing can replace it under the table), or its cache's
+                background thread failed and broke the cache."""
         self._shard.sync()
         arrays, layouts = self._shard.arrays()
         return TableState(name=self.name, shape=self.shape, dtype=self.dtype, master_dtype=self.master_dtype,

@@ -39,7 +39,7 @@ class Shard:
         master_dtype: the storage dtype of the weights.
         optimizer_spec: an :class:`EmbeddingOptimizerSpec` or ``None`` (not trainable).
         stochastic_rounding: the :class:`~popdist_lite.StochasticRounding` of updated
-            float16 rows.
+            float16 rows, or a :class:`RowRounding` (a stack's tables, each with its own).
         comm: the replica communicator (disk problems are agreed on it).
         storage: ``None`` (in memory) or a :class:`DiskStorage`.
         replicated: the rows are the same on every replica (a data-parallel table): the
@@ -67,6 +67,8 @@ class Shard:
         self.name, self.shape = name, tuple(shape)
         self.dtype, self.master_dtype = np.dtype(dtype), np.dtype(master_dtype)
         self.optimizer_spec, self.stochastic_rounding = optimizer_spec, stochastic_rounding
+        self._rounding = stochastic_rounding if isinstance(stochastic_rounding, RowRounding) else \
+            RowRounding([(0, self.shape[0], stochastic_rounding)])
         self.trainable = optimizer_spec is not None and optimizer_spec.trainable
         self.comm, self.replicated = comm, replicated
         self._row_sum, self.full_width = row_sum, full_width or self.shape[1]
@@ -111,13 +113,13 @@ class Shard:
             sums = sums / np.asarray(loss_scale, sums.dtype)
         if self.disk is not None:
             rows, sums, accumulated = self._with_accumulated_rows(rows, sums)
-            self.disk.update(rows, functools.partial(self._apply_rows, sums), self.comm)
+            self.disk.update(rows, functools.partial(self._apply_rows, rows, sums), self.comm)
             self._accumulated = accumulated
             return
         result = self.optimizer_spec.apply(self.weights, rows, sums, self.optimizer_state, self.update_context())
         if result is not None:
             written, values = result
-            self.weights[written] = self.stochastic_rounding.cast(values, self.master_dtype, replicated=self.replicated)
+            self.weights[written] = self._rounding.cast(written, values, self.master_dtype, self.replicated)
             if self.serving is not self.weights:
                 self.serving[written] = self.weights[written].astype(self.dtype)
 
@@ -140,14 +142,14 @@ class Shard:
         full[np.searchsorted(due, rows)] = sums
         return due, full, _NO_ROWS
 
-    def _apply_rows(self, sums: np.ndarray, shard: np.ndarray, state: dict):
-        """A disk shard's optimizer step on its touched rows read out as a compact
+    def _apply_rows(self, rows: np.ndarray, sums: np.ndarray, shard: np.ndarray, state: dict):
+        """A disk shard's optimizer step on its touched ``rows`` read out as a compact
         ``(u, c)`` partition: ``(written positions, values in the master dtype)`` or ``None``."""
         result = self.optimizer_spec.apply(shard, np.arange(len(sums)), sums, state, self.update_context())
         if result is None:
             return None
         written, values = result
-        return written, self.stochastic_rounding.cast(values, self.master_dtype, replicated=self.replicated)
+        return written, self._rounding.cast(rows[written], values, self.master_dtype, self.replicated)
 
     # -- state ------------------------------------------------------------------------------
     def sync(self) -> None:
@@ -155,7 +157,8 @@ class Shard:
         :attr:`weights` and the file-backed slots are its truth (nothing in memory).
 
         Raises:
-            RuntimeError: the partition file was truncated or replaced."""
+            RuntimeError: the partition file was truncated (it has no name, so nothing
+                can replace it), or the cache's background thread broke the cache."""
         if self.disk is not None:
             self.disk.sync()
 
@@ -202,6 +205,39 @@ def _open_disk(name: str, shape: tuple, master_dtype, optimizer_spec, storage: D
             disk.close()  # another replica failed: this one's file goes now, not when collected
         raise
     return disk
+
+
+class RowRounding:
+    """The stochastic rounding of a shard whose rows belong to several tables (a stack),
+    each table with its own :class:`~popdist_lite.StochasticRounding`: a table's updated
+    rows are rounded with its streams, in their order, as the table alone would round
+    them (the same draws whatever else the stack holds).
+
+    Args:
+        tables: ``(first row, rows, rounding)`` of each table in the shard (ranges
+            apart; tables without rows here are left out).
+    """
+
+    def __init__(self, tables: list):
+        held = sorted((int(first), rounding) for first, n, rounding in tables if n > 0) or \
+            [(0, tables[0][2])]
+        self.starts = np.array([first for first, _ in held], np.int64)
+        self.roundings = [rounding for _, rounding in held]
+
+    def cast(self, rows: np.ndarray, values: np.ndarray, dtype, replicated: bool) -> np.ndarray:
+        """``values`` of the shard's ``rows`` (ascending) as ``dtype``: float16 through
+        each row's table's rounding (:meth:`popdist_lite.StochasticRounding.cast`),
+        wider dtypes a plain cast."""
+        first = self.roundings[0]
+        if len(self.roundings) == 1 or np.dtype(dtype) != np.float16 or not first.stochastic(replicated):
+            return first.cast(values, dtype, replicated=replicated)  # one table, or no random draws
+        rows = np.asarray(rows)
+        cuts = np.searchsorted(rows, self.starts[1:])  # rows ascending: each table's rows are one run
+        out = np.empty(values.shape, np.float16)
+        for rounding, a, b in zip(self.roundings, np.concatenate([[0], cuts]), np.concatenate([cuts, [rows.size]])):
+            if b > a:
+                out[a:b] = rounding.cast(values[a:b], dtype, replicated=replicated)
+        return out
 
 
 class _Writes:

@@ -4,9 +4,12 @@ embeddings): :class:`Stack` and :func:`build_stacks`.
 A collection's tables are grouped by what their exchange and update share: the kind
 of placement (``routed``: row-wise and table-wise; ``column``: column-wise;
 ``replicated``: data-parallel), the row width, the dtypes, the optimizer spec, the
-rounding and the storage. Each group is one :class:`~popdist_lite.embedding.shard.Shard`
+rounding mode and the storage. Each group is one :class:`~popdist_lite.embedding.shard.Shard`
 per replica, so a lookup gathers each group's rows with one ``take`` and an update
-runs each group's optimizer once, whatever the number of tables in it.
+runs each group's optimizer once, whatever the number of tables in it. The seed is not
+shared: each table keeps its own stochastic-rounding streams (seeded by its own seed)
+inside the stack (:class:`~popdist_lite.embedding.shard.RowRounding`), so a float16
+table rounds its updated rows as it would alone, whatever else its stack holds.
 
 Rows of a replica's shard, table after table (``r`` replicas, table ``i`` of ``t_i``
 rows):
@@ -31,7 +34,7 @@ from ..collectives.all_reduce import all_reduce
 from ..stochastic_rounding import StochasticRounding
 from .configs import EmbeddingConfig
 from .placement import ParameterSharding, ShardingType, TableLayout
-from .shard import Shard
+from .shard import RowRounding, Shard
 from .sparse import COLUMN, REPLICATED, ROUTED, ExchangeStack, StackRouter
 
 KINDS = {ShardingType.ROW_WISE: ROUTED, ShardingType.TABLE_WISE: ROUTED, ShardingType.COLUMN_WISE: COLUMN,
@@ -49,6 +52,8 @@ class Slot:
         offset: its first row in the stack's shard on this replica.
         gid_offset: what an ID of the table is shifted by to make its stack ID (for a
             row-wise table, multiplied first: ``r * offset``).
+        rounding: the table's own :class:`~popdist_lite.StochasticRounding` (its
+            streams; set by :func:`build_stacks`).
     """
 
     index: int
@@ -56,6 +61,7 @@ class Slot:
     layout: TableLayout
     offset: int
     gid_offset: int
+    rounding: StochasticRounding | None = None
 
     @property
     def rows(self) -> slice:
@@ -93,8 +99,7 @@ def stack_key(config: EmbeddingConfig, kind: str) -> tuple:
     spec = config.spec
     optimizer = spec.optimizer_spec.signature() if spec.trainable else None
     return (kind, config.embedding_dim, str(spec.dtype), str(spec.master_dtype), optimizer,
-            spec.stochastic_rounding.mode.name, spec.seed if spec.stochastic_rounding.mode.name != "OFF" else 0,
-            config.storage)
+            spec.stochastic_rounding.mode.name, config.storage)
 
 
 def build_stacks(configs: list, plan: dict, comm, name: str) -> list[Stack]:
@@ -128,9 +133,11 @@ def build_stacks(configs: list, plan: dict, comm, name: str) -> list[Stack]:
         spec = config.spec
         e = config.embedding_dim
         width = slots[0].layout.width
-        given = config.stochastic_rounding
-        rounding = given if isinstance(given, StochasticRounding) else \
-            StochasticRounding(spec.stochastic_rounding.mode, seed=spec.seed, replica=k)
+        for slot in slots:  # each table's own streams, of its own seed
+            given, own = slot.config.stochastic_rounding, slot.config.spec
+            slot.rounding = given if isinstance(given, StochasticRounding) else \
+                StochasticRounding(own.stochastic_rounding.mode, seed=own.seed, replica=k)
+        rounding = RowRounding([(s.offset, s.layout.local_shape[0], s.rounding) for s in slots])
         names = [m[1].name for m in members]
         shard_name = names[0] if len(names) == 1 else f"{name}.{'+'.join(names)}"[:80]
         row_sum = (lambda x: all_reduce(np.ascontiguousarray(x.sum(axis=1)), comm=comm)) if kind == COLUMN else None

@@ -17,6 +17,11 @@ torch). A training step::
 
 - :class:`HostEmbedding`, :class:`HostEmbeddingBag`: ``nn.Embedding``/``nn.EmbeddingBag``
   over a :func:`popdist_lite.create_host_embedding` table (:mod:`.embedding`);
+- :class:`EmbeddingBagCollection`, :class:`EmbeddingCollection`: TorchRec's collections
+  of tables (a ``KeyedJaggedTensor`` in, a ``KeyedTensor`` out) over the core's
+  collection, one exchange for every table (:mod:`.collection`); with the core's
+  :class:`EmbeddingBagConfig`, :class:`EmbeddingConfig`, :class:`PoolingType`
+  (TorchRec's own configs work too);
 - :class:`DistributedDataParallel`, :func:`broadcast_parameters`,
   :func:`all_reduce_gradients` (alias: ``allreduce_gradients``) (:mod:`.data_parallel`);
 - :class:`GradScaler`: loss scaling agreed across replicas (:mod:`.grad_scaler`);
@@ -35,10 +40,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("popdist_lite.torch needs PyTorch: pip install 'popdist-lite[torch]' "
                       "(a CPU build: see docs/torch.md)") from exc
 
+from popdist_lite.embedding import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+
 from . import checkpoint as _checkpoint  # noqa: F401  (registers the checkpoint adapters)
+from .collection import EmbeddingBagCollection, EmbeddingCollection
 from .data_parallel import DistributedDataParallel, all_reduce_gradients, allreduce_gradients, broadcast_parameters
 from .embedding import HostEmbedding, HostEmbeddingBag
 from .grad_scaler import GradScaler
 
-__all__ = ["HostEmbedding", "HostEmbeddingBag", "DistributedDataParallel", "broadcast_parameters",
+__all__ = ["HostEmbedding", "HostEmbeddingBag", "EmbeddingBagCollection", "EmbeddingCollection", "EmbeddingBagConfig",
+           "EmbeddingConfig", "PoolingType", "DistributedDataParallel", "broadcast_parameters",
            "all_reduce_gradients", "allreduce_gradients", "GradScaler"]

@@ -25,12 +25,16 @@ the checkpoint.
   tensor as above, and every :class:`~popdist_lite.torch.HostEmbedding` /
   :class:`~popdist_lite.torch.HostEmbeddingBag` inside it as its table (partitioned over
   the replicas and resharded across replica counts and strategies, as the numpy API's
-  tables). A :class:`~popdist_lite.torch.DistributedDataParallel` (or torch's) is saved
+  tables), and every :class:`~popdist_lite.torch.EmbeddingBagCollection` /
+  :class:`~popdist_lite.torch.EmbeddingCollection` as its core collection (its tables by
+  name and its plan; resharded across replica counts and plans). A
+  :class:`~popdist_lite.torch.DistributedDataParallel` (or torch's) is saved
   as the module it wraps, so a checkpoint of a wrapped model loads into an unwrapped one
   and back, as DCP's ``get_model_state_dict`` does. A module loads whole: the
   checkpoint must hold exactly its tensors and tables (torch's ``strict=True``).
 - A host embedding module on its own: its table, the same entry as a numpy
-  :class:`popdist_lite.HostEmbedding` (either API loads the other's).
+  :class:`popdist_lite.HostEmbedding` (either API loads the other's); a collection
+  module on its own: the same entry as the core's numpy collection.
 - ``torch.optim.Optimizer`` (:class:`OptimizerState`): per parameter (its index in
   ``optimizer.state_dict()``), its state tensors as above, loaded in place, and its
   non-tensor state (``SparseAdam``'s step count) as JSON; the ``param_groups``
@@ -60,6 +64,7 @@ from popdist_lite.checkpoint import Allocate, Partition, register_adapter
 from popdist_lite.checkpoint.state import is_json
 
 from .data_parallel import DistributedDataParallel
+from .collection import _CollectionModule
 from .embedding import _HostTableModule
 
 __all__ = ["TensorState", "ModuleState", "OptimizerState"]
@@ -145,7 +150,8 @@ class ModuleState:
         self.module = module
 
     def _parts(self) -> tuple[dict[str, torch.Tensor], dict]:
-        tables = {name: m.table for name, m in self.module.named_modules() if isinstance(m, _HostTableModule)}
+        tables = {name: _tables_of(m) for name, m in self.module.named_modules()
+                  if isinstance(m, (_HostTableModule, _CollectionModule))}
         tensors = {}
         for name, value in self.module.state_dict(keep_vars=True).items():
             if not isinstance(value, torch.Tensor):
@@ -406,12 +412,20 @@ def _check_tensor_source(what: str, array: np.ndarray, kind: str) -> None:
         raise ValueError(f"{what}: the checkpoint's {dtype} makes no tensor ({exc})") from None
 
 
+def _tables_of(module: torch.nn.Module):
+    """What a host embedding module is saved as: its table, or a collection's core
+    collection (its tables and plan)."""
+    return module.table if isinstance(module, _HostTableModule) else module.core
+
+
 def _module_adapter(module: torch.nn.Module):
     """A module's adapter: wrappers are saved as what they wrap; a host embedding
-    module as its table."""
+    module as its table, a collection module as the core's collection."""
     while isinstance(module, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)):
         module = module.module
-    return module.table if isinstance(module, _HostTableModule) else ModuleState(module)
+    if isinstance(module, (_HostTableModule, _CollectionModule)):
+        return _tables_of(module)
+    return ModuleState(module)
 
 
 register_adapter(torch.Tensor, TensorState)

@@ -315,16 +315,21 @@ def test_replica_stopping_before_a_jax_in_jit_lookup(tmp_path):
     assert delay is not None and delay >= WARNING, err
     block = block_of(err)
     assert "replica 0 has waited" in block
-    # the jax lane: the table's creation, then step 0's lookup ending in the table's
-    # embedding_lookup #4; step 1's lookup starts with its input agreement #5
-    assert ("in EmbeddingCollection.lookup_in_jit (collective call #5 on the jax lane) for replica 1, "
+    # the jax lane (the binding's communicator; only agreements take numbers, not the
+    # all-to-alls after them). The collection's creation: #0 the feature specs'
+    # agreement (EmbeddingCollection), then the core's TableCollection: #1 its configs
+    # and fixed plan, #2 the planner's Topology.current (every replica's host, memory
+    # and disk), #3 the plan, #4 the given initializer's checksum. Step 0's lookup: #5
+    # its input agreement (EmbeddingCollection.lookup_in_jit), #6 the exchange's header
+    # (embedding_lookup). Step 1's lookup starts with its input agreement, #7.
+    assert ("in EmbeddingCollection.lookup_in_jit (collective call #7 on the jax lane) for replica 1, "
             "which did not enter it") in block, block
     assert "  missing: replica 1 (rank 1, host" in block
-    assert "last entered embedding_lookup (collective call #4 on the jax lane)" in block, block
+    assert "last entered embedding_lookup (collective call #6 on the jax lane)" in block, block
     assert "in stop_before_the_lookup" in block
     assert code == 1, err
     cause = block_of(err, "root cause: stall:")
-    assert "in EmbeddingCollection.lookup_in_jit (collective call #5 on the jax lane) for replica 1" in cause
+    assert "in EmbeddingCollection.lookup_in_jit (collective call #7 on the jax lane) for replica 1" in cause
 
 
 def test_replica_stuck_in_a_python_loop(tmp_path):

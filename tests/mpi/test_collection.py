@@ -10,6 +10,7 @@ record), and bad input raised on every replica.
 Every replica builds every replica's batch from the same generator, so each one
 computes the whole step in float64 and checks its own part."""
 
+import hashlib
 import json
 
 import numpy as np
@@ -234,6 +235,121 @@ def test_float16_tables_round_stochastically_and_replicas_stay_identical(comm, r
     for name in ("dp", "rw"):
         np.testing.assert_allclose(coll.tables[name].get_embedding_tensor().astype(np.float64), reference,
                                    rtol=0, atol=5e-3)
+
+
+def uniform_reference(shape, seed, low=-0.05, high=0.05):
+    """The default initial table: block i of 2**15 rows uniform in [low, high) from
+    default_rng([seed, i]) (float32 draws)."""
+    t, e = shape
+    blocks = [np.random.default_rng([seed, i]).random((min(1 << 15, t - first), e), dtype=np.float32)
+              * (high - low) + low for i, first in enumerate(range(0, t, 1 << 15))]
+    return np.concatenate(blocks).astype(np.float32)
+
+
+def seed_of_name(name):
+    """The documented seed of a table left at seed=None: 2**128 + the first 16 bytes of
+    the SHA-256 of its name, little-endian."""
+    return (1 << 128) + int.from_bytes(hashlib.sha256(name.encode()).digest()[:16], "little")
+
+
+@pytest.mark.mpi
+def test_initial_values_are_each_tables_own(comm):
+    """Tables left at seed=None start from values of their own (a seed from the name),
+    so two tables of one shape differ; an explicit seed is used as given; the values do
+    not depend on the replica count, the placement or the table's position (two
+    collections, the tables in other orders and placements). A table past one block of
+    2**15 rows checks the blocks."""
+    r = comm.size
+    made = [pl.EmbeddingBagConfig(40_000, 2, "a", feature_names=["fa"]),
+            pl.EmbeddingBagConfig(40_000, 2, "b", feature_names=["fb"]),
+            pl.EmbeddingBagConfig(40_000, 2, "c", feature_names=["fc"], seed=0),
+            pl.EmbeddingBagConfig(5, 3, "d", feature_names=["fd"], seed=7, weight_init_min=-1.0,
+                                  weight_init_max=1.0)]
+    want = {"a": uniform_reference((40_000, 2), seed_of_name("a")),
+            "b": uniform_reference((40_000, 2), seed_of_name("b")),
+            "c": uniform_reference((40_000, 2), 0), "d": uniform_reference((5, 3), 7, -1.0, 1.0)}
+    assert not np.array_equal(want["a"], want["b"]) and not np.array_equal(want["a"], want["c"])
+    plans = [{"a": "row_wise", "b": "column_wise", "c": pl.ParameterSharding("table_wise", [r - 1]),
+              "d": "data_parallel"},
+             {"a": pl.ParameterSharding("table_wise", [0]), "b": "row_wise", "c": "column_wise",
+              "d": "row_wise"}]
+    for tables, plan in ((made, plans[0]), (made[::-1], plans[1])):
+        coll = pl.EmbeddingBagCollection(tables, plan=plan)
+        for name, table in want.items():
+            np.testing.assert_array_equal(coll.tables[name].get_embedding_tensor(), table, err_msg=name)
+
+
+def reference_round(v, rng):
+    """Unbiased stochastic rounding to float16 (float64 arithmetic): v between the
+    neighbours lo <= v < hi becomes hi with probability (v - lo) / (hi - lo), one draw
+    of rng per element."""
+    v = np.asarray(v, np.float64)
+    lo = v.astype(np.float16)
+    lo = np.where(lo.astype(np.float64) > v, np.nextafter(lo, np.float16(-np.inf)), lo)
+    hi = np.nextafter(lo, np.float16(np.inf))
+    p = (v - lo.astype(np.float64)) / (hi.astype(np.float64) - lo.astype(np.float64))
+    return np.where(rng.random(v.shape) < p, hi, lo)
+
+
+@pytest.mark.mpi
+def test_float16_tables_of_other_seeds_share_a_stack_each_rounding_with_its_own_streams(comm, rng, shared):
+    """float16 row-wise tables with stochastic rounding and other seeds (3, 8 and the
+    name's) are one stack, yet each rounds its updated rows with its own per-replica
+    stream (default_rng([seed, 0x5EED, 1, replica]), one draw per element of its rows
+    in ascending order), as the numpy reference does table by table; each table's
+    streams come back from a checkpoint (a loaded copy continues bit for bit)."""
+    r, k = comm.size, comm.rank
+    t, e, lr = 11, 4, 0.25
+    seeds = {"s3": 3, "s8": 8, "named": None}
+    fulls = {name: (rng.standard_normal((t, e)) * 0.1).astype(np.float16) for name in seeds}
+
+    def make(initial):
+        return pl.EmbeddingCollection(
+            [pl.EmbeddingConfig(t, e, name, feature_names=[name + "_f"], data_type=np.float16, seed=seed,
+                                initializer=initial[name], optimizer=pl.HostEmbeddingOptimizerSpec(lr),
+                                stochastic_rounding="ON") for name, seed in seeds.items()],
+            plan={name: "row_wise" for name in seeds})
+
+    coll = make(fulls)
+    assert len(coll.stacks) == 1
+    streams = {(name, j): np.random.default_rng([seed if seed is not None else seed_of_name(name), 0x5EED, 1, j])
+               for name, seed in seeds.items() for j in range(r)}
+    reference = {name: full.copy() for name, full in fulls.items()}
+
+    def step(collection, ids, grads):
+        mine = {name + "_f": (ids[name][k], np.ones(ids[name][k].size, np.int64)) for name in seeds}
+        out, ctx = collection.forward(mine)
+        collection.backward(ctx, {name + "_f": grads[name][k] for name in seeds})
+
+    def batch():
+        # gradients in multiples of 1/8 (sums exact in float32, whatever the order)
+        ids = {name: [rng.integers(0, t, size=6) for _ in range(r)] for name in seeds}
+        grads = {name: [(rng.integers(-8, 9, size=(6, e)) / 8).astype(np.float16) for _ in range(r)]
+                 for name in seeds}
+        return ids, grads
+
+    for _ in range(2):
+        ids, grads = batch()
+        step(coll, ids, grads)
+        for name in seeds:
+            sums = np.zeros((t, e), np.float32)
+            for j in range(r):
+                np.add.at(sums, ids[name][j], grads[name][j].astype(np.float32))
+            touched = np.unique(np.concatenate(ids[name]))
+            for j in range(r):  # replica j updates its rows i % r == j, ascending
+                rows = touched[touched % r == j]
+                values = reference[name][rows].astype(np.float32) - np.float32(lr) * sums[rows]
+                reference[name][rows] = reference_round(values, streams[name, j])
+        for name in seeds:
+            np.testing.assert_array_equal(coll.tables[name].get_embedding_tensor(), reference[name], err_msg=name)
+    pl.save_checkpoint(shared, {"emb": coll}, step=2)
+    copy = make({name: np.zeros((t, e), np.float16) for name in seeds})
+    pl.load_checkpoint(shared / "step-00000002", {"emb": copy})
+    ids, grads = batch()
+    step(coll, ids, grads)
+    step(copy, ids, grads)
+    for name in seeds:
+        assert copy.tables[name].get_embedding_tensor().tobytes() == coll.tables[name].get_embedding_tensor().tobytes()
 
 
 # -- one exchange for every table ------------------------------------------------------------------

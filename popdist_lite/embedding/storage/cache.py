@@ -56,6 +56,10 @@ import numpy as np
 #: Bytes of bookkeeping per cache slot beside its record (row_of, score, dirty, pinned,
 #: held, loading).
 SLOT_OVERHEAD = 8 + 8 + 1 + 1 + 4 + 1
+#: Bytes of records one write-back call copies out of the cache and writes (a flush of a
+#: full cache in parts of this size): the copy, and the file's scratch buffer for the
+#: pages it reads in first, stay this small instead of growing with the cache.
+WRITE_BACK_BYTES = 1 << 20
 
 
 class CacheTooSmall(ValueError):
@@ -429,14 +433,19 @@ class RowCache:
             self._wait(lambda: self.loading.any() or self.pending)
 
     def _write_back(self, slots: np.ndarray) -> None:
-        """Write the dirty ones of ``slots`` to the file, sorted by row."""
+        """Write the dirty ones of ``slots`` to the file, sorted by row, in parts of
+        :data:`WRITE_BACK_BYTES` (each part marked clean once written: after a failed
+        write the rest stays dirty)."""
         slots = slots[self.dirty[slots]]
         if not len(slots):
             return
         order = np.argsort(self.row_of[slots], kind="stable")
         slots = slots[order]
-        self.file.write(self.row_of[slots], self.records[slots])
-        self.dirty[slots] = False
+        part = max(1, WRITE_BACK_BYTES // self.file.record.itemsize)
+        for first in range(0, len(slots), part):
+            these = slots[first:first + part]
+            self.file.write(self.row_of[these], self.records[these])
+            self.dirty[these] = False
 
     def unpin(self) -> None:
         with self.lock:
