@@ -185,7 +185,7 @@ def _host_options(parser: argparse.ArgumentParser) -> None:
 
 def _mpirun_options(parser: argparse.ArgumentParser) -> None:
     """The options of mpirun itself and its arguments."""
-    mpi = parser.add_argument_group("mpirun")
+    mpi = parser.add_argument_group("mpirun", "which mpirun runs the job, and arguments passed to it as given")
     mpi.add_argument("--mpirun", default=None, metavar="PATH",
                      help="mpirun/mpiexec to use (also $POPRUN_LITE_MPIRUN)")
     mpi.add_argument("--mpi-global-args", action="append", default=[], metavar='"ARGS"',
