@@ -1,22 +1,31 @@
 """poprun-lite: a PopRun-style launcher over mpirun (Open MPI or MPICH).
 
-Modules: ``cli`` (the command line, main), ``options`` (the options, typed), ``plan``
-(the rank plan), ``attempts`` (the attempts loop, membership policies, the launch
-interface), ``ssh_launch`` (mpirun over the launch agent), ``hosts`` (host names,
-hostfiles), ``network`` (the launcher's address, the reachability check), ``probe`` (its
-host side), ``elastic`` (an elastic job's memberships, hosts and resize monitor),
-``discovery`` (host discovery scripts), ``children`` (discovery and probe processes,
-killed at each attempt's end), ``cleanup`` (killing what an attempt left on every host), ``mpirun`` (finding
-mpirun, MPMD command), ``job`` (running it), ``channel`` (the job's key, the handshake
-and authenticated framing between agents and launcher), ``collector`` (the records of
-the ranks' agents), ``agent`` (per-rank supervisor), ``report`` (failure report),
-``tee`` (stream copy), ``stall`` (the stall analysis), ``inspector`` (the stall
-inspector), ``rank_progress`` (the agent's side of the stall inspector), ``testhosts``
-(network-namespace test hosts on one machine, for the tests and benchmarks).
+Its parts (docs/launcher.md, "The parts", draws them), each a subpackage but for the
+two modules at the top:
 
-The record format shared with the ranks is :mod:`popdist_lite.records`, and a rank's
-progress slot :mod:`popdist_lite.progress`; importing them starts no MPI (importing
-``popdist_lite`` starts nothing), which the launcher and the agents must not do.
+- ``cli`` (the command line and ``main``: the one place that wires the parts together)
+  and ``attempts`` (the attempts loop, one for every job);
+- ``core``: the vocabulary every part shares (the launch interface, the typed options,
+  the rank plan, host names, the agents' wire protocol, the words of messages); it
+  imports no other part;
+- ``node``: what runs on a rank's host (the agent and its link to the launcher, the
+  key files, the held signals, the stall inspector's host side, the probe, the cleanup);
+- ``supervise``: what watches the job from the launcher (the collector, the failure
+  report, the stall inspector, the request to stop at a step boundary);
+- ``launch``: the mpirun launch every backend shares (one attempt's plan, keys,
+  collector, mpirun command and its supervision, the cleanup; commands on hosts);
+- ``ssh`` and ``slurm``: the backends, siblings that never import each other: mpirun over
+  ``--launch-agent``, and mpirun through Slurm with the allocation, a lost node, the
+  scheduler's signals and Slurm's commands;
+- ``membership``: which hosts each attempt runs on (the fixed and elastic policies,
+  discovery, the resize monitor);
+- ``testing``: network-namespace test hosts and a Slurm cluster on one machine, for the
+  tests and benchmarks; nothing else imports it.
+
+tests/test_imports.py holds these rules (``ALLOWED``). The record format shared with
+the ranks is :mod:`popdist_lite.records`, and a rank's progress slot
+:mod:`popdist_lite.progress`; importing them starts no MPI (importing ``popdist_lite``
+starts nothing), which the launcher and the agents must not do.
 """
 
 __version__ = "0.1.0"

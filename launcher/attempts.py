@@ -1,12 +1,16 @@
 """The job's attempts: one loop (:class:`AttemptsLoop`) for every job, a membership
-policy (:class:`FixedPolicy` or :class:`ElasticPolicy`) deciding each attempt's hosts,
-and a :class:`Launcher` starting each attempt's processes (today
-:class:`~popdist_lite_launcher.ssh_launch.SshLauncher`: mpirun over the launch agent).
+policy (:class:`~popdist_lite_launcher.core.api.MembershipPolicy`:
+:mod:`popdist_lite_launcher.membership.policies`, or the Slurm backend's) deciding each
+attempt's hosts, and a :class:`~popdist_lite_launcher.core.api.Launcher` starting each
+attempt's processes (:class:`~popdist_lite_launcher.ssh.launcher.SshLauncher` or
+:class:`~popdist_lite_launcher.slurm.launcher.SlurmLauncher`: mpirun over the launch agent
+or through Slurm). The vocabulary is :mod:`popdist_lite_launcher.core.api`.
 
 One attempt: the policy gives its membership (a fixed job: ``--num-replicas`` over
 ``-H``/``--hostfile`` or this machine, every time; an elastic job: the usable
 discovered hosts, waiting for ``--min-replicas``), the launcher runs it and returns its
-:class:`Outcome`, or raises :class:`AttemptError` when it could not start it (hosts
+:class:`~popdist_lite_launcher.core.api.Outcome`, or raises
+:class:`~popdist_lite_launcher.core.api.AttemptError` when it could not start it (hosts
 failing their check, no collector, no mpirun). The loop then decides, the same way for
 every job:
 
@@ -21,7 +25,7 @@ every job:
   ``--max-restarts``, at once on a signal, ``--timeout``, an internal error or an
   :class:`AttemptError` (exit code 2).
 
-A scheduler's signal (``--preemption``, :mod:`popdist_lite_launcher.preempt`) ends the
+A scheduler's signal (``--preemption``, :mod:`popdist_lite_launcher.slurm.preempt`) ends the
 job: during an attempt once the replicas stopped at their boundary (or failed to), and
 one noted while no attempt runs before the next one starts (requeued after the requeue
 signal: there is nothing to save).
@@ -31,7 +35,7 @@ Every failed attempt prints its report; the job's last report ends with the atte
 succeeded after more than one attempt prints them too. An exception anywhere in the loop
 (a bug in the launcher) ends the job with exit code 1, printing what is known: the last
 attempt's failures, the attempts, the error. Discovery and probe processes are killed at
-the end of every attempt (:func:`popdist_lite_launcher.children.kill_all`). Model:
+the end of every attempt (:func:`popdist_lite_launcher.launch.children.kill_all`). Model:
 torchrun's elastic agent (one run loop over typed worker-group state).
 """
 
@@ -40,153 +44,19 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Callable
 
-from . import children, job, report
-from .elastic import Cluster, Membership, ResizeMonitor, Survey, Wait, wait_for_membership
-from .mpirun import LauncherError
-from .options import Options
-from .plan import RESTART_COUNT_ENV, placement
+from .core.api import (Attempt, AttemptError, AttemptResult, Launcher, LauncherError, Membership, MembershipPolicy,
+                       Send, Wait, Watcher)
+from .core.text import describe_exception, hosts_text, say
+from .core.options import Options
+from .core.plan import RESTART_COUNT_ENV
+from .launch import children
+from .supervise import report
 
 #: What the report says of a ``resize_stop`` record no resize was asked for, after its sender.
 UNASKED = "sent resize_stop, but poprun-lite asked for no resize in this attempt"
-
-#: ``send(rank, record)``: a record to rank ``rank``'s agent; True if it was sent.
-Send = Callable[[int, dict], bool]
-
-
-def _say(text: str) -> None:
-    print(f"poprun-lite: {text}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------ the launch interface
-
-class Watcher(Protocol):
-    """Watches the hosts while an attempt runs (:class:`~popdist_lite_launcher.elastic.ResizeMonitor`)."""
-
-    asked: bool          # whether it asked the replicas for a resize
-    reason: str | None   # why
-
-    def start(self) -> "Watcher": ...
-
-    def stop(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """What a :class:`Launcher` runs: attempt ``index`` (from 0, the ranks'
-    ``POPDIST_LITE_RESTART_COUNT``) on ``membership``, within ``timeout`` seconds (None:
-    no limit). ``hosts_checked``: the policy probed its hosts already. ``watch(send)``
-    makes the attempt's watcher once records can be sent to the replicas' agents; the
-    launcher starts it then and stops it when the job has ended."""
-
-    index: int
-    membership: Membership
-    timeout: float | None
-    hosts_checked: bool = False
-    watch: Callable[[Send], Watcher] | None = None
-
-
-@dataclass
-class Outcome:
-    """What a :class:`Launcher` returns: the job's result, the ``resize_stop`` records
-    it got (identity fields: who sent each), and the hosts its launch agent did not reach
-    when it cleaned up after the attempt, each with a sentence naming it and what failed.
-    A policy leaves those out of the next attempt as if they had failed a probe, without
-    probing them again: on a dead node each contact costs the agent's own time-out
-    (Slurm's ``MessageTimeout``, ssh's ``ConnectTimeout``)."""
-
-    result: job.JobResult
-    resize_stops: list[dict] = field(default_factory=list)
-    unreachable: dict[str, str] = field(default_factory=dict)
-
-
-class AttemptError(Exception):
-    """The attempt could not be started (its hosts failed their check, its collector or
-    mpirun could not start); the message says why. Nothing of it is left running."""
-
-
-class Launcher(Protocol):
-    """Starts an attempt's processes on its hosts and supervises them to the end."""
-
-    def run(self, attempt: Attempt) -> Outcome:
-        """Run ``attempt`` to its end; whatever is left of it is killed on every host
-        before this returns.
-
-        Raises:
-            AttemptError: it could not be started.
-        """
-
-
-# ------------------------------------------------------------------ membership policies
-
-class FixedPolicy:
-    """A job of ``--num-replicas`` on ``-H``/``--hostfile`` (divided evenly) or this
-    machine, the same for every attempt; its hosts are checked by the launcher."""
-
-    elastic = False
-
-    def __init__(self, opts: Options):
-        self.opts = opts
-        self.membership = Membership(placement(opts))
-
-    def start(self) -> None:
-        """Nothing to find out before the first attempt."""
-
-    def next(self, deadline: float | None, say) -> Membership:
-        return self.membership
-
-    def watch(self, membership: Membership, say) -> None:
-        return None
-
-    def lost(self, membership: Membership, say, unreachable: dict[str, str]) -> list[str]:
-        return []
-
-
-class ElasticPolicy:
-    """An elastic job's memberships (:mod:`popdist_lite_launcher.elastic`): the usable
-    discovered hosts (probed by the policy), waiting for ``--min-replicas``; a resize
-    monitor in every attempt; hosts lost after a failure."""
-
-    elastic = True
-
-    def __init__(self, opts: Options, cluster: Cluster | None = None):
-        self.opts = opts
-        self.cluster = cluster or Cluster(opts)
-        self._survey: Survey | None = None
-
-    def start(self) -> None:
-        """The first look at the hosts.
-
-        Raises:
-            LauncherError: discovery failed (the job stops with exit code 2).
-        """
-        self._survey = self.cluster.survey()
-
-    def next(self, deadline: float | None, say) -> Membership | Wait:
-        """The next attempt's membership (at least ``--min-replicas``), or how waiting
-        for one ended."""
-        first, self._survey = self._survey, None
-        return wait_for_membership(self.cluster, deadline, first, say)
-
-    def watch(self, membership: Membership, say) -> Callable[[Send], Watcher]:
-        return lambda send: ResizeMonitor(self.cluster, membership, send, self.opts.discovery_interval, say)
-
-    def lost(self, membership: Membership, say, unreachable: dict[str, str]) -> list[str]:
-        """After a failed attempt on ``membership``: its hosts that are gone now (and the
-        survey kept for the next attempt, in which the hosts of ``unreachable``, from
-        :attr:`Outcome.unreachable`, fail without a probe); [] when discovery fails."""
-        try:
-            self._survey = self.cluster.survey(unreachable=unreachable)
-        except LauncherError as exc:
-            say(f"host discovery failed after the attempt: {exc}")
-            return []
-        lost = self._survey.lost(membership)
-        for host in lost:
-            if self._survey.problems.get(host):
-                say(self._survey.problems[host])
-        return lost
 
 
 # ------------------------------------------------------------------ the history
@@ -218,7 +88,7 @@ def sender(record: dict) -> str:
                           pid=record.get("pid"), time=0.0, feeder=record.get("feeder")).title()
 
 
-def exit_code(result: job.JobResult) -> int:
+def exit_code(result: AttemptResult) -> int:
     """The exit code of a failed attempt."""
     if result.internal_error:
         cause = report.root_cause(result.failures)
@@ -237,15 +107,15 @@ def exit_code(result: job.JobResult) -> int:
 class AttemptsLoop:
     """Runs a job's attempts (module docstring) with ``launcher`` under ``policy``;
     :meth:`run` returns the exit code. ``history``, ``last`` (the last attempt's
-    :class:`~popdist_lite_launcher.job.JobResult`), ``refused`` and ``dropped`` (the
+    :class:`~popdist_lite_launcher.core.api.AttemptResult`), ``refused`` and ``dropped`` (the
     collectors' counts, added up) stay readable afterwards."""
 
-    def __init__(self, opts: Options, launcher: Launcher, policy: FixedPolicy | ElasticPolicy,
-                 say: Callable[[str], None] = _say, preemption=None):
+    def __init__(self, opts: Options, launcher: Launcher, policy: MembershipPolicy,
+                 say: Callable[[str], None] = say, preemption=None):
         self.opts, self.launcher, self.policy, self.say = opts, launcher, policy, say
-        self.preemption = preemption  # preempt.Preemption: a signal asked for a checkpoint
+        self.preemption = preemption  # slurm.preempt.Preemption: a signal asked for a checkpoint
         self.history: list[AttemptRecord] = []
-        self.last: job.JobResult | None = None
+        self.last: AttemptResult | None = None
         self.refused: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
         self.failures = 0
@@ -280,18 +150,10 @@ class AttemptsLoop:
         while True:
             membership = self.policy.next(deadline, say)
             if isinstance(membership, Wait):
-                lines = [f"poprun-lite: {membership.text} (exit code {membership.code})"]
-                if self.history:
-                    lines.append(format_attempts(self.history))
-                print("\n".join(lines), file=sys.stderr, flush=True)
-                return membership.code
+                return self._end_before_an_attempt(membership.text, membership.code)
             if self.preemption is not None and self.preemption.asked:  # a signal while no replica ran
                 code, text = self.preemption.end_unstarted()
-                lines = [f"poprun-lite: job {text} (exit code {code})"]
-                if self.history:
-                    lines.append(format_attempts(self.history))
-                print("\n".join(lines), file=sys.stderr, flush=True)
-                return code
+                return self._end_before_an_attempt(f"job {text}", code)
             record = AttemptRecord(len(self.history) + 1, membership, why)
             self.history.append(record)
             if self.policy.elastic or record.number > 1:
@@ -301,10 +163,19 @@ class AttemptsLoop:
             if code is not None:
                 return code
 
+    def _end_before_an_attempt(self, text: str, code: int) -> int:
+        """The job ends before its next attempt: ``poprun-lite: TEXT (exit code CODE)`` and
+        the attempts so far; ``code``."""
+        lines = [f"poprun-lite: {text} (exit code {code})"]
+        if self.history:
+            lines.append(format_attempts(self.history))
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        return code
+
     def _attempt(self, record: AttemptRecord, deadline: float | None) -> tuple[int | None, str]:
         """Run the attempt of ``record``, print its report: ``(exit code, "")`` when the
         job ends here, else ``(None, why the next attempt runs)``."""
-        opts, say = self.opts, self.say
+        say = self.say
         left = None if deadline is None else max(0.001, deadline - time.monotonic())
         watchers: list[Watcher] = []
         watch = self.policy.watch(record.membership, say)
@@ -348,12 +219,13 @@ class AttemptsLoop:
         return self._failed(record, result, unasked if clean else [], [] if clean else unasked,
                             outcome.unreachable)
 
-    def _failed(self, record: AttemptRecord, result: job.JobResult, cause_stops: list[dict],
+    def _failed(self, record: AttemptRecord, result: AttemptResult, cause_stops: list[dict],
                 other_stops: list[dict], unreachable: dict[str, str]) -> tuple[int | None, str]:
         """A failed attempt: its report, and whether the job goes on. ``cause_stops``:
         the ``resize_stop`` records no resize was asked for, when they are what failed
         (the ranks all exited 0); ``other_stops``: such records in an attempt that failed
-        anyway (named after its report); ``unreachable``: :attr:`Outcome.unreachable`."""
+        anyway (named after its report); ``unreachable``:
+        :attr:`Outcome.unreachable <popdist_lite_launcher.core.api.Outcome>`."""
         opts, say = self.opts, self.say
         cause, stop_reason = result.stall, result.stop_reason
         if result.timed_out and opts.timeout:  # the attempt had what was left of --timeout
@@ -368,7 +240,7 @@ class AttemptsLoop:
         final = result.stop_signal is not None or result.timed_out or result.internal_error is not None
         lost = [] if final else self.policy.lost(record.membership, say, unreachable)
         if lost:
-            record.outcome = f"{_hosts_text(lost)} lost: {summary} (exit code {code})"
+            record.outcome = f"{hosts_text(lost)} lost: {summary} (exit code {code})"
         else:
             self.failures += 1
             record.outcome = f"failed: {summary} (exit code {code})"
@@ -389,7 +261,7 @@ class AttemptsLoop:
             return code, ""
         print(text, file=sys.stderr, flush=True)
         if lost:
-            why = f"{_hosts_text(lost)} lost"
+            why = f"{hosts_text(lost)} lost"
             say(f"{why}: restarting on the hosts left (a change of membership, not counted "
                 f"against --max-restarts)")
             return None, why
@@ -397,7 +269,7 @@ class AttemptsLoop:
             f"(--max-restarts)")
         return None, "a failure"
 
-    def _noted(self, result: job.JobResult) -> job.JobResult:
+    def _noted(self, result: AttemptResult) -> AttemptResult:
         """``result``, kept as the last one, its collector's counts added up."""
         self.last = result
         for total, counts in ((self.refused, result.refused), (self.dropped, result.dropped)):
@@ -413,7 +285,7 @@ class AttemptsLoop:
             print(f"poprun-lite: timeline {state} {path}", file=sys.stderr, flush=True)
 
     def _print_internal_error(self, exc: Exception) -> None:
-        """What is known when the launcher itself failed outside :func:`job.run_job`:
+        """What is known when the launcher itself failed outside :func:`~popdist_lite_launcher.launch.mpirun.run_mpirun`:
         the last attempt's failures, the attempts so far, and the error."""
         lines = ["poprun-lite: job ended by an internal error in poprun-lite (exit code 1)"]
         if self.last is not None:
@@ -427,9 +299,5 @@ class AttemptsLoop:
                 lines.append(format_attempts(self.history))
             except Exception:  # noqa: BLE001
                 pass
-        lines.append(f"poprun-lite: internal error: {job.describe(exc)}")
+        lines.append(f"poprun-lite: internal error: {describe_exception(exc)}")
         print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def _hosts_text(names: list[str]) -> str:
-    return ("host " if len(names) == 1 else "hosts ") + ", ".join(names)

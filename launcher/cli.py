@@ -1,12 +1,14 @@
 """``poprun-lite``: its options (:func:`build_parser`, :func:`parse_args`, which returns
-them typed, :class:`~popdist_lite_launcher.options.Options`) and ``main``.
+them typed, :class:`~popdist_lite_launcher.core.options.Options`) and ``main``, the one
+place that wires the launcher's parts together: the options, a membership policy
+(:func:`make_policy`), a launcher backend (:func:`make_launcher`: ssh or Slurm), the
+preemption, and the attempts loop (:mod:`popdist_lite_launcher.attempts`).
 
-The job is planned as a list of :class:`~popdist_lite_launcher.mpirun.RankSpec`
-by :func:`~popdist_lite_launcher.plan.plan_ranks` (also importable from here);
-:func:`~popdist_lite_launcher.mpirun.build_command` turns that list into the MPMD
+The job is planned as a list of :class:`~popdist_lite_launcher.core.plan.RankSpec` by
+:func:`~popdist_lite_launcher.core.plan.plan_ranks`;
+:func:`~popdist_lite_launcher.launch.command.build_command` turns that list into the MPMD
 mpirun command. New kinds of ranks (e.g. host feeders) only need new specs in
-``plan_ranks`` and new options in :func:`build_parser` and ``Options``. The attempts
-run in :mod:`popdist_lite_launcher.attempts`.
+``plan_ranks`` and new options in :func:`build_parser` and ``Options``.
 """
 
 from __future__ import annotations
@@ -17,11 +19,22 @@ import shlex
 import signal
 import sys
 
-from . import __version__, attempts, children, elastic, hosts, job, preempt, report, slurm, slurm_nodes
-from .mpirun import LauncherError, detect_implementation, find_mpirun
-from .options import Options
-from .plan import RESTART_COUNT_ENV, format_topology, placement, plan_ranks, processes_of  # noqa: F401
-from .ssh_launch import SshLauncher, job_environment  # noqa: F401 (job_environment: importable from here)
+from . import __version__
+from .attempts import AttemptsLoop
+from .core import hosts
+from .core.api import LauncherError, MembershipPolicy
+from .core.options import END_MARGIN_SECONDS, Options
+from .launch import children
+from .launch.address import NodeAddress
+from .launch.base import MpirunLauncher
+from .launch.command import detect_implementation, find_mpirun
+from .launch.mpirun import kill_sessions
+from .membership import elastic
+from .membership.policies import ElasticPolicy, FixedPolicy
+from .slurm import allocation, nodes, preempt, scontrol
+from .slurm.launcher import SlurmLauncher
+from .ssh.launcher import SshLauncher
+from .supervise import report
 
 EPILOG = """\
 examples:
@@ -110,7 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "replica, the PopDist environment in every rank, and a failure report\n"
                     "naming the root cause.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _topology_options(parser)
+    _host_options(parser)
+    _mpirun_options(parser)
+    _output_options(parser)
+    _recovery_options(parser)
+    _preemption_options(parser)
+    _elastic_options(parser)
+    parser.add_argument("program", help="the program to run in every instance")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
+    return parser
 
+
+def _topology_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--num-replicas`` and where the replicas run."""
     topo = parser.add_argument_group("topology")
     topo.add_argument("--num-replicas", type=_positive_int, default=None, metavar="N",
                       help="number of replicas (default 1; inside a Slurm allocation without "
@@ -133,12 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hostfile in Open MPI (`host slots=N`) or MPICH (`host:N`) format; "
                             "its hosts are used like --host")
 
+
+def _host_options(parser: argparse.ArgumentParser) -> None:
+    """The options of how other hosts are reached, and the job's network."""
     net = parser.add_argument_group("hosts and network")
     net.add_argument("--launch-agent", default="ssh", metavar="AGENT",
                      help="program that runs a command on another host, called as "
                           "`AGENT [OPTIONS] [--] HOST COMMAND` like ssh (default ssh; Open "
                           "MPI's plm_ssh_agent, MPICH's -launcher-exec)")
-    net.add_argument("--launcher", choices=slurm.LAUNCHERS, default=slurm.AUTO,
+    net.add_argument("--launcher", choices=allocation.LAUNCHERS, default=allocation.AUTO,
                      help="how processes on other hosts are started: `slurm` through Slurm "
                           "(mpirun's Slurm launch and `srun --overlap` steps; scancel ends "
                           "them all), `ssh` with --launch-agent; `auto` (default): slurm inside "
@@ -153,7 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "network and proves it holds the check's key (the check fails fast "
                           "naming the host and what failed)")
 
-    mpi = parser.add_argument_group("mpirun")
+
+def _mpirun_options(parser: argparse.ArgumentParser) -> None:
+    """The options of mpirun itself and its arguments."""
+    mpi = parser.add_argument_group("mpirun", "which mpirun runs the job, and arguments passed to it as given")
     mpi.add_argument("--mpirun", default=None, metavar="PATH",
                      help="mpirun/mpiexec to use (also $POPRUN_LITE_MPIRUN)")
     mpi.add_argument("--mpi-global-args", action="append", default=[], metavar='"ARGS"',
@@ -164,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                      type=_instance_args, metavar='IDX:"ARGS"',
                      help="arguments added to instance IDX's context (repeatable)")
 
+
+def _output_options(parser: argparse.ArgumentParser) -> None:
+    """The options of output, the topology table, ``--timeout``, the timeline."""
     out = parser.add_argument_group("output and control")
     out.add_argument("--only-output-from-instance", type=_non_negative_int, default=None,
                      metavar="N", help="discard the output of the other instances (failure "
@@ -182,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "write one Chrome-trace JSON file (open it in Perfetto); sets "
                           "POPDIST_LITE_TIMELINE for the ranks")
 
+
+def _recovery_options(parser: argparse.ArgumentParser) -> None:
+    """The options of stalls and restarts."""
     recovery = parser.add_argument_group("stalls and restarts")
     recovery.add_argument("--stall-warning", type=_non_negative_float, default=60.0,
                           metavar="SECONDS",
@@ -199,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "attempt in POPDIST_LITE_RESTART_COUNT (0, 1, ...). SIGINT and "
                                "SIGTERM stop without restarting (default 0)")
 
+
+def _preemption_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the scheduler's signals (docs/slurm.md)."""
     sched = parser.add_argument_group("preemption and time limits (docs/slurm.md)")
     sched.add_argument("--preemption", choices=preempt.MODES, default=preempt.AUTO,
                        help="`on`: the requeue signal and SIGTERM ask the replicas to checkpoint "
@@ -216,13 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how long the replicas have to reach a step boundary after the requeue "
                             "signal before the job is stopped without a checkpoint (default: until "
                             f"the job's end, EndTime in `scontrol show job`, less "
-                            f"{preempt.END_MARGIN_SECONDS:g} s; no limit without one)")
+                            f"{END_MARGIN_SECONDS:g} s; no limit without one)")
     sched.add_argument("--grace-period", type=_non_negative_float, default=None, metavar="SECONDS",
                        help="how long the replicas have to reach a step boundary after SIGTERM "
                             "before the job is stopped without a checkpoint (default: Slurm's "
                             f"KillWait less {preempt.REPORT_SECONDS:g} s, else "
                             f"{preempt.DEFAULT_GRACE_SECONDS:g})")
 
+
+def _elastic_options(parser: argparse.ArgumentParser) -> None:
+    """The options of elastic jobs (docs/elastic.md)."""
     grow = parser.add_argument_group("elastic jobs (docs/elastic.md)")
     grow.add_argument("--min-replicas", type=_positive_int, default=None, metavar="N",
                       help="make the job elastic: run with N to --num-replicas replicas on the "
@@ -244,24 +288,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="longest wait for --min-replicas usable replicas before an attempt "
                            f"(default {elastic.ELASTIC_TIMEOUT_SECONDS:g}; --timeout bounds it too)")
 
-    parser.add_argument("program", help="the program to run in every instance")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
-    return parser
-
 
 def parse_args(argv: list[str] | None = None) -> Options:
     """Parse and cross-check the options (errors exit via ``parser.error``), typed."""
     parser = build_parser()
     opts = parser.parse_args(argv)
     try:  # the launcher; hosts, slots and --num-replicas from a Slurm allocation
-        slurm.configure(opts, os.environ)
+        allocation.configure(opts, os.environ)
     except LauncherError as exc:
         parser.error(str(exc))
     if opts.num_replicas is None:
         opts.num_replicas = 1
     try:
         opts.preempt = preempt.settings(opts.preemption, opts.requeue_signal, opts.requeue,
-                                        opts.grace_period, slurm.job_id(os.environ), opts.preemption_grace)
+                                        opts.grace_period, scontrol.job_id(os.environ), opts.preemption_grace)
     except (ValueError, LauncherError) as exc:
         parser.error(str(exc))
     if opts.stall_timeout is None:
@@ -305,7 +345,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         return Options.from_namespace(opts)  # hosts and slots are sized per attempt (elastic.size_attempt)
     if opts.allocation_hosts:  # the allocation's nodes filled up to their task slots
         try:
-            opts.slurm_placement = tuple(slurm.place(opts.hosts, opts.slots, opts.num_instances))
+            opts.slurm_placement = tuple(allocation.place(opts.hosts, opts.slots, opts.num_instances))
         except LauncherError as exc:
             parser.error(str(exc))
         return Options.from_namespace(opts)
@@ -320,6 +360,25 @@ def parse_args(argv: list[str] | None = None) -> Options:
                              f"ranks ({opts.num_instances // len(opts.hosts)} instance(s) and "
                              f"their feeders)")
     return Options.from_namespace(opts)
+
+
+def make_policy(opts: Options, node_address: NodeAddress | None = None) -> MembershipPolicy:
+    """The job's membership policy: on a Slurm allocation's nodes under ``--launcher
+    slurm`` the Slurm backend's (:func:`popdist_lite_launcher.slurm.nodes.make_policy`),
+    else :class:`~popdist_lite_launcher.membership.policies.ElasticPolicy` for an elastic
+    job, :class:`~popdist_lite_launcher.membership.policies.FixedPolicy` for any other."""
+    policy = nodes.make_policy(opts)
+    if policy is None:
+        policy = ElasticPolicy(opts, elastic.Cluster(opts, node_address)) if opts.elastic else FixedPolicy(opts)
+    return policy
+
+
+def make_launcher(opts: Options, mpirun: str, implementation: str, preemption=None,
+                  node_address: NodeAddress | None = None) -> MpirunLauncher:
+    """The launcher backend of ``--launcher``: :class:`~popdist_lite_launcher.slurm.launcher.SlurmLauncher`
+    or :class:`~popdist_lite_launcher.ssh.launcher.SshLauncher`."""
+    backend = SlurmLauncher if opts.launcher == allocation.SLURM else SshLauncher
+    return backend(opts, mpirun, implementation, preemption, node_address)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -350,17 +409,15 @@ def main(argv: list[str] | None = None) -> None:
         except LauncherError as exc:
             print(f"poprun-lite: error: {exc}", file=sys.stderr)
             sys.exit(2)
-        policy = slurm_nodes.make_policy(opts) or (
-            attempts.ElasticPolicy(opts) if opts.elastic else attempts.FixedPolicy(opts))
-        launcher_class = slurm.SlurmLauncher if opts.launcher == slurm.SLURM else SshLauncher
-        loop = attempts.AttemptsLoop(opts, launcher_class(opts, mpirun, implementation, preemption), policy,
-                                     preemption=preemption)
+        node_address = scontrol.node_addresses(os.environ)
+        loop = AttemptsLoop(opts, make_launcher(opts, mpirun, implementation, preemption, node_address),
+                            make_policy(opts, node_address), preemption=preemption)
         code = loop.run()
-    except KeyboardInterrupt:  # outside run_job, which handles SIGINT itself
+    except KeyboardInterrupt:  # outside run_mpirun, which handles SIGINT itself
         code = 128 + signal.SIGINT
         print("poprun-lite: interrupted by SIGINT", file=sys.stderr, flush=True)
     finally:
-        job.kill_sessions()
+        kill_sessions()
         children.kill_all()
         if preemption is not None:
             preemption.uninstall()

@@ -2,7 +2,7 @@
 
 With preemption on (``poprun-lite --preemption``, docs/slurm.md), poprun-lite starts the
 program with SIGTERM, the requeue signal (SIGUSR1 by default) and SIGINT ignored
-(``POPRUN_LITE_HOLD_SIGNALS``; launcher/hold_sigterm.py), so that Slurm's signals to
+(``POPRUN_LITE_HOLD_SIGNALS``; launcher/node/hold_signals.py), so that Slurm's signals to
 every process of the job leave it running: its agent tells the launcher, which asks the
 replicas for a checkpoint at their next step boundary
 (:func:`popdist_lite.should_checkpoint`). An ignored signal stays ignored across

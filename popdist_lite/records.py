@@ -78,12 +78,12 @@ receiver drops what does not match. Kinds (fields besides ``kind``):
     save that began after :func:`popdist_lite.should_checkpoint` answered True (sent by
     :func:`popdist_lite.save_checkpoint`); the launcher says a preempted job's checkpoint
     was saved only when every replica sent one.
-``signalled`` (agent -> launcher; preemption, launcher/hold_sigterm.py)
+``signalled`` (agent -> launcher; preemption, launcher/node/hold_signals.py)
     identity + ``signal`` (a signal's name, e.g. ``"SIGTERM"``, ``"SIGUSR1"``) and
     ``sender`` (the pid that sent it, None when the kernel did): the agent got that held
     signal from another process than its parent (Slurm signalling the job's steps, or
     any process of the job's user); the launcher counts it with the other copies of the same signal and
-    decides (launcher/preempt.py), ignoring a signal it does not hold.
+    decides (launcher/slurm/preempt.py), ignoring a signal it does not hold.
 
 Identity fields: ``rank`` (MPI rank or None), ``replica`` (the replica driven, or fed by a
 feeder), ``role`` (``"replica"`` or ``"feeder"``), ``feeder`` (a feeder's index, else
@@ -114,7 +114,7 @@ RECORD_FD_ENV = "POPDIST_LITE_RECORD_FD"
 INSPECTOR_ENV = "POPRUN_LITE_STALL_INSPECTOR"
 #: The signals the job's processes hold while preemption is on, comma-separated names
 #: (set by poprun-lite, read by its agents and by :func:`popdist_lite.held_signals.hold_signals`;
-#: launcher/hold_sigterm.py).
+#: launcher/node/hold_signals.py).
 HOLD_ENV = "POPRUN_LITE_HOLD_SIGNALS"
 #: Seconds between an agent's heartbeats.
 HEARTBEAT_SECONDS = 1.0

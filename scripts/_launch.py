@@ -19,7 +19,7 @@ def under_mpi() -> bool:
 
 @contextlib.contextmanager
 def on_test_hosts(n: int, ranks: int):
-    """With ``n`` > 0: make ``n`` network-namespace test hosts (popdist_lite_launcher.testhosts,
+    """With ``n`` > 0: make ``n`` network-namespace test hosts (popdist_lite_launcher.testing.netns_hosts,
     root only) for the duration and yield the poprun-lite arguments that spread the
     ``ranks`` replicas evenly over them with every byte between ranks on TCP over the
     test network (``--mca btl tcp,self``); with ``n`` == 0 yield no arguments (one host).
@@ -37,15 +37,15 @@ def on_test_hosts(n: int, ranks: int):
     if not n:
         yield []
         return
-    from popdist_lite_launcher import testhosts
+    from popdist_lite_launcher.testing import netns_hosts
 
-    reason = testhosts.unavailable()
+    reason = netns_hosts.unavailable()
     if reason:
         raise RuntimeError(reason)
     mca = "--mca btl tcp,self" + (" --mca mpi_yield_when_idle 1" if _oversubscribed(ranks) else "")
-    with testhosts.TestHosts(n) as hosts:
-        yield ["-H", ",".join(hosts.names), "--launch-agent", testhosts.LAUNCH_AGENT,
-               "--network-interface", testhosts.CIDR, f"--mpi-global-args={mca}"]
+    with netns_hosts.TestHosts(n) as hosts:
+        yield ["-H", ",".join(hosts.names), "--launch-agent", netns_hosts.LAUNCH_AGENT,
+               "--network-interface", netns_hosts.CIDR, f"--mpi-global-args={mca}"]
 
 
 def _oversubscribed(ranks: int) -> bool:

@@ -36,7 +36,7 @@ Operations (ours / raw):
     all_to_all          Alltoall(x, out)                   x: (n,)
     all_reduce          Allreduce(x, out, SUM)
     broadcast           Bcast(x, root=0)
-With ``--hosts H`` (root: network-namespace test hosts, popdist_lite_launcher.testhosts)
+With ``--hosts H`` (root: network-namespace test hosts, popdist_lite_launcher.testing.netns_hosts)
 the replicas are spread evenly over H test hosts and every byte between ranks goes over
 TCP (``--mca btl tcp,self``), for ours and raw alike; with more replicas than cores
 they yield the processor while waiting (``mpi_yield_when_idle``: the test hosts share

@@ -7,7 +7,7 @@ its checkpoint.
     python scripts/bench_elastic.py [--runs 3] [--timeout 300]
 
 prints one JSON object on stdout. Needs root (network-namespace test hosts,
-popdist_lite_launcher.testhosts). Method: each run starts
+popdist_lite_launcher.testing.netns_hosts). Method: each run starts
 ``poprun-lite --num-replicas 4 --min-replicas 2 --host-discovery-script S
 --discovery-interval 1`` over the test hosts pdlh1 and pdlh2 (2 slots each; every byte
 between ranks on TCP) running the example (the guide's [256, 256] table and GRU(256),
@@ -52,7 +52,7 @@ LOSS_AT, RETURN_AFTER = 25, 10
 
 def run(hosts, timeout: float) -> dict:
     """One job; returns its times (seconds) and checkpoint size."""
-    from popdist_lite_launcher import testhosts
+    from popdist_lite_launcher.testing import netns_hosts
 
     base = ROOT / ".bench-elastic"
     base.mkdir(exist_ok=True)
@@ -66,7 +66,7 @@ def run(hosts, timeout: float) -> dict:
         script.chmod(0o755)
         cmd = [sys.executable, "-m", "popdist_lite_launcher", "--timeout", str(timeout), "--num-replicas", "4",
                "--min-replicas", "2", "--host-discovery-script", str(script), "--discovery-interval", "1",
-               "--launch-agent", testhosts.LAUNCH_AGENT, "--network-interface", testhosts.CIDR,
+               "--launch-agent", netns_hosts.LAUNCH_AGENT, "--network-interface", netns_hosts.CIDR,
                "--mpi-global-args=--mca btl tcp,self --mca mpi_yield_when_idle 1",
                sys.executable, str(EXAMPLE), "--data", str(work / "text.txt"), "--steps", "100000",
                "--seq-len", "20", "--batch-size", "4", "--global-batch-size", "16", "--data-order", "global",
@@ -134,14 +134,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job (default 300)")
     opts = parser.parse_args()
-    from popdist_lite_launcher import testhosts
+    from popdist_lite_launcher.testing import netns_hosts
 
-    reason = testhosts.unavailable()
+    reason = netns_hosts.unavailable()
     if reason:
         sys.exit(f"bench_elastic.py: {reason}")
     load_before = os.getloadavg()[0]
     results = []
-    with testhosts.TestHosts(2) as hosts:
+    with netns_hosts.TestHosts(2) as hosts:
         for _ in range(opts.runs):
             results.append(run(hosts, opts.timeout))
     med = lambda key: round(statistics.median(r[key] for r in results), 2)  # noqa: E731

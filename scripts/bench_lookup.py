@@ -12,7 +12,7 @@ variant runs in that same job and their timed blocks are interleaved (block 1 of
 variant, then block 2, ...; ``--blocks``, default 16), so load from other processes on a
 shared machine hits all of them alike; a variant's time is its median block.
 
-With ``--hosts H`` (root: network-namespace test hosts, popdist_lite_launcher.testhosts)
+With ``--hosts H`` (root: network-namespace test hosts, popdist_lite_launcher.testing.netns_hosts)
 the replicas are spread evenly over H test hosts, every byte between ranks over TCP;
 with more replicas than cores they yield the processor while waiting
 (``mpi_yield_when_idle``: the test hosts share this machine's cores, see

@@ -17,7 +17,7 @@ attempt (which starts again at step 20, the newest checkpoint). For comparison,
 timeout. Medians over ``--runs``.
 
 ``control_plane`` is measured against a real collector in this process and the agents'
-own code (``popdist_lite_launcher.agent.Link``) in another: ``handshake_ms`` is the
+own code (``popdist_lite_launcher.node.link.Link``) in another: ``handshake_ms`` is the
 median over ``--agents`` agents, one after the other, of the time from starting a link
 to its welcome (TCP connection, challenge, hello with its HMAC-SHA256, the collector's
 check, welcome and the agent's check), what each agent adds to a launch;
@@ -59,7 +59,7 @@ def replica_program(replica: int, attempt: int) -> int | None:
                 environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if str(EXAMPLE).encode() in cmdline and b"popdist_lite_launcher.agent" not in cmdline \
+            if str(EXAMPLE).encode() in cmdline and b"popdist_lite_launcher.node.agent" not in cmdline \
                     and f"POPDIST_REPLICA_INDEX_OFFSET={replica}".encode() in environ \
                     and f"POPDIST_LITE_RESTART_COUNT={attempt}".encode() in environ:
                 return int(entry)
@@ -119,15 +119,15 @@ def run(replicas: int, timeout: float, kill_at: int | None) -> dict:
 
 # The agents' side of control_plane(), in its own process as agents are: N handshakes,
 # one after the other, then records through the first connection. The key comes in a key
-# file, as poprun-lite gives it (channel.take_key reads and removes it).
+# file, as poprun-lite gives it (keys.take_key reads and removes it).
 AGENTS = """
 import json, os, sys, time
 from popdist_lite import records
-from popdist_lite_launcher import agent, channel
-key, agents, count = channel.take_key(), int(sys.argv[1]), int(sys.argv[2])
+from popdist_lite_launcher.node import keys, link as agent_link
+key, agents, count = keys.take_key(), int(sys.argv[1]), int(sys.argv[2])
 links, handshakes = [], []
 for rank in range(agents):
-    link = agent.Link(os.environ[records.COLLECTOR_ENV], key)
+    link = agent_link.Link(os.environ[records.COLLECTOR_ENV], key)
     start = time.perf_counter()
     link.start(records.identity(rank=rank, replica=rank, pid=os.getpid()), lambda request: None)
     if not link.ready.wait(60) or link.session is None:
@@ -137,7 +137,7 @@ for rank in range(agents):
 print(json.dumps(handshakes), flush=True)
 ident = records.identity(rank=0, replica=0, pid=os.getpid())
 for call in range(count):
-    links[0].send(records.make("progress", ident, call=call, op="all_reduce", since=1.0))
+    links[0].send(records.make("progress", ident, lane="main", call=call, op="all_reduce", since=1.0))
 sys.stdin.read()  # until the launcher has counted them
 """
 
@@ -145,8 +145,8 @@ sys.stdin.read()  # until the launcher has counted them
 def control_plane(agents: int, count: int, timeout: float) -> dict:
     """The handshake's cost per agent and the collector's throughput (module docstring)."""
     from popdist_lite import records
-    from popdist_lite_launcher import channel
-    from popdist_lite_launcher.collector import Collector
+    from popdist_lite_launcher.node import keys
+    from popdist_lite_launcher.supervise.collector import Collector
 
     arrivals: list[float] = []
     done = threading.Event()
@@ -158,9 +158,9 @@ def control_plane(agents: int, count: int, timeout: float) -> dict:
 
     with Collector(ranks=agents) as collector:
         collector.subscribe("progress", arrived)
-        keys = channel.write_keys(collector.key, [0], "0" * 16)  # the agents' side reads and removes it
+        directory = keys.write_keys(collector.key, [0], "0" * 16)  # the agents' side reads and removes it
         env = {**os.environ, records.COLLECTOR_ENV: collector.address,
-               channel.KEY_FILE_ENV: f"{keys}/{channel.key_file_name(0)}"}
+               keys.KEY_FILE_ENV: f"{directory}/{keys.key_file_name(0)}"}
         proc = subprocess.Popen([sys.executable, "-c", AGENTS, str(agents), str(count)], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What running under Slurm costs (docs/slurm.md), on the test cluster of
-popdist_lite_launcher.testcluster (2 nodes, 2 tasks each):
+popdist_lite_launcher.testing.slurm_cluster (2 nodes, 2 tasks each):
 
 - ``cluster_up_s``, ``cluster_down_s``: starting the cluster until both nodes are idle,
   and removing it;
@@ -23,7 +23,7 @@ popdist_lite_launcher.testcluster (2 nodes, 2 tasks each):
   (polled every 20 ms): scheduling, the batch script's start, the launch, the example's
   imports and its first step;
 - ``ssh_to_first_step_s[MPI]``: the same job started from this machine over the test
-  hosts' ssh stand-in (``launcher/netns-agent``, ``-H pdls1,pdls2 --launcher ssh``, on the
+  hosts' ssh stand-in (``launcher/testing/netns-agent``, ``-H pdls1,pdls2 --launcher ssh``, on the
   cluster's network), from starting poprun-lite until ``Step 0, loss``: every replica
   remote, no scheduler;
 - ``signal_to_requeued_first_step_s[MPI]``: ``examples/slurm/shakespeare.sbatch`` (4
@@ -59,7 +59,7 @@ import sys
 import time
 from pathlib import Path
 
-from popdist_lite_launcher import testcluster, testhosts
+from popdist_lite_launcher.testing import netns_hosts, slurm_cluster
 
 JOB_TIMEOUT = 180
 
@@ -232,8 +232,8 @@ def ssh_to_first_step(cluster, python: str, env: dict) -> float:
     out = cluster.work / "bench-ssh.out"
     command = [python, "-m", "popdist_lite_launcher", "--timeout", str(JOB_TIMEOUT),
                "-H", ",".join(cluster.nodes), "--launcher", "ssh", "--num-replicas", "4",
-               "--launch-agent", testhosts.LAUNCH_AGENT, "--network-interface",
-               f"{testcluster.SUBNET}.0/24", *example(cluster, python)]
+               "--launch-agent", netns_hosts.LAUNCH_AGENT, "--network-interface",
+               f"{slurm_cluster.SUBNET}.0/24", *example(cluster, python)]
     with open(out, "w") as sink:
         start = time.monotonic()
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
@@ -261,7 +261,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    reason = testcluster.unavailable()
+    reason = slurm_cluster.unavailable()
     if reason:
         sys.exit(f"bench_slurm: {reason}")
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -270,7 +270,7 @@ def main() -> None:
     for _ in range(args.runs):
         run: dict = {}
         start = time.monotonic()
-        cluster = testcluster.TestCluster(2)
+        cluster = slurm_cluster.TestCluster(2)
         with cluster:
             run["cluster_up_s"] = time.monotonic() - start
             run["srun_job_s"] = timed_job(cluster, "srun true", cluster.env())

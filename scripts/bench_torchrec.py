@@ -20,7 +20,7 @@ are the median over rounds of two variants' blocks (each the slower replica's). 
 figures only from a quiet machine: ``flock /tmp/popdist-bench.lock python
 scripts/bench_torchrec.py`` (the JSON records the load average before and after).
 
-With ``--hosts H`` (root: network-namespace test hosts, popdist_lite_launcher.testhosts)
+With ``--hosts H`` (root: network-namespace test hosts, popdist_lite_launcher.testing.netns_hosts)
 the replicas are spread evenly over H test hosts: MPI over TCP (``--mca btl tcp,self``),
 gloo over TCP on the test network's interface.
 
@@ -129,7 +129,7 @@ class Variant(NamedTuple):
 
 # ------------------------------------------------------------------------ process groups
 
-#: The test hosts' network interface (popdist_lite_launcher.testhosts names it eth0).
+#: The test hosts' network interface (popdist_lite_launcher.testing.netns_hosts names it eth0).
 TEST_HOST_INTERFACE = "eth0"
 
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Draw the documentation's diagrams from their Graphviz source, here, into docs/images/:
 
+- ``parts.svg``: launcher/'s parts, who imports whom, and the processes they become
+  (docs/launcher.md; the modules of each part read from launcher/);
 - ``processes.svg``: what runs where in a poprun-lite job (docs/launcher.md): the
   launcher (its collector, stall inspector and report), mpirun and the MPI daemons on
   other hosts, an agent per rank, the replicas and their host feed processes, and what
@@ -11,7 +13,7 @@
 
 Needs Graphviz's ``dot`` (Debian: ``apt-get install graphviz``)::
 
-    scripts/draw_docs.py            # both drawings
+    scripts/draw_docs.py            # every drawing
     scripts/draw_docs.py --check    # exit 1 if a drawing differs from its source
 """
 
@@ -152,7 +154,97 @@ digraph token_encoding {{
     return "\n".join(out)
 
 
-DRAWINGS = {"processes.svg": PROCESSES, "token-encoding.svg": token_encoding()}
+#: The launcher's parts: name -> (what it is, where it runs). Their modules and scripts
+#: are read from launcher/ when the drawing is made, so a new module shows up in it.
+PARTS = {
+    "cli": ("the command line; wires the parts", "launcher"),
+    "attempts": ("the attempts loop", "launcher"),
+    "membership": ("which hosts each attempt runs on", "launcher"),
+    "ssh": ("backend: mpirun over --launch-agent", "launcher"),
+    "slurm": ("backend: mpirun through Slurm", "launcher"),
+    "launch": ("the mpirun launch both backends share", "launcher"),
+    "supervise": ("what watches the job", "launcher"),
+    "node": ("what runs on a rank's host", "host"),
+    "core": ("the vocabulary: every part imports it, it imports no other part", "everywhere"),
+    "testing": ("test hosts and a Slurm cluster, for tests only", "tests"),
+}
+#: Who imports whom (besides core, which every part imports): tests/test_imports.py's ALLOWED.
+IMPORTS = [("cli", "attempts"), ("cli", "membership"), ("cli", "ssh"), ("cli", "slurm"),
+           ("attempts", "launch"), ("attempts", "supervise"), ("membership", "launch"), ("membership", "supervise"),
+           ("ssh", "launch"), ("slurm", "launch"), ("slurm", "membership"), ("slurm", "node"), ("slurm", "supervise"),
+           ("launch", "supervise"), ("launch", "node")]
+PART_FILL = {"launcher": "#dde7f3", "host": "#dcefd9", "everywhere": "#f2e6f5", "tests": "#eeeeee"}
+
+
+def _modules(part: str) -> str:
+    """The modules and scripts of a part of launcher/, for its box (a top-level module
+    stands for itself)."""
+    directory = ROOT / "launcher" / part
+    if not directory.is_dir():
+        return f'{part}.py<br align="left"/>'
+
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != "__init__.py"
+                   and (p.suffix == ".py" or "-" in p.name))
+    lines, line = [], ""
+    for name in names:
+        if line and len(line) + len(name) > 42:
+            lines.append(line)
+            line = ""
+        line += ("" if not line else "  ") + name
+    return '<br align="left"/>'.join([*lines, line]) + '<br align="left"/>'
+
+
+def parts() -> str:
+    """The drawing of launcher/'s parts, who imports whom, and the processes they become."""
+    out = [f"""
+digraph parts {{
+  graph [{FONT}, fontsize=12, rankdir=TB, nodesep=0.3, ranksep=0.45, newrank=true,
+         label="launcher/ (popdist_lite_launcher): its parts, who imports whom, and the processes they become",
+         labelloc=t];
+  node [{FONT}, fontsize=10, shape=box, style="rounded,filled"];
+  edge [{FONT}, fontsize=9];"""]
+    clusters = {"launcher": "in poprun-lite's process, on the launcher's host", "host": "on every rank's host"}
+    for where, title in clusters.items():
+        out.append(f'  subgraph cluster_{where} {{ label="{title}"; style="rounded,dashed"; color="#888888";')
+        out += [_part_box(name) for name, (_, at) in PARTS.items() if at == where and name != "core"]
+        out.append("  }")
+    out += [_part_box("core"), _part_box("testing")]
+    out.append("""
+  { rank=same; part_cli; part_attempts; }
+  { rank=same; part_membership; part_ssh; part_slurm; }
+  { rank=same; part_supervise; part_node; }""")
+    out += [f'  part_{a} -> part_{b} [color="#333333"];' for a, b in IMPORTS]
+    out += [f'  part_{a} -> part_core [color="#333333"];' for a in ("supervise", "node")]
+    out.append("""
+  { rank=same; part_core; part_testing; }
+  subgraph cluster_processes {
+    label="the processes they become"; style="rounded,dashed"; color="#b07020"; fontcolor="#b07020";
+    node [shape=note, style=filled, fillcolor="#fff7e6", fontsize=9];
+    mpirun [label=<<b>mpirun</b>, one per attempt (launch/mpirun.py runs it),<br/>and the MPI daemons on the other hosts>];
+    agent [label=<<b>an agent per rank</b>: python -m popdist_lite_launcher.node.agent<br/>(its program, the replica or feeder, beneath it)>];
+    commands [label=<<b>commands on other hosts</b> through the launch agent:<br/>python -m popdist_lite_launcher.node.probe, .node.keys, .node.cleanup<br/>(ssh/attempt-agent or slurm/srun-agent in front)>];
+    held [label=<<b>the held signals</b> (preemption): MPI daemons started through<br/>node/hold_signals.py (slurm/srun-held for MPICH); under Slurm,<br/>the watch step, hold_signals.py --watch>];
+  }
+  part_core -> mpirun [style=invis];
+  part_launch -> mpirun [style=dashed, color="#b07020", label=" starts", constraint=false];
+  mpirun -> agent [style=dashed, color="#b07020", label=" starts"];
+  part_launch -> commands [style=dashed, color="#b07020", label=" runs", constraint=false];
+  part_node -> agent [style=dashed, color="#2e7d32", label=" becomes", constraint=false];
+  part_node -> commands [style=dashed, color="#2e7d32", constraint=false];
+  part_node -> held [style=dashed, color="#2e7d32", constraint=false];
+  { rank=same; mpirun -> agent -> commands -> held [style=invis]; }
+}
+""")
+    return "\n".join(out)
+
+
+def _part_box(name: str) -> str:
+    what, where = PARTS[name]
+    style = ', style="rounded,filled,dashed"' if where == "tests" else ""
+    return (f'    part_{name} [fillcolor="{PART_FILL[where]}"{style}, label=<<b>{name}/</b> '
+            f'<font point-size="9">{what}</font><br/><font point-size="8">{_modules(name)}</font>>];')
+
+DRAWINGS = {"parts.svg": parts(), "processes.svg": PROCESSES, "token-encoding.svg": token_encoding()}
 
 
 def render(source: str) -> bytes:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from popdist_lite_launcher import session_dirs
+from popdist_lite_launcher.launch import session_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "shakespeare.py"

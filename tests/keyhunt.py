@@ -14,7 +14,7 @@ HUNT = str(Path(__file__).resolve().parent / "progs" / "key_hunt_prog.py")
 # poprun-lite, recording each key it makes in the file named by its first argument
 RECORDING_LAUNCHER = """
 import sys
-from popdist_lite_launcher import channel
+from popdist_lite_launcher.core import channel
 log, made = sys.argv.pop(1), channel.new_key
 def recorded():
     key = made()
@@ -53,10 +53,10 @@ def check_nothing_found(found: list[dict], keys: list[str], replicas: int, ances
 
 
 def key_dirs() -> set[str]:
-    """The key directories of this user on this machine now (channel.key_parent())."""
+    """The key directories of this user on this machine now (keys.key_parent())."""
     import os
 
-    from popdist_lite_launcher import channel
+    from popdist_lite_launcher.node import keys
 
-    parent = Path(channel.key_parent())
-    return {str(p) for p in parent.glob(channel.KEY_DIR_PREFIX + "*") if p.stat().st_uid == os.getuid()}
+    parent = Path(keys.key_parent())
+    return {str(p) for p in parent.glob(keys.KEY_DIR_PREFIX + "*") if p.stat().st_uid == os.getuid()}

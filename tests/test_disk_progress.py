@@ -1,7 +1,7 @@
 """A disk table's counters in the progress records: a real child process (one replica,
 no launcher: tests/progs/disk_counters_prog.py) trains disk-backed tables with
 prefetch, its progress slot is read the way the poprun-lite agent reads it
-(popdist_lite_launcher.rank_progress), and the
+(popdist_lite_launcher.node.rank_progress), and the
 ``progress`` record the agent makes from it passes the records' checks; hostile
 ``storage`` fields do not."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from popdist_lite import progress, records
-from popdist_lite_launcher.rank_progress import RankProgress
+from popdist_lite_launcher.node.rank_progress import RankProgress
 
 from helpers import JOB_SECONDS
 

@@ -10,7 +10,9 @@ from popdist_lite.infeed.local import ThreadSource
 from popdist_lite.infeed.structure import (check_same, describe, empty_arrays, encode_shapes, flatten,
                                            layout, unflatten)
 from popdist_lite.topology import _feed_layout
-from popdist_lite_launcher import cli, report
+from popdist_lite_launcher import cli
+from popdist_lite_launcher.core.plan import format_topology, plan_ranks
+from popdist_lite_launcher.supervise import report
 
 
 def test_flatten_roundtrip_dict_tuple_array():
@@ -104,7 +106,7 @@ def test_feed_layout_checks():
 def test_plan_with_feeders_and_topology_table():
     opts = cli.parse_args(["--num-replicas", "2", "--feeders-per-replica", "2", "-H", "h0,h1",
                            "--instance-mpi-local-args", '1:-x A=1', "python3", "train.py"])
-    ranks = cli.plan_ranks(opts)
+    ranks = plan_ranks(opts)
     assert [(r.role, r.replica, r.host) for r in ranks] == [
         ("replica", 0, "h0"), ("replica", 1, "h1"), ("feeder", 0, "h0"), ("feeder", 0, "h0"),
         ("feeder", 1, "h1"), ("feeder", 1, "h1")]
@@ -114,7 +116,7 @@ def test_plan_with_feeders_and_topology_table():
     assert (f["POPDIST_LITE_ROLE"], f["POPDIST_LITE_FEEDER_OF"], f["POPDIST_LITE_FEEDER_INDEX"]) == ("feeder", "1", "1")
     assert f["POPDIST_REPLICA_INDEX_OFFSET"] == "1" and f["POPDIST_LITE_FEEDERS_PER_REPLICA"] == "2"
     assert ranks[5].mpi_args == ["-x", "A=1"]
-    lines = cli.format_topology(ranks).splitlines()
+    lines = format_topology(ranks).splitlines()
     assert lines[1].split() == ["0", "0", "0", "h0", "replica"]
     assert lines[5].split() == ["1", "1", "4", "h1", "feeder", "0", "of", "replica", "1"]
     with pytest.raises(SystemExit):

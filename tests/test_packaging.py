@@ -27,7 +27,8 @@ def tree_files() -> set[str]:
             rel = path.relative_to(ROOT / directory)
             if "__pycache__" in rel.parts or not path.is_file():
                 continue
-            if path.suffix == ".py" or (len(rel.parts) == 1 and rel.name in data.get(package, ())):
+            owner = ".".join((package, *rel.parts[:-1]))  # the (sub)package the file is in
+            if path.suffix == ".py" or rel.name in data.get(owner, ()):
                 found.add("/".join((package, *rel.parts)))
     return found
 
@@ -48,6 +49,6 @@ def test_the_wheel_holds_every_module(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         packed = {n for n in z.namelist() if n.split("/")[0] in PACKAGE_DIRS.values()}
     expected = tree_files()
-    assert "popdist_lite/embedding/storage/disk.py" in expected and "popdist_lite_launcher/netns-agent" in expected
+    assert "popdist_lite/embedding/storage/disk.py" in expected and "popdist_lite_launcher/testing/netns-agent" in expected
     missing = sorted(expected - packed)
     assert not missing, f"pyproject.toml's [tool.setuptools] packages miss: {missing}"

@@ -1,5 +1,5 @@
 """The rank's progress slot and stack dumps (popdist_lite.progress), read the way the
-poprun-lite agent reads them (popdist_lite_launcher.rank_progress), in a real child
+poprun-lite agent reads them (popdist_lite_launcher.node.rank_progress), in a real child
 process: no MPI."""
 
 import os
@@ -10,7 +10,7 @@ import textwrap
 import time
 
 from popdist_lite import progress
-from popdist_lite_launcher.rank_progress import RankProgress
+from popdist_lite_launcher.node.rank_progress import RankProgress
 
 from helpers import JOB_SECONDS
 

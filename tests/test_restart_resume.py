@@ -38,7 +38,7 @@ def replica_program(replica: int, attempt: int) -> int | None:
             environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if str(EXAMPLE).encode() in cmdline and b"popdist_lite_launcher.agent" not in cmdline \
+        if str(EXAMPLE).encode() in cmdline and b"popdist_lite_launcher.node.agent" not in cmdline \
                 and f"POPDIST_REPLICA_INDEX_OFFSET={replica}".encode() in environ \
                 and f"POPDIST_LITE_RESTART_COUNT={attempt}".encode() in environ:
             return int(entry)

@@ -1,5 +1,5 @@
 """Hand-driven peers of the collector for the launcher tests: an agent connection that
-speaks the real protocol (popdist_lite_launcher.channel) one step at a time, and a
+speaks the real protocol (popdist_lite_launcher.core.channel) one step at a time, and a
 stranger who does not hold the key."""
 
 from __future__ import annotations
@@ -8,14 +8,15 @@ import socket
 import time
 
 from popdist_lite import records
-from popdist_lite_launcher import channel
+from popdist_lite_launcher.core import channel
+from popdist_lite_launcher.node import keys
 
 
 def key_file(key: bytes, rank: int = 0) -> dict[str, str]:
     """The environment entry giving an agent of rank ``rank`` the job's ``key``: a key
-    file of its own (channel.write_keys), which the agent removes with its directory."""
-    directory = channel.write_keys(key, [rank], "0" * 16)
-    return {channel.KEY_FILE_ENV: f"{directory}/{channel.key_file_name(rank)}"}
+    file of its own (keys.write_keys), which the agent removes with its directory."""
+    directory = keys.write_keys(key, [rank], "0" * 16)
+    return {keys.KEY_FILE_ENV: f"{directory}/{keys.key_file_name(rank)}"}
 
 
 def address(collector) -> tuple[str, int]:

@@ -1,7 +1,8 @@
-"""The authenticated control plane (launcher/channel.py, the collector, the agent's link):
-the handshake and framing in one process, then the collector and the agent against
-strangers (no key, a wrong key, replays, bad MACs, sequence numbers, over-long lines,
-floods of connections, running out of file descriptors). Every refusal is counted, and
+"""The authenticated control plane (launcher/core/channel.py, launcher/node/keys.py, the
+collector, the agent's link): the handshake and framing in one process, then the
+collector and the agent against strangers (no key, a wrong key, replays, bad MACs,
+sequence numbers, over-long lines, floods of connections, running out of file
+descriptors). Every refusal is counted, and
 the job's own agents still get through."""
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import time
 import pytest
 
 from popdist_lite import records
-from popdist_lite_launcher import agent, channel, collector as collector_module
-from popdist_lite_launcher.collector import Collector
+from popdist_lite_launcher.core import channel
+from popdist_lite_launcher.node import keys, link as link_module
+from popdist_lite_launcher.supervise import collector as collector_module
+from popdist_lite_launcher.supervise.collector import Collector
 from peers import AgentConnection, address, key_file, read_line, wait_for
 
 IDENT = records.identity(rank=0, replica=0, pid=10)
@@ -101,17 +104,17 @@ def test_authentic_frame_with_invalid_record():
 
 def test_take_key_reads_and_removes_the_file(tmp_path):
     mark = "0123456789abcdef"
-    directory = channel.write_keys(b"\xab" * 32, [0, 3], mark, parent=str(tmp_path))
-    assert os.stat(directory).st_mode & 0o777 == 0o700 and channel.is_key_dir(directory, mark)
+    directory = keys.write_keys(b"\xab" * 32, [0, 3], mark, parent=str(tmp_path))
+    assert os.stat(directory).st_mode & 0o777 == 0o700 and keys.is_key_dir(directory, mark)
     assert sorted(os.listdir(directory)) == ["rank-0", "rank-3"]
     assert all(os.stat(f"{directory}/{n}").st_mode & 0o777 == 0o600 for n in ("rank-0", "rank-3"))
-    env = {channel.KEY_FILE_ENV: f"{directory}/rank-0", "OTHER": "1"}
-    assert channel.take_key(env) == b"\xab" * 32 and env == {"OTHER": "1"}
+    env = {keys.KEY_FILE_ENV: f"{directory}/rank-0", "OTHER": "1"}
+    assert keys.take_key(env) == b"\xab" * 32 and env == {"OTHER": "1"}
     assert os.listdir(directory) == ["rank-3"]  # its own file only; the directory goes with the last
-    assert channel.take_key({channel.KEY_FILE_ENV: f"{directory}/rank-3"}) == b"\xab" * 32
+    assert keys.take_key({keys.KEY_FILE_ENV: f"{directory}/rank-3"}) == b"\xab" * 32
     assert not os.path.exists(directory)
-    assert channel.take_key({channel.KEY_FILE_ENV: f"{directory}/rank-3"}) is None  # read once
-    assert channel.take_key({}) is None
+    assert keys.take_key({keys.KEY_FILE_ENV: f"{directory}/rank-3"}) is None  # read once
+    assert keys.take_key({}) is None
 
 
 @pytest.mark.parametrize("case", ["short", "not hex", "readable by others", "symlink", "fifo"])
@@ -127,40 +130,40 @@ def test_take_key_refuses_a_bad_file(tmp_path, case):
     else:
         path.write_text({"short": "ab" * 16, "not hex": "zz" * 32}.get(case, "ab" * 32))
         path.chmod(0o644 if case == "readable by others" else 0o600)
-    assert channel.take_key({channel.KEY_FILE_ENV: str(path)}) is None  # and returns at once
+    assert keys.take_key({keys.KEY_FILE_ENV: str(path)}) is None  # and returns at once
 
 
 @pytest.mark.parametrize("printed", ["relative/poprun-lite-key-0123456789abcdef-x", "/tmp/other",
                                      "/tmp/poprun-lite-key-fedcba9876543210-x", "/tmp/../poprun-lite-key-0123456789abcdef-x",
                                      "/tmp/poprun-lite-key-0123456789abcdef-x;rm", "/tmp/poprun-lite-key-0123456789abcdef-x\n"])
 def test_a_key_directory_printed_by_a_host_is_checked(printed):
-    assert not channel.is_key_dir(printed, "0123456789abcdef")
-    assert channel.is_key_dir("/tmp/poprun-lite-key-0123456789abcdef-x_1.a", "0123456789abcdef")
+    assert not keys.is_key_dir(printed, "0123456789abcdef")
+    assert keys.is_key_dir("/tmp/poprun-lite-key-0123456789abcdef-x_1.a", "0123456789abcdef")
 
 
 def test_the_key_reaches_another_host_on_standard_input_only():
     """What the launcher runs on another host: the key on standard input, the directory
-    (in channel.key_parent()) printed; a bad mark, rank or key writes nothing.
+    (in keys.key_parent()) printed; a bad mark, rank or key writes nothing.
     remove_keys removes the attempt's."""
     mark, key = "0123456789abcdee", b"\x5a" * 32
-    run = [sys.executable, "-m", "popdist_lite_launcher.channel"]
-    mine = lambda: sorted(n for n in os.listdir(channel.key_parent()) if mark in n)  # noqa: E731
-    channel.remove_keys(mark)
+    run = [sys.executable, "-m", "popdist_lite_launcher.node.keys"]
+    mine = lambda: sorted(n for n in os.listdir(keys.key_parent()) if mark in n)  # noqa: E731
+    keys.remove_keys(mark)
     try:
         done = subprocess.run([*run, mark, "0", "2"], input=key.hex() + "\n", capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 0, done.stderr
         directory = done.stdout.strip()
-        assert channel.is_key_dir(directory, mark) and os.path.dirname(directory) == channel.key_parent()
-        assert channel.take_key({channel.KEY_FILE_ENV: f"{directory}/rank-2"}) == key
+        assert keys.is_key_dir(directory, mark) and os.path.dirname(directory) == keys.key_parent()
+        assert keys.take_key({keys.KEY_FILE_ENV: f"{directory}/rank-2"}) == key
         for args, given in (([mark, "0"], "zz\n"), (["nothex", "0"], key.hex()), ([mark, "-1"], key.hex()),
                             ([mark], key.hex())):
             bad = subprocess.run([*run, *args], input=given, capture_output=True, text=True, timeout=60)
             assert bad.returncode == 2 and not bad.stdout
         assert len(mine()) == 1
-        assert channel.remove_keys(mark) == 1 and not mine()
+        assert keys.remove_keys(mark) == 1 and not mine()
     finally:
-        channel.remove_keys(mark)
+        keys.remove_keys(mark)
 
 
 # ---------------------------------------------------------------- the collector
@@ -289,14 +292,14 @@ def test_agent_link_ends_its_program_when_the_launcher_goes():
     (the launcher was killed), not when the agent closes it itself."""
     lost = threading.Event()
     with Collector(ranks=1) as collector:
-        link = agent.Link(collector.address, collector.key)
+        link = link_module.Link(collector.address, collector.key)
         link.start(records.identity(rank=0, replica=0, pid=1), lambda r: None, lost.set)
         assert link.ready.wait(10) and link.session is not None
         assert not lost.wait(0.3)
     assert lost.wait(10)  # the collector closed every connection
     quiet = threading.Event()
     with Collector(ranks=1) as collector:
-        link = agent.Link(collector.address, collector.key)
+        link = link_module.Link(collector.address, collector.key)
         link.start(records.identity(rank=0, replica=0, pid=1), lambda r: None, quiet.set)
         assert link.ready.wait(10) and link.session is not None
         link.close()
@@ -306,7 +309,7 @@ def test_agent_link_ends_its_program_when_the_launcher_goes():
 
 def run_link(collector, rank):
     """A real agent Link (the agent's code) authenticating as ``rank``; its requests."""
-    link = agent.Link(collector.address, collector.key)
+    link = link_module.Link(collector.address, collector.key)
     requests = []
     link.start(records.identity(rank=rank, replica=rank, pid=1), requests.append)
     return link, requests
@@ -332,7 +335,7 @@ def test_agent_gets_through_a_flood_of_connections():
             t.start()
         try:
             link, requests = run_link(collector, 0)
-            assert link.ready.wait(agent.CONNECT_DEADLINE_SECONDS + 5) and link.session is not None
+            assert link.ready.wait(link_module.CONNECT_DEADLINE_SECONDS + 5) and link.session is not None
             assert link.send(records.make("stack", records.identity(rank=0, replica=0, pid=1),
                                           request=5, text="x"))
             wait_for(lambda: collector.records("stack"), what="the agent's record")
@@ -432,9 +435,9 @@ class FakeLauncher:
 
 
 def test_agent_obeys_only_the_launcher_with_the_key(monkeypatch, capsys):
-    monkeypatch.setattr(agent, "CONNECT_DEADLINE_SECONDS", 1.0)
+    monkeypatch.setattr(link_module, "CONNECT_DEADLINE_SECONDS", 1.0)
     fake = FakeLauncher(b"x" * 32)
-    link = agent.Link(fake.address, b"k" * 32)
+    link = link_module.Link(fake.address, b"k" * 32)
     requests = []
     link.start(records.identity(rank=0, replica=0, pid=1), requests.append)
     assert link.ready.wait(10)
@@ -450,13 +453,13 @@ def test_agent_drops_invalid_requests_and_strips_the_key(tmp_path):
     ready = tmp_path / "ready"
     code = ("import os, signal, time, pathlib\n"
             "signal.signal(signal.SIGUSR1, lambda *a: os._exit(7))\n"
-            f"pathlib.Path({str(ready)!r}).write_text(str({channel.KEY_FILE_ENV!r} in os.environ) + "
-            f"str(open('/proc/self/environ', 'rb').read().count(b{channel.KEY_FILE_ENV!r})))\n"
+            f"pathlib.Path({str(ready)!r}).write_text(str({keys.KEY_FILE_ENV!r} in os.environ) + "
+            f"str(open('/proc/self/environ', 'rb').read().count(b{keys.KEY_FILE_ENV!r})))\n"
             "time.sleep(60)")
     with Collector(ranks=1) as collector:
         env = {**os.environ, records.COLLECTOR_ENV: collector.address,
                **key_file(collector.key), "PMI_RANK": "0"}
-        proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
+        proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.node.agent", "--",
                                  sys.executable, "-c", code], env=env, text=True,
                                 stderr=subprocess.PIPE)
         try:

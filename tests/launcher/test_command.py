@@ -10,14 +10,17 @@ import sys
 import pytest
 
 from popdist_lite import records
-from popdist_lite_launcher import agent, channel, cli, hosts
-from popdist_lite_launcher.mpirun import (MPICH, OPENMPI, LauncherError, RankSpec,
-                                          agent_command, build_command, default_rank_env,
-                                          find_mpirun, parse_implementation)
+from popdist_lite_launcher import cli
+from popdist_lite_launcher.core import hosts
+from popdist_lite_launcher.core.api import LauncherError
+from popdist_lite_launcher.core.plan import RankSpec, default_rank_env, format_topology, plan_ranks
+from popdist_lite_launcher.launch.command import (MPICH, OPENMPI, agent_command, build_command, find_mpirun,
+                                                  parse_implementation)
+from popdist_lite_launcher.node import agent, keys
 
 def plan(argv):
     opts = cli.parse_args([*argv, "python3", "train.py"])
-    return opts, cli.plan_ranks(opts)
+    return opts, plan_ranks(opts)
 
 
 def contexts(cmd):
@@ -84,7 +87,7 @@ def test_openmpi_command_shape():
     for i, c in enumerate(ctx):
         assert c == ["-np", "1", "-x", "PATH", "-x", f"A={i}",
                      *agent_command(["python3", "t.py", "-v"])]
-    assert agent_command(["p"]) == [sys.executable, "-m", "popdist_lite_launcher.agent",
+    assert agent_command(["p"]) == [sys.executable, "-m", "popdist_lite_launcher.node.agent",
                                     "--", "p"]
 
 
@@ -157,8 +160,8 @@ def test_plan_env_per_instance():
         assert env["POPDIST_LOCAL_INSTANCE_INDEX"] == str(i)
         assert env["POPDIST_LITE_ROLE"] == "replica"
         assert "POPDIST_LITE_ONLY_OUTPUT_FROM_INSTANCE" not in env
-        # forwarded by name from mpirun's environment; the key file is set per attempt (ssh_launch.deposit_keys)
-        assert records.COLLECTOR_ENV not in env and channel.KEY_FILE_ENV not in env
+        # forwarded by name from mpirun's environment; the key file is set per attempt (launch.remote.deposit_keys)
+        assert records.COLLECTOR_ENV not in env and keys.KEY_FILE_ENV not in env
 
 
 def test_plan_hosts_divided_evenly():
@@ -211,7 +214,7 @@ def test_program_args_are_not_parsed_as_options(program):
 
 def test_topology_table():
     _, ranks = plan(["--num-replicas", "2", "-H", "h0,h1"])
-    lines = cli.format_topology(ranks).splitlines()
+    lines = format_topology(ranks).splitlines()
     assert lines[0].split() == ["replica", "instance", "rank", "host", "role"]
     assert lines[2].split() == ["1", "1", "1", "h1", "replica"]
 

@@ -14,8 +14,8 @@ import pytest
 from helpers import JOB_SECONDS, timeout_for
 from peers import alive, wait_for
 
-from popdist_lite_launcher import discovery
-from popdist_lite_launcher.discovery import DiscoveryError
+from popdist_lite_launcher.membership import discovery
+from popdist_lite_launcher.membership.discovery import DiscoveryError
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 

@@ -17,7 +17,7 @@ from helpers import JOB_SECONDS, timeout_for
 from peers import key_file, wait_for
 
 from popdist_lite import progress, records
-from popdist_lite_launcher.collector import Collector
+from popdist_lite_launcher.supervise.collector import Collector
 
 PROG = Path(__file__).parents[1] / "progs" / "disk_counters_prog.py"
 STEPS = 5
@@ -29,7 +29,7 @@ def test_progress_records_carry_the_disk_counters(tmp_path):
         env = {**os.environ, records.COLLECTOR_ENV: collector.address, records.INSPECTOR_ENV: "1",
                **key_file(collector.key), "PMI_RANK": "0",
                "POPDIST_REPLICA_INDEX_OFFSET": "0", "POPDIST_LITE_ROLE": "replica"}
-        proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
+        proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.node.agent", "--",
                                  sys.executable, str(PROG), str(tmp_path), str(STEPS)], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:

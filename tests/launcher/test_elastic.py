@@ -15,13 +15,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import JOB_SECONDS, timeout_for
 from popdist_lite_launcher import cli
 from popdist_lite_launcher.attempts import AttemptRecord, format_attempts
-from popdist_lite_launcher.discovery import DiscoveryError
-from helpers import JOB_SECONDS, timeout_for
-from popdist_lite_launcher import elastic
-from popdist_lite_launcher.elastic import (Cluster, Membership, ResizeMonitor, capacity, change, resize_reason,
-                                          size_attempt, wait_for_membership)
+from popdist_lite_launcher.core.api import Membership
+from popdist_lite_launcher.core.plan import capacity, plan_ranks
+from popdist_lite_launcher.membership import elastic
+from popdist_lite_launcher.membership.discovery import DiscoveryError
+from popdist_lite_launcher.membership.elastic import Cluster, change, resize_reason, size_attempt, wait_for_membership
+from popdist_lite_launcher.membership.resize import ResizeMonitor
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 
@@ -97,7 +99,7 @@ def test_format_attempts():
 def test_plan_ranks_on_a_membership():
     opts = cli.parse_args(["--num-replicas", "4", "--min-replicas", "2", "--feeders-per-replica", "1",
                            "-H", "a:4,b:4", "prog"])
-    ranks = cli.plan_ranks(opts, 3, Membership((("a", 2), ("b", 1))))
+    ranks = plan_ranks(opts, 3, Membership((("a", 2), ("b", 1))))
     assert [(s.role, s.replica, s.host) for s in ranks] == [
         ("replica", 0, "a"), ("replica", 1, "a"), ("replica", 2, "b"),
         ("feeder", 0, "a"), ("feeder", 1, "a"), ("feeder", 2, "b")]
@@ -162,7 +164,7 @@ def test_monitor_asks_every_replica_once_more_slots_are_usable():
     assert sent == [(0, {"kind": "resize_request", "replicas": 4}), (1, {"kind": "resize_request", "replicas": 4})]
     reach.add(1)
     monitor.check()                      # again to the one not reached
-    assert sent[2:] == [(1, {"kind": "resize_request", "replicas": 4})] and monitor.sent == {0, 1}
+    assert sent[2:] == [(1, {"kind": "resize_request", "replicas": 4})] and monitor.request.sent == {0, 1}
     monitor.check()
     assert len(sent) == 3 and len(said) == 1
 

@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from popdist_lite import records
-from popdist_lite_launcher import channel, job
-from popdist_lite_launcher.collector import Collector
+from popdist_lite_launcher.core import channel
+from popdist_lite_launcher.node import keys
+from popdist_lite_launcher.launch import mpirun
+from popdist_lite_launcher.supervise.collector import Collector
 from helpers import JOB_SECONDS, timeout_for
 from peers import alive, wait_for
 
@@ -161,15 +163,15 @@ def test_key_is_on_no_command_line_and_not_in_the_program(tmp_path):
         mpirun = _children(launcher.pid)  # the launcher runs only mpirun (Open MPI 5: prterun)
         assert len(mpirun) == 1
         env = environ_of(mpirun[0])
-        assert "POPRUN_LITE_JOB_KEY" not in env and channel.KEY_FILE_ENV not in env
+        assert "POPRUN_LITE_JOB_KEY" not in env and keys.KEY_FILE_ENV not in env
         collector = env[records.COLLECTOR_ENV]
         cmdlines = {int(p): _cmdline(int(p)) for p in os.listdir("/proc") if p.isdigit()}
         agents = [_parent(rank["pid"]) for rank in ranks]
-        assert all("popdist_lite_launcher.agent" in cmdlines[p] for p in agents)
+        assert all("popdist_lite_launcher.node.agent" in cmdlines[p] for p in agents)
         assert not [p for p, c in cmdlines.items() if collector in c]
         for rank in ranks:
             assert not rank["environ"] and not rank["initial"]
-            assert channel.KEY_FILE_ENV not in environ_of(rank["pid"])  # the agent took it out
+            assert keys.KEY_FILE_ENV not in environ_of(rank["pid"])  # the agent took it out
             assert environ_of(rank["pid"])[records.COLLECTOR_ENV] == collector
         out, err = finish(tmp_path, launcher)
     finally:
@@ -216,7 +218,7 @@ SLEEPERS = textwrap.dedent("""
 """)
 
 
-def test_run_job_kills_the_session_when_supervising_fails(tmp_path, monkeypatch):
+def test_run_mpirun_kills_the_session_when_supervising_fails(tmp_path, monkeypatch):
     prog = tmp_path / "sleepers.py"
     prog.write_text(SLEEPERS)
     pid_file = tmp_path / "pids"
@@ -229,11 +231,11 @@ def test_run_job_kills_the_session_when_supervising_fails(tmp_path, monkeypatch)
                 raise KeyError("terminated")  # the bug the old record handling had
             return False
         monkeypatch.setattr(collector, "has_failure", has_failure)
-        result = job.run_job([sys.executable, str(prog), str(pid_file)], collector, timeout=JOB_SECONDS)
+        result = mpirun.run_mpirun([sys.executable, str(prog), str(pid_file)], collector, timeout=JOB_SECONDS)
     assert result.internal_error.startswith("KeyError: 'terminated' (at test_hostile.py:")
     pids = [int(p) for p in pid_file.read_text().split()]
     wait_for(lambda: not any(alive(p) for p in pids), 60, "the session's processes to be gone")
-    assert not job._sessions
+    assert not mpirun._sessions
 
 
 @pytest.mark.parametrize("where", ["supervision", "main"])
@@ -243,12 +245,12 @@ def test_launcher_crash_never_orphans_the_job(tmp_path, where):
     rank survives it."""
     patch = {
         "supervision": "import os\n"
-                       "from popdist_lite_launcher import collector\n"
+                       "from popdist_lite_launcher.supervise import collector\n"
                        "def broken(self):\n"
                        "    if os.path.exists(os.environ['CRASH']): raise KeyError('terminated')\n"
                        "    return False\n"
                        "collector.Collector.has_failure = broken\n",
-        "main": "from popdist_lite_launcher import report\n"
+        "main": "from popdist_lite_launcher.supervise import report\n"
                 "def broken(*a, **k): raise RuntimeError('injected')\n"
                 "report.summary = broken\n",
     }[where]
@@ -290,7 +292,7 @@ ATTACKER = textwrap.dedent("""
     import json, os, re, sys, time
     from pathlib import Path
     from popdist_lite import records
-    from popdist_lite_launcher.agent import connect
+    from popdist_lite_launcher.node.link import connect
     d = Path(sys.argv[1])
     if os.environ["POPDIST_REPLICA_INDEX_OFFSET"] == "0":
         def environ_of(pid):

@@ -1,4 +1,4 @@
-"""Host names (launcher/hosts.py): one grammar for -H and hostfiles, a clear error naming
+"""Host names (launcher/core/hosts.py): one grammar for -H and hostfiles, a clear error naming
 the bad host, file and line, and a host that is an ssh option runs nothing: refused
 before anything starts, and `--` before the host in the reachability check."""
 
@@ -10,8 +10,14 @@ import sys
 
 import pytest
 
-from popdist_lite_launcher import cleanup, cli, discovery, hosts, network
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher import cli
+from popdist_lite_launcher.core import hosts
+from popdist_lite_launcher.core.api import LauncherError
+from popdist_lite_launcher.launch import remote
+from popdist_lite_launcher.launch.base import LAUNCH_AGENT_ENV
+from popdist_lite_launcher.membership import discovery
+from popdist_lite_launcher.node import cleanup
+from popdist_lite_launcher.ssh.launcher import ATTEMPT_AGENT
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 
@@ -68,9 +74,9 @@ def test_hostfile_errors_name_file_and_line(tmp_path):
 
 
 def test_check_command_ends_options_before_the_host():
-    assert network.check_command("ssh", "node1") == [
+    assert remote.check_command("ssh", "node1") == [
         "ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "--", "node1", "true"]
-    assert network.check_command("/opt/agent -q", "n") == ["/opt/agent", "-q", "--", "n", "true"]
+    assert remote.check_command("/opt/agent -q", "n") == ["/opt/agent", "-q", "--", "n", "true"]
 
 
 @pytest.mark.parametrize("form", ["-H=", "--host=", "hostfile"])
@@ -98,7 +104,7 @@ def test_check_hosts_passes_a_hostile_name_as_a_host_not_an_option(tmp_path):
     starting with '-' for a host (it fails to resolve it) and runs no proxy command."""
     victim = tmp_path / "pwned"
     with pytest.raises(LauncherError, match="is not reachable"):
-        network.check_hosts("ssh", [f"-oProxyCommand=touch {victim}"], timeout=20)
+        remote.check_hosts("ssh", [f"-oProxyCommand=touch {victim}"], timeout=20)
     assert not victim.exists()
 
 
@@ -150,20 +156,20 @@ def test_discovery_finds_a_duplicate_whatever_its_case():
 
 
 def test_attempt_agent_splits_the_launch_agent_as_shlex_does(tmp_path):
-    """The real launch agent behind launcher/attempt-agent gets the words
-    ``network.check_command`` gives it (shlex), not the string cut at its spaces."""
+    """The real launch agent behind launcher/ssh/attempt-agent gets the words
+    ``remote.check_command`` gives it (shlex), not the string cut at its spaces."""
     show = tmp_path / "show"
     show.write_text("#!/bin/sh\nfor word in \"$@\"; do printf '[%s]\\n' \"$word\"; done\n")
     show.chmod(0o755)
     agent = f"{show} -o 'ProxyCommand=none x' \"-q\""
-    proc = subprocess.run([cleanup.ATTEMPT_AGENT, "--", "node1", "true"], capture_output=True,
+    proc = subprocess.run([ATTEMPT_AGENT, "--", "node1", "true"], capture_output=True,
                           text=True, timeout=30,
-                          env={**os.environ, cleanup.LAUNCH_AGENT_ENV: agent, cleanup.MARK_ENV: "ab" * 16})
+                          env={**os.environ, LAUNCH_AGENT_ENV: agent, cleanup.MARK_ENV: "ab" * 16})
     assert proc.returncode == 0, proc.stderr
     words = [line[1:-1] for line in proc.stdout.splitlines()]
     assert words[:5] == ["-o", "ProxyCommand=none x", "-q", "--", "node1"]
-    assert network.check_command(agent, "node1")[1:4] == ["-o", "ProxyCommand=none x", "-q"]
-    bad = subprocess.run([cleanup.ATTEMPT_AGENT, "node1", "true"], capture_output=True, text=True,
-                         timeout=30, env={**os.environ, cleanup.LAUNCH_AGENT_ENV: "'unclosed",
+    assert remote.check_command(agent, "node1")[1:4] == ["-o", "ProxyCommand=none x", "-q"]
+    bad = subprocess.run([ATTEMPT_AGENT, "node1", "true"], capture_output=True, text=True,
+                         timeout=30, env={**os.environ, LAUNCH_AGENT_ENV: "'unclosed",
                                           cleanup.MARK_ENV: "ab" * 16})
     assert bad.returncode == 255 and "not a command" in bad.stderr

@@ -52,37 +52,37 @@ def test_key_files_reach_other_hosts_through_the_launch_agent(tmp_path):
     """deposit_keys: this host's ranks get files written here, another host's through the
     launch agent (here one that runs the command on this machine, TMPDIR set apart);
     every rank's variable names its own file, which holds the key."""
-    from popdist_lite_launcher import channel
-    from popdist_lite_launcher.mpirun import RankSpec
-    from popdist_lite_launcher.ssh_launch import deposit_keys
+    from popdist_lite_launcher.core.plan import RankSpec
+    from popdist_lite_launcher.launch.remote import deposit_keys
+    from popdist_lite_launcher.node import keys
 
     agent = _agent(tmp_path, 'shift 2; exec "$@"')
     ranks = [RankSpec("replica", 0), RankSpec("replica", 1, host="otherhost"), RankSpec("replica", 2)]
     key, mark = b"\x17" * 32, "0123456789abcdef"
     local = deposit_keys(ranks, ["otherhost"], key, mark, agent)
     try:
-        paths = [spec.env[channel.KEY_FILE_ENV] for spec in ranks]
+        paths = [spec.env[keys.KEY_FILE_ENV] for spec in ranks]
         assert [os.path.basename(p) for p in paths] == ["rank-0", "rank-1", "rank-2"]
         assert os.path.dirname(paths[0]) == os.path.dirname(paths[2]) == local
         there = os.path.dirname(paths[1])
-        assert there != local and os.path.dirname(there) == os.path.dirname(local) == channel.key_parent()
-        assert [channel.take_key({channel.KEY_FILE_ENV: p}) for p in paths] == [key] * 3
+        assert there != local and os.path.dirname(there) == os.path.dirname(local) == keys.key_parent()
+        assert [keys.take_key({keys.KEY_FILE_ENV: p}) for p in paths] == [key] * 3
         assert not os.path.exists(there) and not os.path.exists(local)  # the last reader removed each directory
     finally:
-        channel.remove_keys(mark)
+        keys.remove_keys(mark)
 
 
 @pytest.mark.parametrize("body", ["exit 3", "cat >/dev/null; echo /etc"])
 def test_a_host_that_cannot_take_the_key_fails_the_attempt(tmp_path, body):
     """A launch agent that fails, or prints something other than a key directory of the
     attempt: the attempt fails naming the host, and this host's key files are removed."""
-    from popdist_lite_launcher import channel
-    from popdist_lite_launcher.attempts import AttemptError
-    from popdist_lite_launcher.mpirun import RankSpec
-    from popdist_lite_launcher.ssh_launch import deposit_keys
+    from popdist_lite_launcher.core.api import AttemptError
+    from popdist_lite_launcher.core.plan import RankSpec
+    from popdist_lite_launcher.launch.remote import deposit_keys
+    from popdist_lite_launcher.node import keys
 
     ranks = [RankSpec("replica", 0), RankSpec("replica", 1, host="otherhost")]
     mark = "fedcba9876543210"
     with pytest.raises(AttemptError, match="cannot give the job's key to host otherhost"):
         deposit_keys(ranks, ["otherhost"], b"\x17" * 32, mark, _agent(tmp_path, body))
-    assert not list(Path(channel.key_parent()).glob(f"poprun-lite-key-{mark}-*"))
+    assert not list(Path(keys.key_parent()).glob(f"poprun-lite-key-{mark}-*"))

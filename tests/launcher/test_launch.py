@@ -16,8 +16,9 @@ import time
 
 import pytest
 
-from popdist_lite_launcher import __version__, job
-from popdist_lite_launcher.collector import Collector
+from popdist_lite_launcher import __version__
+from popdist_lite_launcher.launch import mpirun
+from popdist_lite_launcher.supervise.collector import Collector
 from helpers import JOB_SECONDS, timeout_for
 from peers import alive, wait_for
 
@@ -93,7 +94,7 @@ def test_print_topology_verbose_and_tag_output(tmp_path):
     cmd = shlex.split(proc.stderr.splitlines()[0])
     assert os.path.basename(cmd[0]) in ("mpirun", "mpiexec")
     assert cmd.count("-np") == 2 and cmd.count(":") == 1 and "--tag-output" in cmd
-    assert "POPDIST_REPLICA_INDEX_OFFSET=1" in cmd and "popdist_lite_launcher.agent" in cmd
+    assert "POPDIST_REPLICA_INDEX_OFFSET=1" in cmd and "popdist_lite_launcher.node.agent" in cmd
 
 
 def test_version():
@@ -244,9 +245,9 @@ def test_timeout_stops_job(tmp_path):
     wait_for(lambda: not any(alive(p) for p in pids), 60, "the rank processes to be gone")
 
 
-def test_run_job_kills_whole_session_when_stop_is_ignored(tmp_path, monkeypatch):
+def test_run_mpirun_kills_whole_session_when_stop_is_ignored(tmp_path, monkeypatch):
     """If mpirun itself does not stop, every process of its session is SIGKILLed."""
-    monkeypatch.setattr(job, "SESSION_KILL_DELAY_SECONDS", 1.0)
+    monkeypatch.setattr(mpirun, "SESSION_KILL_DELAY_SECONDS", 1.0)
     stubborn = program(tmp_path, "stubborn.py", """
         import os, signal, subprocess, sys, time
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -260,7 +261,7 @@ def test_run_job_kills_whole_session_when_stop_is_ignored(tmp_path, monkeypatch)
     """)
     pid_file = tmp_path / "pids"
     with Collector() as collector:
-        result = job.run_job([*stubborn, str(pid_file)], collector, timeout=1.0)
+        result = mpirun.run_mpirun([*stubborn, str(pid_file)], collector, timeout=1.0)
     assert result.timed_out and result.returncode == -signal.SIGKILL
     pids = [int(p) for p in pid_file.read_text().split()]
     wait_for(lambda: not any(alive(p) for p in pids), 60, "the session's processes to be gone")
@@ -304,7 +305,7 @@ def test_launcher_killed_ends_its_job(tmp_path, mpi):
     the kernel, PR_SET_PDEATHSIG), every agent (its connection to the launcher ends) and
     every rank and feeder are gone within 5 s of the kill; nothing carrying the
     attempt's mark is left."""
-    from popdist_lite_launcher import cleanup
+    from popdist_lite_launcher.node import cleanup
     python, env = _with_mpi(mpi)
     up = tmp_path / "up.py"
     up.write_text(textwrap.dedent(UP))

@@ -97,7 +97,7 @@ def test_sigterm_to_every_process(tmp_path, monkeypatch, launcher_too):
     """As Slurm signals a job's processes, without a cluster: SIGTERM to every process
     below poprun-lite (mpirun, the agents, the programs: ``scancel --signal=TERM``), and
     then to poprun-lite too when ``launcher_too`` (a cancel, a time limit). They hold
-    it, the agents pass it on (launcher/hold_sigterm.py), and the replicas checkpoint at
+    it, the agents pass it on (launcher/node/hold_signals.py), and the replicas checkpoint at
     their boundary, as on poprun-lite's own SIGTERM."""
     for name in [k for k in __import__("os").environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(name)

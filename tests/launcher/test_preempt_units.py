@@ -1,4 +1,4 @@
-"""popdist_lite_launcher.preempt without a cluster: the options (signal names, KillWait,
+"""popdist_lite_launcher.slurm.preempt without a cluster: the options (signal names, KillWait,
 Requeue= and EndTime read from scontrol's output, --preemption auto inside and outside
 an allocation, --preemption-grace), the decisions on each signal (checkpoint, copies of
 one signal, a second signal before and after every boundary, a third, grace over,
@@ -13,7 +13,11 @@ import time
 
 import pytest
 
-from popdist_lite_launcher import attempts, cli, job, preempt
+from popdist_lite_launcher import attempts, cli
+from popdist_lite_launcher.core.api import AttemptResult, Outcome
+from popdist_lite_launcher.core.options import PreemptionSettings
+from popdist_lite_launcher.membership.policies import FixedPolicy
+from popdist_lite_launcher.slurm import preempt
 
 USR1, TERM = int(signal.SIGUSR1), int(signal.SIGTERM)
 
@@ -67,7 +71,7 @@ def test_settings():
     assert (inside.enabled, inside.requeue_signal, inside.requeue, inside.grace) == (True, USR1, True, None)
     outside = preempt.settings("auto", "USR1", True, None, None)
     assert (outside.enabled, outside.grace) == (False, preempt.DEFAULT_GRACE_SECONDS)
-    assert preempt.settings("on", "USR2", False, 7, None) == preempt.Settings(
+    assert preempt.settings("on", "USR2", False, 7, None) == PreemptionSettings(
         True, int(signal.SIGUSR2), False, 7, "--grace-period", None)
     assert preempt.settings("on", "USR1", True, None, "17", 600).requeue_grace == 600
     with pytest.raises(ValueError, match="--preemption-grace must be 0 or more"):
@@ -108,7 +112,7 @@ def test_options(monkeypatch, capsys):
     assert not cli.parse_args(["prog"]).preempt.enabled
     opts = cli.parse_args(["--preemption", "on", "--requeue-signal", "SIGUSR2", "--no-requeue",
                            "--grace-period", "25", "--preemption-grace", "600", "prog"])
-    assert opts.preempt == preempt.Settings(True, int(signal.SIGUSR2), False, 25.0, "--grace-period", None, 600.0)
+    assert opts.preempt == PreemptionSettings(True, int(signal.SIGUSR2), False, 25.0, "--grace-period", None, 600.0)
     monkeypatch.setenv("SLURM_JOB_ID", "17")
     opts = cli.parse_args(["-H", "h1", "prog"])  # inside a job, even with hosts of one's own
     assert (opts.preempt.enabled, opts.preempt.job_id, opts.preempt.grace) == (True, "17", None)
@@ -123,7 +127,7 @@ def test_options(monkeypatch, capsys):
 
 
 def _preemption(grace=25.0, requeue=True, job_id="17", scontrol=None, requeue_grace=None, said=None):
-    settings = preempt.Settings(True, USR1, requeue, grace, "--grace-period", job_id, requeue_grace)
+    settings = PreemptionSettings(True, USR1, requeue, grace, "--grace-period", job_id, requeue_grace)
     return preempt.Preemption(settings, say=(said.append if said is not None else lambda text: None),
                               scontrol=scontrol)
 
@@ -332,11 +336,11 @@ def test_the_loop_ends_a_preempted_job(tmp_path, capsys, keep_sigterm):
     fake, log = _scontrol(tmp_path, "1")
     for saved, said in (({0, 1}, " (checkpoint saved)"), ({1}, ", but rank 0 reported no checkpoint saved")):
         p = _preemption(scontrol=fake)
-        clean = job.JobResult(returncode=0, stop_signal=USR1, saved=saved)
+        clean = AttemptResult(returncode=0, stop_signal=USR1, saved=saved)
         loop = attempts.AttemptsLoop(
-            opts, _Scripted(attempts.Outcome(clean, [_stop(0), _stop(1)]),
+            opts, _Scripted(Outcome(clean, [_stop(0), _stop(1)]),
                             during=lambda attempt: (p.begin(lambda r, record: True, 2), p.on_signal(USR1))),
-            attempts.FixedPolicy(opts), say=lambda text: None, preemption=p)
+            FixedPolicy(opts), say=lambda text: None, preemption=p)
         assert loop.run() == 128 + USR1
         err = capsys.readouterr().err
         assert f"poprun-lite: job stopped at a step boundary after SIGUSR1{said}; requeued " \
@@ -345,9 +349,9 @@ def test_the_loop_ends_a_preempted_job(tmp_path, capsys, keep_sigterm):
         assert "resize_stop, but" not in err
 
     p = _preemption(scontrol=fake)
-    late = job.JobResult(returncode=1, stop_signal=TERM, stop_reason=preempt.grace_expired(25, TERM, 2, set()))
-    loop = attempts.AttemptsLoop(opts, _Scripted(attempts.Outcome(late), during=lambda a: p.on_signal(TERM)),
-                                 attempts.FixedPolicy(opts), say=lambda text: None, preemption=p)
+    late = AttemptResult(returncode=1, stop_signal=TERM, stop_reason=preempt.grace_expired(25, TERM, 2, set()))
+    loop = attempts.AttemptsLoop(opts, _Scripted(Outcome(late), during=lambda a: p.on_signal(TERM)),
+                                 FixedPolicy(opts), say=lambda text: None, preemption=p)
     assert loop.run() == 128 + TERM
     err = capsys.readouterr().err
     assert "no replica reached a step boundary within 25 s of SIGTERM: ranks 0, 1 did not" in err, err
@@ -356,7 +360,7 @@ def test_the_loop_ends_a_preempted_job(tmp_path, capsys, keep_sigterm):
     log.unlink()
     p = _preemption(scontrol=fake)
     p.on_signal(USR1)                                      # before the first attempt
-    loop = attempts.AttemptsLoop(opts, _Scripted(), attempts.FixedPolicy(opts), say=lambda text: None,
+    loop = attempts.AttemptsLoop(opts, _Scripted(), FixedPolicy(opts), say=lambda text: None,
                                  preemption=p)
     assert loop.run() == 128 + USR1 and loop.history == []
     assert "poprun-lite: job SIGUSR1 came while no replica was running: nothing to save; requeued " \
@@ -369,10 +373,10 @@ def test_held_signals_named_in_the_environment():
     SIGSTOP never, names that are not signals are left out, and nothing named means the
     default (SIGTERM, SIGUSR1)."""
     from popdist_lite import records
-    from popdist_lite_launcher import hold_sigterm
+    from popdist_lite_launcher.node import hold_signals
 
-    assert hold_sigterm.ENV == records.HOLD_ENV
-    assert hold_sigterm.env_value((USR1, TERM)) == "SIGUSR1,SIGTERM"
+    assert hold_signals.ENV == records.HOLD_ENV
+    assert hold_signals.env_value((USR1, TERM)) == "SIGUSR1,SIGTERM"
     for text, want in (("SIGTERM,SIGUSR2", (TERM, int(signal.SIGUSR2))), ("SIGUSR1", (TERM, USR1)),
                        ("SIGKILL,SIGSTOP,NOSUCH,1", (TERM, USR1)), ("", (TERM, USR1))):
-        assert hold_sigterm.held({hold_sigterm.ENV: text}) == want, text
+        assert hold_signals.held({hold_signals.ENV: text}) == want, text

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -18,9 +19,13 @@ import pytest
 from helpers import JOB_SECONDS
 from peers import alive, wait_for
 
-from popdist_lite_launcher import cleanup, cli, network, probe
-from popdist_lite_launcher.elastic import Cluster
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher import cli
+from popdist_lite_launcher.core.api import LauncherError
+from popdist_lite_launcher.launch import remote
+from popdist_lite_launcher.launch.base import LAUNCH_AGENT_ENV
+from popdist_lite_launcher.membership.elastic import Cluster
+from popdist_lite_launcher.node import cleanup, probe
+from popdist_lite_launcher.ssh.launcher import ATTEMPT_AGENT
 
 LOCAL_AGENT = """#!/usr/bin/env bash
 # a launch agent for this host: AGENT [options] [--] HOST COMMAND... runs COMMAND here
@@ -39,18 +44,18 @@ def agent(tmp_path, stdin: str = "") -> str:
 
 
 def test_probe_passes_with_the_key_on_stdin(tmp_path):
-    assert network.probe_hosts(agent(tmp_path), ["node1", "node2"], "127.0.0.1", timeout=JOB_SECONDS) == {
+    assert remote.probe_hosts(agent(tmp_path), ["node1", "node2"], "127.0.0.1", timeout=JOB_SECONDS) == {
         "node1": None, "node2": None}
     ran = (tmp_path / "ran").read_text().splitlines()
-    assert len(ran) == 2 and all("popdist_lite_launcher.probe 127.0.0.1:" in line for line in ran)
+    assert len(ran) == 2 and all("popdist_lite_launcher.node.probe 127.0.0.1:" in line for line in ran)
     # the key travelled on stdin: no 64-hex-digit word on the command lines
     assert not [word for line in ran for word in line.split() if len(word) == 64]
-    network.check_hosts(agent(tmp_path), ["node1"], timeout=JOB_SECONDS, address="127.0.0.1")  # raises nothing
+    remote.check_hosts(agent(tmp_path), ["node1"], timeout=JOB_SECONDS, address="127.0.0.1")  # raises nothing
 
 
 def test_probe_failures_in_words(tmp_path):
     swallowing = agent(tmp_path, "< /dev/null")  # an agent that does not pass stdin on
-    problems = network.probe_hosts(swallowing, ["node1"], "127.0.0.1", timeout=JOB_SECONDS)
+    problems = remote.probe_hosts(swallowing, ["node1"], "127.0.0.1", timeout=JOB_SECONDS)
     assert problems["node1"].startswith("host node1 got no key on its standard input within 5 s "
                                         "(the launch agent must pass its standard input on, as ssh does)")
     failing = tmp_path / "failing"
@@ -59,7 +64,7 @@ def test_probe_failures_in_words(tmp_path):
     failing.chmod(0o755)
     with pytest.raises(LauncherError, match=r"host node1 is not reachable with the launch agent '.*failing': "
                                             r"`.*` exited with 255: ssh: connect to host node1 port 22"):
-        network.check_hosts(str(failing), ["node1"], timeout=JOB_SECONDS, address="127.0.0.1")
+        remote.check_hosts(str(failing), ["node1"], timeout=JOB_SECONDS, address="127.0.0.1")
 
 
 def test_probe_names_refused_and_timed_out_connections(tmp_path):
@@ -67,7 +72,7 @@ def test_probe_names_refused_and_timed_out_connections(tmp_path):
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     key = "ab" * 32 + "\n"
-    proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.probe", f"127.0.0.1:{port}", "0"],
+    proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.node.probe", f"127.0.0.1:{port}", "0"],
                           input=key, capture_output=True, text=True, timeout=JOB_SECONDS)
     assert proc.returncode == probe.FAILED
     assert f"cannot connect to poprun-lite at 127.0.0.1:{port} over the job network: connection refused" \
@@ -75,7 +80,7 @@ def test_probe_names_refused_and_timed_out_connections(tmp_path):
     with socket.socket() as silent:  # listens, never answers the handshake
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.probe",
+        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.node.probe",
                                f"127.0.0.1:{silent.getsockname()[1]}", "0"],
                               input=key, capture_output=True, text=True, timeout=JOB_SECONDS)
     assert proc.returncode == probe.FAILED
@@ -83,10 +88,10 @@ def test_probe_names_refused_and_timed_out_connections(tmp_path):
 
 
 def test_probe_with_the_wrong_key_is_refused(tmp_path):
-    from popdist_lite_launcher.collector import Collector
+    from popdist_lite_launcher.supervise.collector import Collector
 
     with Collector("127.0.0.1", ranks=1) as server:
-        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.probe", server.address, "0"],
+        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.node.probe", server.address, "0"],
                               input="cd" * 32 + "\n", capture_output=True, text=True, timeout=JOB_SECONDS)
         assert not server.records("hello")
         refused, _ = server.ignored()
@@ -113,7 +118,7 @@ def test_kill_marked_kills_the_attempts_processes_and_nothing_else(tmp_path):
             wait_for(lambda m=m: len(cleanup.marked(m)) >= 2, timeout=60, what=f"two processes marked {m}")
         ours_all = cleanup.marked(mark)
         assert ours.pid in ours_all
-        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.cleanup", mark],
+        proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.node.cleanup", mark],
                               capture_output=True, text=True, timeout=JOB_SECONDS,
                               env={**os.environ, cleanup.MARK_ENV: mark})
         assert proc.returncode == 0, proc.stderr  # the cleanup spared itself, though it carries the mark
@@ -131,7 +136,7 @@ def test_kill_marked_kills_the_attempts_processes_and_nothing_else(tmp_path):
 
 
 def test_cleanup_refuses_what_is_not_a_mark():
-    proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.cleanup", "../x"],
+    proc = subprocess.run([sys.executable, "-m", "popdist_lite_launcher.node.cleanup", "../x"],
                           capture_output=True, text=True, timeout=JOB_SECONDS)
     assert proc.returncode == 2 and "usage" in proc.stderr
     with pytest.raises(ValueError, match="not an attempt mark"):
@@ -143,21 +148,23 @@ def test_clean_hosts_through_the_launch_agent(tmp_path):
     ours = spawn({cleanup.MARK_ENV: mark})
     try:
         wait_for(lambda: len(cleanup.marked(mark)) >= 2, timeout=60, what="bash and its background sleep")
-        assert cleanup.clean_hosts(agent(tmp_path), ["node1"], mark, timeout=JOB_SECONDS) == ({}, {})
+        assert remote.clean_hosts(agent(tmp_path), ["node1"], mark, timeout=JOB_SECONDS) == ({}, {})
         ours.wait(timeout=60)
         failing = tmp_path / "failing"
         failing.write_text("#!/usr/bin/env bash\necho 'node2: host is down' >&2\nexit 255\n")
         failing.chmod(0o755)
-        assert cleanup.clean_hosts(str(failing), ["node2"], mark) == \
-            ({"node2": "exit code 255: node2: host is down"},
+        command = shlex.join([str(failing), "--", "node2", *remote.remote_command(mark)])
+        said = f"`{command}` exited with 255: node2: host is down"
+        assert remote.clean_hosts(str(failing), ["node2"], mark) == \
+            ({"node2": said},
              {"node2": f"host node2 is not reachable with the launch agent {str(failing)!r}: the cleanup after "
-                       f"the attempt: exit code 255: node2: host is down"})
+                       f"the attempt: {said}"})
         # the cleanup ran there but failed: the host was reached
         ran = tmp_path / "ran-but-failed"
         ran.write_text("#!/usr/bin/env bash\necho 'poprun-lite cleanup: 1 process(es) of the attempt "
                        "still running (pids 7)' >&2\nexit 1\n")
         ran.chmod(0o755)
-        problems, unreached = cleanup.clean_hosts(str(ran), ["node3"], mark)
+        problems, unreached = remote.clean_hosts(str(ran), ["node3"], mark)
         assert list(problems) == ["node3"] and "still running" in problems["node3"] and unreached == {}
     finally:
         try:
@@ -175,8 +182,8 @@ def test_attempt_agent_marks_the_remote_command(tmp_path):
     real.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$(dirname "$0")/argv"\n')
     real.chmod(0o755)
     mark = cleanup.new_mark()
-    env = {**os.environ, cleanup.MARK_ENV: mark, cleanup.LAUNCH_AGENT_ENV: f"{real} -p 2222"}
-    proc = subprocess.run([cleanup.ATTEMPT_AGENT, "-x", "node1", "PATH=/x;export PATH;", "/bin/prted", "--a", "b c"],
+    env = {**os.environ, cleanup.MARK_ENV: mark, LAUNCH_AGENT_ENV: f"{real} -p 2222"}
+    proc = subprocess.run([ATTEMPT_AGENT, "-x", "node1", "PATH=/x;export PATH;", "/bin/prted", "--a", "b c"],
                           env=env, capture_output=True, text=True, timeout=JOB_SECONDS)
     assert proc.returncode == 0, proc.stderr
     argv = (tmp_path / "argv").read_text().split("\n")[:-1]
@@ -186,7 +193,7 @@ def test_attempt_agent_marks_the_remote_command(tmp_path):
                        "PATH=/x;export PATH; /bin/prted --a b c")
     assert len(argv) == 6
     for broken in ({cleanup.MARK_ENV: "$(reboot)"}, {cleanup.MARK_ENV: ""}):
-        proc = subprocess.run([cleanup.ATTEMPT_AGENT, "node1", "true"], env={**env, **broken},
+        proc = subprocess.run([ATTEMPT_AGENT, "node1", "true"], env={**env, **broken},
                               capture_output=True, text=True, timeout=JOB_SECONDS)
         assert proc.returncode != 0 and "attempt-agent: POPRUN_LITE_ATTEMPT" in proc.stderr
 
@@ -195,7 +202,7 @@ def test_hosts_are_probed_in_order_only_until_the_replicas_are_filled(tmp_path, 
     """100 listed hosts of one slot, --num-replicas 2: 2 probes (was one per listed host);
     when the first host fails its probe, one more, and the usable hosts are the next two."""
     # probes that answer, however slowly: only 127.0.0.2's failing agent fails
-    monkeypatch.setattr(network, "probe_hosts", functools.partial(network.probe_hosts, timeout=JOB_SECONDS))
+    monkeypatch.setattr(remote, "probe_hosts", functools.partial(remote.probe_hosts, timeout=JOB_SECONDS))
     listing = tmp_path / "discover.sh"
     listing.write_text("#!/usr/bin/env bash\n" + "".join(f"echo 127.0.0.{i}:1\n" for i in range(2, 102)))
     listing.chmod(0o755)

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from popdist_lite import records
-from popdist_lite_launcher import report
-from popdist_lite_launcher.collector import KEPT_DEFAULT, KEPT_PER_RANK, Collector
+from popdist_lite_launcher.supervise import report
+from popdist_lite_launcher.supervise.collector import KEPT_DEFAULT, KEPT_PER_RANK, Collector
 from peers import AgentConnection, address, wait_for
 
 # ---------------------------------------------------------------- strategies

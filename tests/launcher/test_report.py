@@ -16,8 +16,10 @@ import unittest.mock
 import pytest
 
 from popdist_lite import records
-from popdist_lite_launcher import agent, channel, hold_sigterm, report
-from popdist_lite_launcher.collector import Collector
+from popdist_lite_launcher.core import channel
+from popdist_lite_launcher.node import agent, hold_signals
+from popdist_lite_launcher.supervise import report
+from popdist_lite_launcher.supervise.collector import Collector
 from peers import AgentConnection, address, key_file, wait_for
 
 TB = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    1 / 0\n' \
@@ -346,7 +348,7 @@ def run_agent(collector, code, env, **kw):
     """The agent supervising ``python -c code``, sending to ``collector``."""
     env = {**os.environ, records.COLLECTOR_ENV: collector.address,
            **key_file(collector.key, int(env.get("PMI_RANK", "0"))), **env}
-    return subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
+    return subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.node.agent", "--",
                              sys.executable, "-c", code], env=env, text=True, **kw)
 
 
@@ -444,7 +446,7 @@ def test_agent_forwards_sigterm_escalates_and_marks_terminated(tmp_path):
 
 
 def test_agent_holding_sigterm(tmp_path):
-    """With SIGTERM and SIGUSR1 held (preemption on, launcher/hold_sigterm.py): the
+    """With SIGTERM and SIGUSR1 held (preemption on, launcher/node/hold_signals.py): the
     program starts with them and SIGINT ignored; each from another process than the
     agent's parent (Slurm signalling the job's steps; here ``kill``) becomes a
     ``signalled`` record naming it and its sender, and the program runs on; SIGTERM from
@@ -455,7 +457,7 @@ def test_agent_holding_sigterm(tmp_path):
             f"pathlib.Path({str(ready)!r}).write_text(status); time.sleep(60)")
     with Collector() as collector:
         proc = run_agent(collector, code, {"PMI_RANK": "1", "POPDIST_REPLICA_INDEX_OFFSET": "1",
-                                           hold_sigterm.ENV: "SIGTERM,SIGUSR1"}, stderr=subprocess.PIPE)
+                                           hold_signals.ENV: "SIGTERM,SIGUSR1"}, stderr=subprocess.PIPE)
         try:
             while_running(proc, lambda: ready.exists() and ready.read_text())
             ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", ready.read_text(), re.M)[1], 16)

@@ -17,8 +17,8 @@ from helpers import JOB_SECONDS, timeout_for
 from peers import key_file, wait_for
 
 from popdist_lite import records
-from popdist_lite_launcher import channel
-from popdist_lite_launcher.collector import Collector
+from popdist_lite_launcher.core import channel
+from popdist_lite_launcher.supervise.collector import Collector
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 
@@ -71,7 +71,7 @@ def test_resize_request_reaches_should_checkpoint_and_resize_stop_comes_back():
         env = {**os.environ, records.COLLECTOR_ENV: collector.address,
                **key_file(collector.key), "PMI_RANK": "0",
                "POPDIST_REPLICA_INDEX_OFFSET": "0", "POPDIST_LITE_ROLE": "replica"}
-        proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.agent", "--",
+        proc = subprocess.Popen([sys.executable, "-m", "popdist_lite_launcher.node.agent", "--",
                                  sys.executable, "-c", PROGRAM], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:

@@ -13,8 +13,10 @@ import time
 import pytest
 from helpers import JOB_SECONDS, timeout_for
 
-from popdist_lite_launcher import attempts, cli, job
-from popdist_lite_launcher.mpirun import find_mpirun
+from popdist_lite_launcher import attempts, cli
+from popdist_lite_launcher.core.api import AttemptError, AttemptResult, Outcome
+from popdist_lite_launcher.launch.command import find_mpirun
+from popdist_lite_launcher.membership.policies import FixedPolicy
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 
@@ -155,8 +157,8 @@ def test_an_attempt_that_cannot_start_still_prints_the_attempts(tmp_path, elasti
 
 
 class ScriptedLauncher:
-    """A launcher (the attempts.Launcher interface) that plays back ``outcomes``: a
-    JobResult to return, or an exception to raise; it records the attempts it got."""
+    """A launcher (core.api.Launcher) that plays back ``outcomes``: a
+    AttemptResult to return, or an exception to raise; it records the attempts it got."""
 
     def __init__(self, *outcomes):
         self.outcomes, self.attempts = list(outcomes), []
@@ -166,11 +168,11 @@ class ScriptedLauncher:
         outcome = self.outcomes.pop(0)
         if isinstance(outcome, BaseException):
             raise outcome
-        return attempts.Outcome(outcome)
+        return Outcome(outcome)
 
 
 @pytest.mark.parametrize("error, code, line", [
-    (attempts.AttemptError("no mpirun today"), 2,
+    (AttemptError("no mpirun today"), 2,
      "  attempt 2: 1 replica on this host (1), after a failure; could not be started: no mpirun today "
      "(exit code 2)"),
     (RuntimeError("a bug"), 1, "  attempt 2: 1 replica on this host (1), after a failure; ended by an internal "
@@ -180,8 +182,8 @@ def test_the_loop_with_another_launcher(capsys, error, code, line):
     """The loop drives any Launcher: attempt 1 fails (mpirun's code 3), attempt 2 raises;
     the attempts are printed either way (an AttemptError: exit code 2; a launcher bug: 1)."""
     opts = cli.parse_args(["--max-restarts", "2", "prog"])
-    launcher = ScriptedLauncher(job.JobResult(returncode=3), error)
-    loop = attempts.AttemptsLoop(opts, launcher, attempts.FixedPolicy(opts), say=lambda text: None)
+    launcher = ScriptedLauncher(AttemptResult(returncode=3), error)
+    loop = attempts.AttemptsLoop(opts, launcher, FixedPolicy(opts), say=lambda text: None)
     assert loop.run() == code
     assert [(a.index, a.membership.hosts, a.hosts_checked, a.watch) for a in launcher.attempts] == \
         [(0, ((None, 1),), False, None), (1, ((None, 1),), False, None)]

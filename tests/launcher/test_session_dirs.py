@@ -1,4 +1,4 @@
-"""Open MPI's session directories left by killed mpiruns (popdist_lite_launcher.session_dirs):
+"""Open MPI's session directories left by killed mpiruns (popdist_lite_launcher.launch.session_dirs):
 which ones are removed and which are kept, and, end to end as root, that a job whose
 mpirun gets the PID of an earlier, killed one runs (plain mpirun fails there with "The
 PMIx server's listener thread failed to start"). The PIDs are steered through
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import JOB_SECONDS, mpirun_command, timeout_for
 
-from popdist_lite_launcher import session_dirs
+from popdist_lite_launcher.launch import session_dirs
 
 LAUNCHER = [sys.executable, "-m", "popdist_lite_launcher"]
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")

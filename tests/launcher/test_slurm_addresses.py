@@ -11,8 +11,9 @@ import socket
 
 import pytest
 
-from popdist_lite_launcher import network, slurm
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher.core.api import LauncherError
+from popdist_lite_launcher.launch.address import launcher_address
+from popdist_lite_launcher.slurm import scontrol
 
 UNRESOLVED = ("nr1", "nr2")
 #: ``scontrol -o show node nr1`` of a node reached at 127.0.0.1; the free text after
@@ -49,30 +50,36 @@ def unresolved(monkeypatch, tmp_path):
     return tmp_path
 
 
+def address_of(network, hosts) -> str:
+    """The launcher's address as poprun-lite finds it here: with Slurm's ``NodeAddr``
+    inside an allocation (``SLURM_JOB_ID`` set), without it outside one."""
+    return launcher_address(network, hosts, scontrol.node_addresses(os.environ))
+
+
 def calls(directory) -> list[str]:
     path = directory / "calls"
     return path.read_text().splitlines() if path.exists() else []
 
 
 def test_a_node_that_does_not_resolve_is_reached_at_its_node_addr(unresolved):
-    assert network.launcher_address(None, ["nr1", "nr2"]) == "127.0.0.1"
+    assert address_of(None, ["nr1", "nr2"]) == "127.0.0.1"
     assert calls(unresolved) == ["-o show node nr1"]
 
 
 def test_node_addr_may_be_a_name_that_resolves(unresolved):
     (unresolved / "shown").write_text(SHOWN.format(addr="localhost") + "\n")
-    assert network.launcher_address(None, ["nr1"]) == "127.0.0.1"
+    assert address_of(None, ["nr1"]) == "127.0.0.1"
 
 
 def test_outside_an_allocation_slurm_is_not_asked(unresolved, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID")
     with pytest.raises(LauncherError, match=r"^no route to host 'nr1': \[Errno -3\] Temporary failure"):
-        network.launcher_address(None, ["nr1"])
+        address_of(None, ["nr1"])
     assert calls(unresolved) == []
 
 
 def test_a_name_that_resolves_is_not_looked_up_in_slurm(unresolved):
-    assert network.launcher_address(None, ["localhost"]) == "127.0.0.1"
+    assert address_of(None, ["localhost"]) == "127.0.0.1"
     assert calls(unresolved) == []
 
 
@@ -88,7 +95,7 @@ def test_a_bad_answer_from_slurm_is_refused(unresolved, shown, code, match):
     (unresolved / "shown").write_text(shown + "\n")
     (unresolved / "code").write_text(str(code))
     with pytest.raises(LauncherError, match=match) as exc:
-        network.launcher_address(None, ["nr1"])
+        address_of(None, ["nr1"])
     text = str(exc.value)
     assert text.startswith("no route to host 'nr1': [Errno -3] Temporary failure in name resolution; "
                            "nor has Slurm an address for it: `scontrol"), text
@@ -96,19 +103,19 @@ def test_a_bad_answer_from_slurm_is_refused(unresolved, shown, code, match):
 
 
 def test_scontrol_output_is_bounded(unresolved):
-    (unresolved / "shown").write_text("NodeName=nr1 " + "x" * (2 * slurm.MAX_NODE_OUTPUT_BYTES) + "\n")
-    with pytest.raises(LauncherError, match=rf"printed more than {slurm.MAX_NODE_OUTPUT_BYTES} bytes"):
-        slurm.node_address("nr1")
+    (unresolved / "shown").write_text("NodeName=nr1 " + "x" * (2 * scontrol.MAX_NODE_OUTPUT_BYTES) + "\n")
+    with pytest.raises(LauncherError, match=rf"printed more than {scontrol.MAX_NODE_OUTPUT_BYTES} bytes"):
+        scontrol.node_address("nr1")
 
 
 def test_a_hostile_node_name_never_reaches_scontrol(unresolved):
     with pytest.raises(LauncherError, match="not a host name"):
-        slurm.node_address("-oProxyCommand=x")
+        scontrol.node_address("-oProxyCommand=x")
     assert calls(unresolved) == []
 
 
 def test_network_interface_needs_no_address_of_a_node(unresolved):
     """--network-interface names the launcher's side itself: no node is looked up."""
-    assert network.launcher_address("lo", ["nr1"]) == "127.0.0.1"
-    assert network.launcher_address("127.0.0.0/8", ["nr1"]) == "127.0.0.1"
+    assert address_of("lo", ["nr1"]) == "127.0.0.1"
+    assert address_of("127.0.0.0/8", ["nr1"]) == "127.0.0.1"
     assert calls(unresolved) == []

@@ -1,4 +1,4 @@
-"""Slurm's values are bounded before they cost memory (popdist_lite_launcher.slurm,
+"""Slurm's values are bounded before they cost memory (popdist_lite_launcher.slurm.allocation,
 slurm_nodes), with stand-ins for ``scontrol`` and ``squeue`` and for Slurm's
 environment: the node list is read as ``scontrol show hostnames`` prints it and stopped
 at the name past the limit; tasks per node and the tasks in all (the replicas an
@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from popdist_lite_launcher import slurm, slurm_nodes
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher.core.api import LauncherError
+from popdist_lite_launcher.slurm import allocation, nodes as slurm_nodes, scontrol
 
 
 def nodelist_of(chars: int) -> str:
@@ -53,15 +53,15 @@ def test_a_long_node_list_is_stopped_at_the_limit(tmp_path):
     printing the rest would): poprun-lite stops at that name, without waiting for the
     end, and kills the command."""
     nodelist = nodelist_of(7389)
-    assert len(nodelist) == 7389 and slurm.check_nodelist(nodelist) == nodelist
+    assert len(nodelist) == 7389 and scontrol.check_nodelist(nodelist) == nodelist
     pid_file = tmp_path / "pid"
-    scontrol = stand_in(tmp_path, "scontrol", f"echo $$ > {pid_file}\n"
-                                              f"seq -f 'n%.0f' 1 {slurm.MAX_NODES + 1}\nexec sleep 300\n")
+    fake = stand_in(tmp_path, "scontrol", f"echo $$ > {pid_file}\n"
+                                          f"seq -f 'n%.0f' 1 {scontrol.MAX_NODES + 1}\nexec sleep 300\n")
     env = {"SLURM_JOB_ID": "17", "SLURM_JOB_NODELIST": nodelist, "SLURM_TASKS_PER_NODE": "1"}
     with pytest.raises(LauncherError) as exc:
-        slurm.allocation(env, expand=lambda text: slurm.expand_nodelist(text, scontrol=scontrol))
+        allocation.from_environment(env, expand=lambda text: scontrol.expand_nodelist(text, scontrol=fake))
     text = one_line(exc)
-    assert f"printed more than {slurm.MAX_NODES} node names" in text, text
+    assert f"printed more than {scontrol.MAX_NODES} node names" in text, text
     assert text.startswith("`scontrol show hostnames x0[0-65535],x1[0-65535],") and len(text) < 200, text
     assert gone(int(pid_file.read_text())), "the stopped scontrol is still running"
 
@@ -69,11 +69,11 @@ def test_a_long_node_list_is_stopped_at_the_limit(tmp_path):
 def test_a_node_list_without_line_ends_is_stopped_at_the_limit(tmp_path):
     """One endless 'name' (no line end): stopped once it is longer than the most
     MAX_NODES names can be."""
-    limit = slurm.MAX_NODES * 254
-    scontrol = stand_in(tmp_path, "scontrol", f"head -c {limit + 70000} /dev/zero | tr '\\0' a\n"
-                                              f"exec sleep 300\n")
+    limit = scontrol.MAX_NODES * 254
+    fake = stand_in(tmp_path, "scontrol", f"head -c {limit + 70000} /dev/zero | tr '\\0' a\n"
+                                          f"exec sleep 300\n")
     with pytest.raises(LauncherError) as exc:
-        slurm.expand_nodelist("n[1-2]", scontrol=scontrol)
+        scontrol.expand_nodelist("n[1-2]", scontrol=fake)
     assert f"printed more than {limit} bytes (killed)" in one_line(exc)
 
 
@@ -89,7 +89,7 @@ def test_a_node_list_without_line_ends_is_stopped_at_the_limit(tmp_path):
 def test_tasks_past_the_limits_are_refused(name, text, nodes, match):
     env = {"SLURM_JOB_ID": "17", "SLURM_JOB_NODELIST": "n[1-2]", name: text}
     with pytest.raises(LauncherError, match=rf"^\${name} .*{match}") as exc:
-        slurm.allocation(env, expand=lambda _: [f"n{i + 1}" for i in range(nodes)])
+        allocation.from_environment(env, expand=lambda _: [f"n{i + 1}" for i in range(nodes)])
     one_line(exc)
 
 
@@ -97,7 +97,7 @@ def test_tasks_past_the_limits_are_refused(name, text, nodes, match):
                                                ("1,65533", 2, 65534)])
 def test_tasks_up_to_the_limits_are_taken(text, nodes, want):
     env = {"SLURM_JOB_ID": "17", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": text}
-    got = slurm.allocation(env, expand=lambda _: [f"n{i + 1}" for i in range(nodes)])
+    got = allocation.from_environment(env, expand=lambda _: [f"n{i + 1}" for i in range(nodes)])
     assert got.total_tasks == want
 
 
@@ -110,7 +110,7 @@ def test_poprun_lite_refuses_a_hundred_million_tasks_in_one_line(monkeypatch, ca
     monkeypatch.setenv("SLURM_JOB_ID", "17")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "100000000")
-    monkeypatch.setattr(slurm, "expand_nodelist", lambda text: ["n1"])
+    monkeypatch.setattr(scontrol, "expand_nodelist", lambda text: ["n1"])
     with pytest.raises(SystemExit) as exc:
         cli.parse_args(["prog"])
     assert exc.value.code == 2
@@ -122,11 +122,11 @@ def test_poprun_lite_refuses_a_hundred_million_tasks_in_one_line(monkeypatch, ca
 def test_squeue_output_is_stopped_at_the_limit(tmp_path, monkeypatch):
     """A stand-in squeue prints more than the most a query reads, then holds its output
     open: the job's node list is unknown (the allocation's nodes kept), at once."""
-    stand_in(tmp_path, "squeue", f"head -c {slurm_nodes.MAX_OUTPUT_CHARS + 70000} /dev/zero | tr '\\0' n\n"
+    stand_in(tmp_path, "squeue", f"head -c {scontrol.MAX_OUTPUT_BYTES + 70000} /dev/zero | tr '\\0' n\n"
                                  f"exec sleep 300\n")
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     nodes = slurm_nodes.Nodes("17", ["n1", "n2"], "srun-agent")
     listed, problem = nodes.in_job()
     assert listed == ["n1", "n2"]
     assert problem == (f"squeue: `squeue -h -j 17 -o %N` printed more than "
-                       f"{slurm_nodes.MAX_OUTPUT_CHARS} bytes (killed)"), problem
+                       f"{scontrol.MAX_OUTPUT_BYTES} bytes (killed)"), problem

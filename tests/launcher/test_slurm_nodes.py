@@ -1,4 +1,4 @@
-"""popdist_lite_launcher.slurm_nodes without a cluster: Slurm's answers about the
+"""popdist_lite_launcher.slurm.nodes without a cluster: Slurm's answers about the
 allocation's nodes (hostile output refused), which nodes are usable, the fixed policy's
 membership after a node is lost, and which jobs get the Slurm policies. The real loss
 of a node is tests/slurm/test_slurm_node_loss.py."""
@@ -9,9 +9,10 @@ import subprocess
 
 import pytest
 
-from popdist_lite_launcher import attempts, slurm, slurm_nodes
-from popdist_lite_launcher.elastic import Membership
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher.core.api import LauncherError, Membership
+from popdist_lite_launcher.membership.policies import ElasticPolicy
+from popdist_lite_launcher.slurm import nodes as slurm_nodes, scontrol
+from popdist_lite_launcher.slurm.launcher import SlurmLauncher
 
 
 def done(stdout: str, returncode: int = 0) -> subprocess.CompletedProcess:
@@ -24,7 +25,7 @@ def expand(nodelist: str) -> list[str]:
              "n[1-2],x;y": "n1\nn2\nx;y\n"}
     if nodelist not in names:
         raise LauncherError(f"unexpected list {nodelist!r}")
-    return slurm.parse_hostnames(names[nodelist])
+    return scontrol.parse_hostnames(names[nodelist])
 
 
 def fake_nodes(squeue: str, sinfo: str, probe=None, calls=None) -> slurm_nodes.Nodes:
@@ -133,7 +134,7 @@ def in_allocation(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "17")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-3]")
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3)")
-    monkeypatch.setattr(slurm, "expand_nodelist", expand)
+    monkeypatch.setattr(scontrol, "expand_nodelist", expand)
 
 
 def options(*argv):
@@ -204,14 +205,14 @@ def test_cluster_discovers_the_usable_nodes(in_allocation):
 
 def test_slurm_launcher_lets_mpiruns_steps_overlap(in_allocation):
     opts = options()
-    launcher = slurm.SlurmLauncher(opts, "mpirun", "openmpi")
+    launcher = SlurmLauncher(opts, "mpirun", "openmpi")
     assert launcher.environment({"A": "1"}) == {"A": "1", "SLURM_OVERLAP": "1"}
 
 
 def test_which_jobs_get_the_slurm_policies(in_allocation):
     assert isinstance(slurm_nodes.make_policy(options()), slurm_nodes.SlurmFixedPolicy)
     elastic = slurm_nodes.make_policy(options("--min-replicas", "2"))
-    assert isinstance(elastic, attempts.ElasticPolicy)
+    assert isinstance(elastic, ElasticPolicy)
     assert isinstance(elastic.cluster, slurm_nodes.SlurmCluster)
     assert slurm_nodes.make_policy(options("--launcher", "ssh")) is None
     assert slurm_nodes.make_policy(options("-H", "n1,n2", "--num-replicas", "2")) is None

@@ -1,4 +1,4 @@
-"""popdist_lite_launcher.slurm without a cluster: the allocation read from Slurm's
+"""popdist_lite_launcher.slurm.allocation and .launcher without a cluster: the allocation read from Slurm's
 environment (hostile values refused, naming the variable), the launcher choice, the
 placement on the nodes' slots, the mpirun arguments of a launch through Slurm and
 where SlurmLauncher puts them in mpirun's command."""
@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from popdist_lite_launcher import slurm
-from popdist_lite_launcher.mpirun import LauncherError
+from popdist_lite_launcher.core.api import Attempt, LauncherError
+from popdist_lite_launcher.core.plan import plan_ranks
+from popdist_lite_launcher.slurm import allocation, scontrol
+from popdist_lite_launcher.slurm.launcher import SRUN_AGENT, SlurmLauncher, mpirun_args
+from popdist_lite_launcher.ssh.launcher import ATTEMPT_AGENT, SshLauncher
 
 
 def expand_two(nodelist):
@@ -23,13 +26,13 @@ def expand_two(nodelist):
     ("4", 1, [4]),
 ])
 def test_tasks_per_node(text, nodes, want):
-    assert slurm.parse_tasks_per_node(text, nodes) == want
+    assert allocation.parse_tasks_per_node(text, nodes) == want
 
 
 def test_ntasks_per_node_is_one_count_for_every_node():
-    assert slurm.parse_tasks_per_node("3", 4, "SLURM_NTASKS_PER_NODE") == [3, 3, 3, 3]
+    assert allocation.parse_tasks_per_node("3", 4, "SLURM_NTASKS_PER_NODE") == [3, 3, 3, 3]
     with pytest.raises(LauncherError, match="SLURM_NTASKS_PER_NODE"):
-        slurm.parse_tasks_per_node("2(x2)", 2, "SLURM_NTASKS_PER_NODE")
+        allocation.parse_tasks_per_node("2(x2)", 2, "SLURM_NTASKS_PER_NODE")
 
 
 @pytest.mark.parametrize("text, match", [
@@ -47,48 +50,48 @@ def test_ntasks_per_node_is_one_count_for_every_node():
 ])
 def test_hostile_tasks_per_node(text, match):
     with pytest.raises(LauncherError, match=match):
-        slurm.parse_tasks_per_node(text, 2)
+        allocation.parse_tasks_per_node(text, 2)
 
 
 def test_hostnames_are_checked():
-    assert slurm.parse_hostnames("n1\nn2\n") == ["n1", "n2"]
+    assert scontrol.parse_hostnames("n1\nn2\n") == ["n1", "n2"]
     for output, match in [("n1\n-oProxyCommand=x\n", "not a host name"), ("", "no node names"),
                           ("n1\nn1\n", "more than once"), ("n 1\n", "not a host name"),
                           ("n1;reboot\n", "not a host name")]:
         with pytest.raises(LauncherError, match=match):
-            slurm.parse_hostnames(output)
+            scontrol.parse_hostnames(output)
 
 
 @pytest.mark.parametrize("text", ["", "-n1", "n[1-2] x", "n$(id)", "n1;n2", "a" * 70000])
 def test_hostile_nodelist_never_reaches_scontrol(text):
     # refused before scontrol runs (running this one would fail with "cannot run")
     with pytest.raises(LauncherError, match="not a Slurm host list"):
-        slurm.expand_nodelist(text, scontrol="/nonexistent/scontrol")
+        scontrol.expand_nodelist(text, scontrol="/nonexistent/scontrol")
 
 
 def test_expand_nodelist_runs_scontrol(tmp_path):
     fake = tmp_path / "scontrol"
     fake.write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] || exit 3\necho a1; echo a2\n")
     fake.chmod(0o755)
-    assert slurm.expand_nodelist("a[1-2]", scontrol=str(fake)) == ["a1", "a2"]
+    assert scontrol.expand_nodelist("a[1-2]", scontrol=str(fake)) == ["a1", "a2"]
     fake.write_text("#!/bin/sh\necho 'a1 && reboot'\n")
     with pytest.raises(LauncherError, match="not a host name"):
-        slurm.expand_nodelist("a[1-2]", scontrol=str(fake))
+        scontrol.expand_nodelist("a[1-2]", scontrol=str(fake))
     fake.write_text("#!/bin/sh\necho 'bad list' >&2; exit 1\n")
     with pytest.raises(LauncherError, match="exited with 1: bad list"):
-        slurm.expand_nodelist("a[1-2]", scontrol=str(fake))
+        scontrol.expand_nodelist("a[1-2]", scontrol=str(fake))
 
 
 def test_allocation_from_the_environment():
     env = {"SLURM_JOB_ID": "17", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2,1",
            "SLURM_JOB_NUM_NODES": "2"}
-    got = slurm.allocation(env, expand=expand_two)
+    got = allocation.from_environment(env, expand=expand_two)
     assert (got.job_id, got.nodes, got.tasks, got.total_tasks) == ("17", ("n1", "n2"), (2, 1), 3)
     assert got.slots == {"n1": 2, "n2": 1}
     assert got.describe() == "slurm job 17: 2 node(s) n[1-2], 3 task(s): n1 2, n2 1"
     env2 = {"SLURM_JOB_ID": "17", "SLURM_NODELIST": "n[1-2]", "SLURM_NTASKS_PER_NODE": "3"}
-    assert slurm.allocation(env2, expand=expand_two).tasks == (3, 3)
-    assert slurm.allocation({}, expand=expand_two) is None
+    assert allocation.from_environment(env2, expand=expand_two).tasks == (3, 3)
+    assert allocation.from_environment({}, expand=expand_two) is None
 
 
 @pytest.mark.parametrize("change, match", [
@@ -102,30 +105,30 @@ def test_hostile_allocation(change, match):
     env = {"SLURM_JOB_ID": "17", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
     env.update(change)
     with pytest.raises(LauncherError, match=match):
-        slurm.allocation(env, expand=expand_two)
+        allocation.from_environment(env, expand=expand_two)
 
 
 def test_choose_launcher():
-    assert slurm.choose_launcher("auto", inside=True, hosts_given=False) == "slurm"
-    assert slurm.choose_launcher("auto", inside=True, hosts_given=True) == "ssh"
-    assert slurm.choose_launcher("auto", inside=False, hosts_given=False) == "ssh"
-    assert slurm.choose_launcher("ssh", inside=True, hosts_given=False) == "ssh"
-    assert slurm.choose_launcher("slurm", inside=True, hosts_given=True) == "slurm"
+    assert allocation.choose_launcher("auto", inside=True, hosts_given=False) == "slurm"
+    assert allocation.choose_launcher("auto", inside=True, hosts_given=True) == "ssh"
+    assert allocation.choose_launcher("auto", inside=False, hosts_given=False) == "ssh"
+    assert allocation.choose_launcher("ssh", inside=True, hosts_given=False) == "ssh"
+    assert allocation.choose_launcher("slurm", inside=True, hosts_given=True) == "slurm"
     with pytest.raises(LauncherError, match="needs a Slurm allocation"):
-        slurm.choose_launcher("slurm", inside=False, hosts_given=False)
+        allocation.choose_launcher("slurm", inside=False, hosts_given=False)
 
 
 def test_place_fills_nodes_in_order():
     slots = {"a": 2, "b": 2, "c": 1}
-    assert slurm.place(["a", "b", "c"], slots, 5) == [("a", 2), ("b", 2), ("c", 1)]
-    assert slurm.place(["a", "b", "c"], slots, 3) == [("a", 2), ("b", 1)]
+    assert allocation.place(["a", "b", "c"], slots, 5) == [("a", 2), ("b", 2), ("c", 1)]
+    assert allocation.place(["a", "b", "c"], slots, 3) == [("a", 2), ("b", 1)]
     with pytest.raises(LauncherError, match="more than the 5 task"):
-        slurm.place(["a", "b", "c"], slots, 6)
+        allocation.place(["a", "b", "c"], slots, 6)
 
 
 def test_mpirun_args():
-    assert slurm.mpirun_args("openmpi") == ["--prtemca", "plm", "slurm"]
-    assert slurm.mpirun_args("mpich") == ["-launcher", "slurm"]
+    assert mpirun_args("openmpi") == ["--prtemca", "plm", "slurm"]
+    assert mpirun_args("mpich") == ["-launcher", "slurm"]
 
 
 # ------------------------------------------------------------------ poprun-lite's options
@@ -138,17 +141,17 @@ def in_allocation(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "17")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
-    monkeypatch.setattr(slurm, "expand_nodelist", expand_two)
+    monkeypatch.setattr(scontrol, "expand_nodelist", expand_two)
 
 
 def test_options_inside_an_allocation(in_allocation):
     from popdist_lite_launcher import cli
     opts = cli.parse_args(["prog"])
     assert (opts.launcher, opts.num_replicas, opts.hosts) == ("slurm", 4, ["n1", "n2"])
-    assert opts.launch_agent == slurm.SRUN_AGENT
-    assert [spec.host for spec in cli.plan_ranks(opts)] == ["n1", "n1", "n2", "n2"]
+    assert opts.launch_agent == SRUN_AGENT
+    assert [spec.host for spec in plan_ranks(opts)] == ["n1", "n1", "n2", "n2"]
     opts = cli.parse_args(["--num-replicas", "3", "--feeders-per-replica", "1", "prog"])
-    assert [(s.host, s.role) for s in cli.plan_ranks(opts)] == [
+    assert [(s.host, s.role) for s in plan_ranks(opts)] == [
         ("n1", "replica"), ("n1", "replica"), ("n2", "replica"),
         ("n1", "feeder"), ("n1", "feeder"), ("n2", "feeder")]
     opts = cli.parse_args(["--launcher", "ssh", "prog"])  # mpirun over ssh, Slurm's hosts
@@ -199,15 +202,15 @@ class _Collector:
 
 
 def _command(monkeypatch, launcher_class, opts, implementation="openmpi"):
-    """The mpirun command ``launcher_class`` runs for attempt 0 of ``opts`` (job.run_job
+    """The mpirun command ``launcher_class`` runs for attempt 0 of ``opts`` (mpirun.run_mpirun
     replaced by a recorder), with the ranks' hosts taken as remote."""
-    from popdist_lite_launcher import attempts, job, plan
+    from popdist_lite_launcher.launch import mpirun
     seen = []
-    monkeypatch.setattr(job, "run_job", lambda cmd, collector, **kw: seen.append(cmd))
-    ranks = plan.plan_ranks(opts)
+    monkeypatch.setattr(mpirun, "run_mpirun", lambda cmd, collector, **kw: seen.append(cmd))
+    ranks = plan_ranks(opts)
     remote = list(dict.fromkeys(spec.host for spec in ranks))
     launcher = launcher_class(opts, "mpirun", implementation)
-    attempt = attempts.Attempt(0, None, None)
+    attempt = Attempt(0, None, None)
     launcher._launch(attempt, ranks, remote, "10.0.0.1", _Collector(), "mark")
     return seen[0]
 
@@ -215,19 +218,19 @@ def _command(monkeypatch, launcher_class, opts, implementation="openmpi"):
 @pytest.mark.parametrize("implementation, first", [("openmpi", ["--prtemca", "plm", "slurm"]),
                                                    ("mpich", ["-launcher", "slurm"])])
 def test_launch_through_slurm(in_allocation, monkeypatch, capsys, implementation, first):
-    from popdist_lite_launcher import cleanup, cli, ssh_launch
+    from popdist_lite_launcher import cli
     opts = cli.parse_args(["--print-topology", "--mpi-global-args=--mine", "prog"])
-    cmd = _command(monkeypatch, slurm.SlurmLauncher, opts, implementation)
+    cmd = _command(monkeypatch, SlurmLauncher, opts, implementation)
     at = cmd.index(first[0])
     assert cmd[at:at + len(first)] == first and at < cmd.index("--mine"), cmd  # first global args
-    assert cleanup.ATTEMPT_AGENT not in " ".join(cmd), cmd    # mpirun's own Slurm launch
+    assert ATTEMPT_AGENT not in " ".join(cmd), cmd    # mpirun's own Slurm launch
     out = capsys.readouterr().out
     assert out.startswith("slurm job 17: 2 node(s) n[1-2], 4 task(s): n1 2, n2 2; "
                           "launcher slurm\nreplica"), out
     # the same options under --launcher ssh: mpirun over the attempt agent, the same line
     opts = cli.parse_args(["--launcher", "ssh", "--print-topology", "prog"])
-    cmd = _command(monkeypatch, ssh_launch.SshLauncher, opts, implementation)
-    assert "slurm" not in cmd and cleanup.ATTEMPT_AGENT in " ".join(cmd), cmd
+    cmd = _command(monkeypatch, SshLauncher, opts, implementation)
+    assert "slurm" not in cmd and ATTEMPT_AGENT in " ".join(cmd), cmd
     assert "; launcher ssh\nreplica" in capsys.readouterr().out
 
 
@@ -241,7 +244,7 @@ def test_hydra_on_this_node_alone_calls_back_at_an_address(in_allocation, hold):
     from popdist_lite_launcher import cli
     opts = cli.parse_args(["prog"])
     preemption = SimpleNamespace(settings=SimpleNamespace(enabled=hold))
-    local = slurm.SlurmLauncher(opts, "mpiexec", "mpich", preemption).local_launch()
+    local = SlurmLauncher(opts, "mpiexec", "mpich", preemption).local_launch()
     assert local[-2:] == ["-localhost", "127.0.0.1"], local
     assert ("-launcher-exec" in local) == hold, local
-    assert slurm.SlurmLauncher(opts, "mpirun", "openmpi", preemption).local_launch() == []
+    assert SlurmLauncher(opts, "mpirun", "openmpi", preemption).local_launch() == []

@@ -6,10 +6,11 @@ import io
 import re
 import time
 
-from popdist_lite_launcher.collector import Collector
+from popdist_lite_launcher.supervise.collector import Collector
 from popdist_lite.progress import MAX_LANES
-from popdist_lite_launcher.inspector import STACK_WAIT_SECONDS, StallInspector
-from popdist_lite_launcher.stall import Progress, find_stall, format_stall, stopped_text
+from popdist_lite_launcher.supervise.inspector import STACK_WAIT_SECONDS, StallInspector
+from popdist_lite_launcher.core.text import stopped_text
+from popdist_lite_launcher.supervise.stall import Progress, find_stall, format_stall
 from peers import AgentConnection, wait_for
 
 NOW = 1000.0

@@ -1,11 +1,11 @@
-"""popdist_lite_launcher.tee.Tee: a copy of a pipe with its last lines kept, and the end
+"""popdist_lite_launcher.node.tee.Tee: a copy of a pipe with its last lines kept, and the end
 of a line a writer left unfinished."""
 
 import os
 
 import pytest
 
-from popdist_lite_launcher.tee import Tee
+from popdist_lite_launcher.node.tee import Tee
 
 
 def _copy(chunks: list[bytes], max_lines: int, **kwargs) -> tuple[Tee, bytes]:

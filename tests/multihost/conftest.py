@@ -1,4 +1,4 @@
-"""Multi-host tests on network-namespace test hosts (popdist_lite_launcher.testhosts).
+"""Multi-host tests on network-namespace test hosts (popdist_lite_launcher.testing.netns_hosts).
 
 They run where root, iproute2 and network namespaces are available and are skipped
 with the reason otherwise. Every poprun-lite/mpirun runs under a timeout.
@@ -6,9 +6,9 @@ with the reason otherwise. Every poprun-lite/mpirun runs under a timeout.
 
 import pytest
 
-from popdist_lite_launcher import testhosts
+from popdist_lite_launcher.testing import netns_hosts
 
-REASON = testhosts.unavailable()
+REASON = netns_hosts.unavailable()
 
 
 @pytest.fixture(scope="session")
@@ -16,5 +16,5 @@ def hosts():
     """Two test hosts, pdlh1 and pdlh2, for the whole session (removed at its end)."""
     if REASON:
         pytest.skip(REASON)
-    with testhosts.TestHosts(2) as made:
+    with netns_hosts.TestHosts(2) as made:
         yield made

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from popdist_lite_launcher import testhosts
+from popdist_lite_launcher.testing import netns_hosts
 
 ROOT = Path(__file__).resolve().parents[2]
 PROG_PY = str(Path(__file__).parent.parent / "progs" / "hosts_prog.py")
@@ -22,8 +22,8 @@ def prog(*args: str, mpich: bool = False) -> list[str]:
 def poprun_command(hosts, *args, job_timeout: float = 240, python: str = sys.executable) -> list[str]:
     """poprun-lite over every test host, with the launch agent and the test network."""
     return [python, "-m", "popdist_lite_launcher", "--timeout", str(job_timeout),
-            "-H", ",".join(hosts.names), "--launch-agent", testhosts.LAUNCH_AGENT,
-            "--network-interface", testhosts.CIDR, *args]
+            "-H", ",".join(hosts.names), "--launch-agent", netns_hosts.LAUNCH_AGENT,
+            "--network-interface", netns_hosts.CIDR, *args]
 
 
 def mpich_env() -> dict:
@@ -49,14 +49,14 @@ def mpirun(hosts, ranks_per_host: int, args: list[str], *, mpich: bool = False, 
     n = str(ranks_per_host * len(hosts.names))
     if mpich:
         exe = str(Path(MPICH_PYTHON).parent / "mpiexec")
-        cmd = [exe, "-launcher", "ssh", "-launcher-exec", testhosts.LAUNCH_AGENT,
-               "-localhost", testhosts.LAUNCHER_ADDRESS, "-hosts", spread, "-n", n]
+        cmd = [exe, "-launcher", "ssh", "-launcher-exec", netns_hosts.LAUNCH_AGENT,
+               "-localhost", netns_hosts.LAUNCHER_ADDRESS, "-hosts", spread, "-n", n]
     else:
         exe = str(Path(sys.executable).parent / "mpirun")
         cmd = [exe, "--allow-run-as-root", "--bind-to", "none", "--host", spread, "-np", n,
-               "--prtemca", "plm_ssh_agent", testhosts.LAUNCH_AGENT,
-               "--prtemca", "oob_tcp_if_include", testhosts.CIDR,
-               "--mca", "btl_tcp_if_include", testhosts.CIDR, "-x", "PATH"]
+               "--prtemca", "plm_ssh_agent", netns_hosts.LAUNCH_AGENT,
+               "--prtemca", "oob_tcp_if_include", netns_hosts.CIDR,
+               "--mca", "btl_tcp_if_include", netns_hosts.CIDR, "-x", "PATH"]
         if tcp_only:
             cmd += ["--mca", "btl", "tcp,self"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}

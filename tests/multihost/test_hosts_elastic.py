@@ -38,7 +38,7 @@ import pytest
 
 from hostlaunch import ROOT, poprun, poprun_command, prog
 from popdist_lite.checkpoint.__main__ import export
-from popdist_lite_launcher import testhosts
+from popdist_lite_launcher.testing import netns_hosts
 
 PROG = str(Path(__file__).parent.parent / "progs" / "hosts_elastic_prog.py")
 #: Seconds a job may take (its --timeout; the subprocess gets 60 more); a test runs at most three.
@@ -250,7 +250,7 @@ def test_a_host_whose_link_is_down_fails_the_probe_in_words(hosts):
         hosts.restore_host("pdlh2")
     assert proc.returncode == 2, proc.stderr
     assert re.search(r"poprun-lite: error: host pdlh2 cannot connect to poprun-lite at "
-                     rf"{re.escape(testhosts.LAUNCHER_ADDRESS)}:\d+ over the job network: "
+                     rf"{re.escape(netns_hosts.LAUNCHER_ADDRESS)}:\d+ over the job network: "
                      r"(timed out after 5 s|no route to host)", proc.stderr), proc.stderr
     assert "daemon failed to report back" not in proc.stderr
     assert_hosts_clean(hosts)

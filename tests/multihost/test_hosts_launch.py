@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from popdist_lite_launcher import testhosts
+from popdist_lite_launcher.testing import netns_hosts
 from helpers import JOB_SECONDS, timeout_for
 from keyhunt import HUNT, check_nothing_found, hunts, key_dirs, recording_launcher
 from hostlaunch import MPICH_PYTHON, mpich_env, poprun, poprun_command, prog, ROOT
@@ -48,12 +48,12 @@ def test_topology_across_hosts(hosts, mpich):
         (0, "pdlh1", 0), (1, "pdlh1", 1), (2, "pdlh2", 0), (3, "pdlh2", 1)]
     assert all(d["num_replicas"] == 4 and d["role"] == "replica" for d in infos)
     command = proc.stderr.splitlines()[0]
-    assert testhosts.LAUNCH_AGENT in command
+    assert netns_hosts.LAUNCH_AGENT in command
     if mpich:  # hydra: -localhost (the launcher's address on the test network), no CIDR
-        assert f"-localhost {testhosts.LAUNCHER_ADDRESS}" in command
+        assert f"-localhost {netns_hosts.LAUNCHER_ADDRESS}" in command
     else:
-        assert f"oob_tcp_if_include {testhosts.CIDR}" in command
-        assert f"btl_tcp_if_include {testhosts.CIDR}" in command
+        assert f"oob_tcp_if_include {netns_hosts.CIDR}" in command
+        assert f"btl_tcp_if_include {netns_hosts.CIDR}" in command
 
 
 def test_feeders_run_on_their_replicas_host(hosts):
@@ -187,7 +187,7 @@ def test_control_plane_across_hosts(hosts):
         assert {host for _, _, host, _ in ready} == {"pdlh1", "pdlh2"}
         environs = {me: _environ(pid) for me, pid in pids.items()}
         collector = environs[3]["POPRUN_LITE_COLLECTOR"]
-        assert collector.startswith(testhosts.LAUNCHER_ADDRESS + ":")
+        assert collector.startswith(netns_hosts.LAUNCHER_ADDRESS + ":")
         assert not [me for me, env in environs.items() if "POPRUN_LITE_JOB_KEY" in env]
         [mpirun] = [p for p in _pids() if _ppid(p) == launcher.pid]
         assert "POPRUN_LITE_JOB_KEY" not in _environ(mpirun)
@@ -269,7 +269,7 @@ def test_launcher_killed_ends_its_job_on_every_host(hosts, mpich):
     test host: within 5 s of the kill nothing is left on either host (no MPI daemon,
     agent, rank or feeder: the agents see their connections to the launcher end) and
     nothing of the attempt on this machine (mpirun: PR_SET_PDEATHSIG)."""
-    from popdist_lite_launcher import cleanup
+    from popdist_lite_launcher.node import cleanup
     from hostlaunch import mpich_env
 
     base = ROOT / ".test-multihost"

@@ -1,4 +1,4 @@
-"""Slurm tests on a throw-away cluster (popdist_lite_launcher.testcluster): slurmctld on
+"""Slurm tests on a throw-away cluster (popdist_lite_launcher.testing.slurm_cluster): slurmctld on
 this machine and two slurmd nodes, pdls1 and pdls2, each in its own network-namespace
 test host. They run where root and Slurm (Debian's slurm-wlm and munge, which
 scripts/test installs) are available and are skipped with the reason otherwise. Every
@@ -6,9 +6,9 @@ job and poprun-lite runs under a timeout."""
 
 import pytest
 
-from popdist_lite_launcher import testcluster
+from popdist_lite_launcher.testing import slurm_cluster
 
-REASON = testcluster.unavailable()
+REASON = slurm_cluster.unavailable()
 
 
 @pytest.fixture(scope="session")
@@ -17,5 +17,5 @@ def cluster():
     test failed)."""
     if REASON:
         pytest.skip(REASON)
-    with testcluster.TestCluster(2) as made:
+    with slurm_cluster.TestCluster(2) as made:
         yield made

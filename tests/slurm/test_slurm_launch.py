@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from popdist_lite_launcher import testcluster
+from popdist_lite_launcher.testing import slurm_cluster
 from slurmjob import MPIS, REPORT, ROOT, batch_script, mpi_env, poprun_command, python_of, wait_for
 
 
@@ -55,7 +55,7 @@ def test_sbatch(cluster, mpi):
 
 
 #: The step each MPI's Slurm launch makes for its daemons (named by poprun-lite: both
-#: start through launcher/hold_sigterm.py) and the nodes it spans.
+#: start through launcher/node/hold_signals.py) and the nodes it spans.
 DAEMON_STEP = {"openmpi": ("prted", "pdls2"), "mpich": ("hydra_pmi_proxy", "pdls[1-2]")}
 
 
@@ -66,7 +66,7 @@ def test_sacct_lists_the_steps(cluster, mpi):
     launch, the cleanup after it: ``srun --overlap`` steps named poprun-lite-agent),
     each COMPLETED."""
     if not cluster.accounting:
-        pytest.skip(testcluster.accounting_unavailable())
+        pytest.skip(slurm_cluster.accounting_unavailable())
     out = cluster.work / f"sacct-{mpi}.out"
     script = batch_script(cluster, f"sacct-{mpi}", poprun_command(cluster, mpi, 1))
     done = cluster.run(["sbatch", "--parsable", "--wait", "-N", "2", "--ntasks-per-node", "2", "-o", str(out),

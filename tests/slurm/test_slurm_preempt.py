@@ -1,4 +1,4 @@
-"""Preemption on the test cluster (docs/slurm.md, launcher/preempt.py): the scheduler's
+"""Preemption on the test cluster (docs/slurm.md, launcher/slurm/preempt.py): the scheduler's
 signals in each form Slurm sends them: to poprun-lite alone, the batch script's
 ``exec``'d process (``scancel --signal=SIG --batch``, what ``sbatch
 --signal=B:USR1@SECONDS`` sends before the time limit), to the job's steps (``scancel
@@ -27,7 +27,7 @@ and 4; ``--busy 0:5`` keeps them inside step 5 instead (no boundary in time).
 - SIGUSR1 to the steps of a one-node job under Open MPI, whose ranks run in no step:
   poprun-lite's watch step gets it, and the replicas checkpoint (``--no-requeue``).
 - SIGTERM: the same checkpoint, no requeue (the job leaves the queue); also when Slurm
-  signals the job's processes instead of poprun-lite (launcher/hold_sigterm.py):
+  signals the job's processes instead of poprun-lite (launcher/node/hold_signals.py):
   ``scancel --signal=TERM ID`` (the steps, as a preemption's GraceTime does) under both
   MPIs, and a plain ``scancel ID`` (every process, as a time limit) on both nodes, where
   it reaches the ranks on the batch node, mpirun and the srun that runs the MPI daemons
@@ -55,7 +55,7 @@ import numpy as np
 import pytest
 
 from popdist_lite.checkpoint.__main__ import export
-from popdist_lite_launcher import testcluster
+from popdist_lite_launcher.testing import slurm_cluster
 from test_slurm_launch import MPIS, ROOT, mpi_env, python_of, wait_for
 
 PROG = ROOT / "tests" / "progs" / "hosts_elastic_prog.py"
@@ -109,7 +109,7 @@ class Job:
             wait_for(predicate, what, timeout)
         except AssertionError as exc:
             shown = self.cluster.run(["scontrol", "show", "job", self.id])
-            log = testcluster.DIRECTORY / "slurmctld.log"
+            log = slurm_cluster.DIRECTORY / "slurmctld.log"
             said = [line for line in (log.read_text(errors="replace") if log.exists() else "").splitlines()
                     if f"JobId={self.id}" in line or f"job {self.id}" in line.lower()][-30:]
             raise AssertionError(f"{exc}; job {self.id} ({self.state() or 'gone'}), its output:\n"

@@ -1,0 +1,289 @@
+"""The failure report printed by poprun-lite after a failed job (torchrun style).
+
+Inputs are the records the launcher's collector received from the ranks' agents
+(format: :mod:`popdist_lite.records`):
+
+* ``exit`` from the agent when its program ended (those of programs that succeeded
+  are left out): exit code or signal, stderr tail, ``terminated``;
+* ``error`` from ``popdist_lite._excepthook`` on an uncaught exception: exception
+  class, message, traceback;
+* ``lost`` from the collector when an agent vanished (killed, or its host down).
+
+Records of host feed processes have ``role == "feeder"``, ``replica`` = the replica
+they feed and ``feeder`` = their index; they are titled ``feeder K of replica N``.
+
+The root cause is the earliest failure that is not a consequence of the job being
+stopped; failures within a second of it count as simultaneous, and among those an
+exception, then a signal, then a lost agent wins over a plain exit code. "Earliest" is
+by the launcher's own clock: the ``received`` stamp the collector puts on every record
+(:mod:`popdist_lite_launcher.supervise.collector`), never the ``time`` a rank's host wrote, which
+may be seconds off on another host. Pure functions on plain dicts: no MPI, no processes.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+from dataclasses import dataclass
+
+from ..core.text import indent
+
+#: Lines of a rank's stderr tail shown in the report.
+SHOWN_TAIL_LINES = 40
+
+
+@dataclass
+class Failure:
+    """What is known about one failed rank (merged exit and error records)."""
+
+    rank: int | None
+    replica: int | None
+    role: str
+    host: str | None
+    pid: int | None
+    time: float  # the launcher's stamp (``received``); see merge_records
+    exitcode: int | None = None
+    signal: str | None = None
+    terminated: bool = False
+    exception: str | None = None
+    message: str | None = None
+    traceback: str | None = None
+    stderr_tail: str = ""
+    has_exit_record: bool = False
+    feeder: int | None = None  # index of a feeder among its replica's feeders
+    lost: str | None = None    # why the launcher lost contact with the rank's agent
+
+    @property
+    def raised(self) -> bool:
+        """Did the rank raise an uncaught exception of its own (not KeyboardInterrupt)?"""
+        return bool(self.exception) and self.exception != "KeyboardInterrupt"
+
+    @property
+    def is_candidate(self) -> bool:
+        """Can this failure be the root cause? Not when the rank was told to stop,
+        unless it had raised an exception of its own (other than KeyboardInterrupt)."""
+        return self.raised or not self.terminated
+
+    def status(self) -> str:
+        """``signal SIGX`` or ``exit code N``.
+
+        The failure hook always aborts with code 1, so an exception reads ``exit code 1``:
+        without an exit record (the agent was killed by the abort first), and when the
+        rank was then stopped by a signal (mpirun's SIGTERM after the abort it asked for,
+        a consequence, not the cause)."""
+        if self.raised:
+            return "exit code 1"
+        if self.lost and not self.has_exit_record:
+            return f"lost: {self.lost}"
+        if self.signal:
+            return f"signal {self.signal}"
+        if self.exitcode is not None:
+            return f"exit code {self.exitcode}"
+        return "exit code 1" if self.exception else "failed"
+
+    def launcher_exit_code(self) -> int:
+        """The exit code the launcher should use for this failure (1 to 255: a process
+        exit status keeps only 8 bits, and 256 would read as success)."""
+        if self.raised:
+            return 1
+        if self.signal:
+            try:
+                return 128 + int(_signal.Signals[self.signal])
+            except KeyError:
+                return 1
+        return self.exitcode if self.exitcode and self.exitcode < 256 else 1
+
+    def title(self) -> str:
+        """``replica 1 (rank 1, host h, pid 123)``, naming the role if not a replica
+        (``feeder 0 of replica 1 (...)``)."""
+        if self.role == "replica":
+            name = f"replica {self.replica}"
+        elif self.feeder is not None:
+            name = f"{self.role} {self.feeder} of replica {self.replica}"
+        else:
+            name = f"{self.role} of replica {self.replica}"
+        details = [f"rank {self.rank}" if self.rank is not None else None,
+                   f"host {self.host}" if self.host else None,
+                   f"pid {self.pid}" if self.pid is not None else None]
+        details = ", ".join(d for d in details if d)
+        return f"{name} ({details})" if details else name
+
+
+def merge_records(records: list[dict]) -> list[Failure]:
+    """Merge the ``exit``, ``error`` and ``lost`` records of each rank into one
+    :class:`Failure`, sorted by time; ranks that only exited with code 0 are left out.
+
+    A failure's :attr:`Failure.time` is the launcher's stamp of its error record (the
+    exception), else of its exit or lost record (when its agent was last heard from):
+    the record's ``received`` field, the launcher's ``time.monotonic()``. Records without
+    one (not from a collector) use their own ``time``; the two are never mixed in one
+    report by the launcher.
+    """
+    by_rank: dict = {}
+    for record in records:
+        if record.get("kind") not in ("exit", "error", "lost"):
+            continue
+        key = record.get("rank")
+        if key is None:
+            key = ("pid", record.get("pid"))
+        by_rank.setdefault(key, {})[record["kind"]] = record
+    failures = []
+    for parts in by_rank.values():
+        exit_rec, error_rec, lost_rec = parts.get("exit"), parts.get("error"), parts.get("lost")
+        if exit_rec and not error_rec and not exit_rec.get("exitcode") \
+                and not exit_rec.get("signal"):
+            continue  # succeeded
+        base = exit_rec or error_rec or lost_rec
+        if base is None:
+            continue
+        failure = Failure(rank=base.get("rank"), replica=base.get("replica"),
+                          role=base.get("role") or "replica", host=base.get("host"),
+                          pid=base.get("pid"), time=_stamp(base),
+                          feeder=base.get("feeder", (error_rec or {}).get("feeder")))
+        if exit_rec:
+            failure.has_exit_record = True
+            failure.exitcode = exit_rec.get("exitcode")
+            failure.signal = exit_rec.get("signal")
+            failure.terminated = bool(exit_rec.get("terminated"))
+            failure.stderr_tail = exit_rec.get("stderr_tail") or ""
+        if error_rec:
+            failure.time = _stamp(error_rec)
+            failure.exception = error_rec.get("exception")
+            failure.message = error_rec.get("message")
+            failure.traceback = error_rec.get("traceback")
+        if lost_rec:
+            failure.lost = lost_rec.get("reason") or "lost contact"
+            if not exit_rec:
+                failure.terminated = bool(lost_rec.get("terminated"))
+        failures.append(failure)
+    failures.sort(key=lambda f: (f.time, f.rank if f.rank is not None else -1))
+    return failures
+
+
+def _stamp(record: dict) -> float:
+    """When ``record`` arrived at the launcher (``received``), else its own ``time``."""
+    stamp = record.get("received", record.get("time"))
+    return float(stamp) if isinstance(stamp, (int, float)) else 0.0
+
+
+#: Failures this close to the earliest candidate count as simultaneous (seconds).
+SIMULTANEOUS_SECONDS = 1.0
+
+
+def _primacy(failure: Failure) -> int:
+    """How surely a failure is a cause of its own: an exception the rank raised (0), a
+    signal it did not get from us (1), a lost agent (2), an exit code (3) - the MPI
+    library's exit when a peer vanished comes milliseconds after the peer's death."""
+    if failure.raised:
+        return 0
+    if failure.signal:
+        return 1
+    if failure.lost and not failure.has_exit_record:
+        return 2
+    return 3
+
+
+def root_cause(failures: list[Failure]) -> Failure | None:
+    """The root cause, or None: among the candidates within :data:`SIMULTANEOUS_SECONDS`
+    of the earliest one, the one of the most primary kind (:func:`_primacy`), earliest
+    first."""
+    candidates = sorted((f for f in failures if f.is_candidate), key=lambda f: f.time)
+    if not candidates:
+        return None
+    first = candidates[0].time
+    close = [f for f in candidates if f.time - first <= SIMULTANEOUS_SECONDS]
+    return min(close, key=lambda f: (_primacy(f), f.time))
+
+
+def format_report(failures: list[Failure], exit_code: int, *, reason: str | None = None,
+                  mpirun_tail: str = "", cause: str | None = None) -> str:
+    """Format the report (no trailing newline).
+
+    ``reason`` replaces "job failed" in the first line (e.g. "job interrupted by
+    SIGINT"); ``mpirun_tail`` is shown when there are no records at all. ``cause`` is a
+    root cause found by the launcher itself (the stall inspector's block, starting with
+    ``root cause:``): it is shown instead of one taken from the records, which then all
+    read as stopped ranks.
+    """
+    lines = [f"poprun-lite: {reason or 'job failed'} (exit code {exit_code})"]
+    if cause is not None:
+        lines.append(cause)
+        if failures:
+            lines.append("stopped ranks:")
+            lines += [f"  {f.title()}: {f.status()} (terminated after the root cause)"
+                      for f in failures]
+        return "\n".join(lines)
+    if not failures:
+        if reason:  # stopped on purpose: nothing failed on its own
+            return "\n".join(lines)
+        lines.append("no failure records from the ranks; last lines of mpirun's output:"
+                     if mpirun_tail.strip() else "no failure records from the ranks")
+        lines += indent(mpirun_tail, max_lines=SHOWN_TAIL_LINES)
+        return "\n".join(lines)
+    cause = root_cause(failures)
+    if cause is not None:
+        lines.append(f"root cause: {cause.title()}: {cause.status()}")
+        if cause.traceback:
+            lines.append(f"  {cause.exception}: {cause.message}")
+            lines += indent(cause.traceback)
+        elif cause.stderr_tail.strip():
+            lines += indent(cause.stderr_tail, max_lines=SHOWN_TAIL_LINES)
+        elif cause.has_exit_record:
+            lines.append("  (no output on stderr)")
+    others = [f for f in failures if f is not cause]
+    if others:
+        lines.append("other failures:" if cause is not None else "stopped ranks:")
+        for failure in others:
+            text = f"  {failure.title()}: {failure.status()}"
+            if failure.exception:
+                text += f": {failure.exception}: {failure.message}"
+            if failure.terminated and not failure.is_candidate:
+                text += " (terminated after the root cause)" if cause is not None else \
+                    " (terminated)"
+            lines.append(text)
+            if failure.is_candidate:  # an independent failure: show its error too
+                if failure.traceback:
+                    lines += indent(failure.traceback, "    ", 15)
+                elif failure.stderr_tail.strip():
+                    lines += indent(failure.stderr_tail, "    ", 15)
+    return "\n".join(lines)
+
+
+def summary(failures: list[Failure], *, reason: str | None = None, stalled: bool = False) -> str:
+    """One line naming what ended a failed attempt: the root cause's title and status,
+    ``stall`` when the stall inspector ended it, else ``reason`` or ``failed``."""
+    if stalled:
+        return "stall (the stall inspector ended the job)"
+    cause = root_cause(failures)
+    if cause is not None:
+        return f"{cause.title()}: {cause.status()}"
+    return reason or "failed"
+
+
+def exit_code_for(failures: list[Failure], mpirun_code: int) -> int:
+    """The launcher's exit code: the root cause's code (128+signal for signals),
+    else mpirun's own code; 1 to 255, never 0 for a failed job."""
+    cause = root_cause(failures)
+    if cause is not None:
+        return cause.launcher_exit_code()
+    code = 128 - mpirun_code if mpirun_code < 0 else mpirun_code
+    return code if 0 < code < 256 else 1
+
+
+def format_ignored(refused: dict[str, int], dropped: dict[str, int]) -> str | None:
+    """One line counting what the collector did not believe, by reason (never the
+    content): ``refused`` unauthenticated connections and ``dropped`` malformed lines
+    of authenticated ones. None when both are empty."""
+    refused = {reason: n for reason, n in refused.items() if n}
+    dropped = {reason: n for reason, n in dropped.items() if n}
+
+    def counted(counts: dict[str, int], what: str) -> str:
+        reasons = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+        details = ", ".join(f"{count} {reason}" for reason, count in reasons)
+        return f"{sum(counts.values())} {what} ({details})"
+
+    parts = []
+    if refused:
+        parts.append(counted(refused, "unauthenticated connection(s) to the collector"))
+    if dropped:
+        parts.append(counted(dropped, "malformed line(s) from the agents"))
+    return f"poprun-lite: ignored {' and '.join(parts)}" if parts else None
