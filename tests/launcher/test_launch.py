@@ -109,7 +109,8 @@ def test_version():
 def test_bad_option_values(args, message):
     proc = subprocess.run([*LAUNCHER, *args, "true"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
-    assert "usage: poprun-lite" in proc.stderr and message in proc.stderr
+    assert proc.stderr.startswith("poprun-lite: error: ") and message in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr   # one line, no usage block
 
 
 # ---------------------------------------------------------------- failures
