@@ -337,15 +337,18 @@ def _elastic_options(parser: argparse.ArgumentParser) -> None:
 def check_files(opts: Options) -> None:
     """The checks before launch of what the options and the program name on this host:
     the program (:func:`~popdist_lite_launcher.launch.command.check_program`), the
-    discovery script (an executable file), the timeline's directory, the launch agent
-    (on PATH) when other hosts are listed.
+    discovery script (an executable file, or a command on PATH), the timeline's
+    directory, the launch agent (on PATH) when other hosts may be used.
 
     Raises:
         LauncherError: one line naming the option (or the program) and the file.
     """
     check_program(opts.program, opts.args)
     script = opts.host_discovery_script
-    if script is not None:
+    if script is not None and "/" not in script:  # run as a command: found on PATH
+        if shutil.which(script) is None:
+            raise LauncherError(f"--host-discovery-script {script}: not found on PATH (./{script} for a file here)")
+    elif script is not None:
         if not os.path.isfile(script):
             raise LauncherError(f"--host-discovery-script {script}: no such file")
         if not os.access(script, os.X_OK):
@@ -354,7 +357,8 @@ def check_files(opts: Options) -> None:
         folder = os.path.dirname(os.path.abspath(opts.timeline))
         if not os.path.isdir(folder):
             raise LauncherError(f"--timeline {opts.timeline}: no such directory {os.path.dirname(opts.timeline)}")
-    if (opts.host or opts.hostfile or script) and opts.launcher == allocation.SSH:
+    remote = script is not None or any(not hosts.is_local_host(name) for name in opts.hosts or ())
+    if remote and opts.launcher == allocation.SSH:
         words = shlex.split(opts.launch_agent)
         if not words or shutil.which(words[0]) is None:
             raise LauncherError(f"--launch-agent {opts.launch_agent!r}: "

@@ -68,6 +68,8 @@ def poprun(*args, cwd=None):
     (["--host-discovery-script", "./train.py", "python", "train.py"],
      "--host-discovery-script ./train.py is not executable (chmod +x ./train.py)"),
     (["--timeline", "nodir/t.json", "python", "train.py"], "--timeline nodir/t.json: no such directory nodir"),
+    (["--host-discovery-script", "no-such-command", "python", "train.py"],
+     "--host-discovery-script no-such-command: not found on PATH (./no-such-command for a file here)"),
     (["--num-replicas", "2", "-H", "a,b", "--launch-agent", "no-such-agent -p 2", "python", "train.py"],
      "--launch-agent 'no-such-agent -p 2': no-such-agent not found on PATH"),
 ])
@@ -109,6 +111,15 @@ def test_np_is_num_replicas_and_program_options_stay_the_programs():
     # a value that starts like an option of another launcher is still the value
     opts = cli.parse_args(["--mpi-local-args", "-x FOO", "--mpi-global-args", "-p 1", "prog"])
     assert opts.mpi_local_args == ["-x FOO"] and opts.mpi_global_args == ["-p 1"]
+
+
+def test_what_exists_passes(folder):
+    """A discovery command on PATH, a launch agent needed by no host (this one)."""
+    opts = cli.parse_args(["--num-replicas", "2", "--host-discovery-script", "true", "python", "train.py"])
+    cli.check_files(opts)
+    opts = cli.parse_args(["--num-replicas", "2", "-H", "localhost", "--launch-agent", "no-such-agent",
+                           "--timeline", "t.json", "python", "train.py"])
+    cli.check_files(opts)
 
 
 def test_a_usage_error_is_one_line(capsys):
