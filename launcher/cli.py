@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import signal
 import sys
 
@@ -23,11 +24,11 @@ from . import __version__
 from .attempts import AttemptsLoop
 from .core import hosts
 from .core.api import LauncherError, MembershipPolicy
-from .core.options import END_MARGIN_SECONDS, Options
+from .core.options import END_MARGIN_SECONDS, NUM_REPLICAS_ALIASES, REFUSED_OPTIONS, Options
 from .launch import children
 from .launch.address import NodeAddress
 from .launch.base import MpirunLauncher
-from .launch.command import detect_implementation, find_mpirun
+from .launch.command import check_program, detect_implementation, find_mpirun
 from .launch.mpirun import kill_sessions
 from .membership import elastic
 from .membership.policies import ElasticPolicy, FixedPolicy
@@ -54,7 +55,7 @@ examples:
       4 replicas on each host, traffic on 10.1.0.0/16; every host is checked first: a probe
       started with `ssh -- HOST` must reach poprun-lite over that network (--launch-agent
       replaces ssh, --no-host-check skips the check)
-  poprun-lite --num-replicas 4 --min-replicas 2 --host-discovery-script ./hosts.sh \
+  poprun-lite --num-replicas 4 --min-replicas 2 --host-discovery-script ./hosts.sh \\
       python3 train.py --checkpoint-dir ckpt --resume
       an elastic job: 2 to 4 replicas on the hosts ./hosts.sh prints (host:slots lines);
       it shrinks when a host is lost and grows when one comes back (docs/elastic.md)
@@ -75,6 +76,13 @@ every attempt) in a file of their own on their host, named by POPRUN_LITE_KEY_FI
 removed before the program starts: it is on no command line and in no environment. Feeders (ranks after the replicas, on their replica's host) get their
 replica's variables plus POPDIST_LITE_ROLE=feeder, POPDIST_LITE_FEEDER_OF and
 POPDIST_LITE_FEEDER_INDEX. OMP_NUM_THREADS and the BLAS thread variables default to 1.
+Replicas also get torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
+and MASTER_PORT (rank 0's host and a port reserved there), so that
+torch.distributed.init_process_group("gloo") works unchanged; when poprun-lite's stdout is
+a terminal, every rank gets its size in COLUMNS and LINES (and its pty that size). A
+variable of these already in poprun-lite's environment is passed on as it is.
+-np N (horovodrun's, mpirun's) is --num-replicas N; torchrun's, horovodrun's and PopRun's
+options that mean nothing here are refused with what to use instead (docs/migration.md).
 mpirun: --mpirun, $POPRUN_LITE_MPIRUN, mpirun/mpiexec on PATH, or next to Python.
 """
 
@@ -114,10 +122,44 @@ def _instance_args(text: str) -> tuple[int, list[str]]:
     return int(index), shlex.split(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line, ``poprun-lite: error: ...`` (the
+    usage of some forty options would bury it; ``--help`` lists them)."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments"):
+            message += " (poprun-lite --help lists the options)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _Refused(argparse.Action):
+    """An option of torchrun, horovodrun or PopRun that means nothing here
+    (:data:`~popdist_lite_launcher.core.options.REFUSED_OPTIONS`): refused with its
+    hint, ``--nproc-per-node 2: ... use --num-replicas 2 ...``."""
+
+    def __init__(self, option_strings, dest, hint: str, **kwargs):
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.hint = hint
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = values if isinstance(values, str) and self.nargs != "?" else ""  # "?": maybe the program
+        given = f"{option_string} {value}" if value else option_string
+        parser.error(f"{given}: {self.hint.format(value=value or 'N')}")
+
+
+def _refused_options(parser: argparse.ArgumentParser) -> None:
+    """Other launchers' options, each refused with what to use instead (hidden from --help)."""
+    for flags, value, hint in REFUSED_OPTIONS:
+        nargs = "?" if value == "?" else None if value else 0
+        parser.add_argument(*flags, action=_Refused, nargs=nargs, hint=hint,
+                            dest=f"refused_{flags[0].lstrip('-')}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``poprun-lite`` (options in groups, easy to extend)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="poprun-lite", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [options] program [args...]",
         allow_abbrev=False,  # never take a program option (e.g. --mpi) for one of ours
         description="Launch a replicated program with MPI: one MPI rank (instance) per\n"
                     "replica, the PopDist environment in every rank, and a failure report\n"
@@ -130,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     _recovery_options(parser)
     _preemption_options(parser)
     _elastic_options(parser)
+    _refused_options(parser)
     parser.add_argument("program", help="the program to run in every instance")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
     return parser
@@ -138,9 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _topology_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``--num-replicas`` and where the replicas run."""
     topo = parser.add_argument_group("topology")
-    topo.add_argument("--num-replicas", type=_positive_int, default=None, metavar="N",
-                      help="number of replicas (default 1; inside a Slurm allocation without "
-                           "-H/--hostfile, the allocation's task count)")
+    topo.add_argument("--num-replicas", *NUM_REPLICAS_ALIASES, type=_positive_int, default=None,
+                      metavar="N", help="number of replicas (default 1; inside a Slurm allocation "
+                                        "without -H/--hostfile, the allocation's task count)")
     topo.add_argument("--num-instances", type=_positive_int, default=None, metavar="N",
                       help="number of instances; must equal --num-replicas (each instance "
                            "drives exactly one replica)")
@@ -260,9 +303,11 @@ def _preemption_options(parser: argparse.ArgumentParser) -> None:
                             f"{END_MARGIN_SECONDS:g} s; no limit without one)")
     sched.add_argument("--grace-period", type=_non_negative_float, default=None, metavar="SECONDS",
                        help="how long the replicas have to reach a step boundary after SIGTERM "
-                            "before the job is stopped without a checkpoint (default: Slurm's "
-                            f"KillWait less {preempt.REPORT_SECONDS:g} s, else "
-                            f"{preempt.DEFAULT_GRACE_SECONDS:g})")
+                            "(not the requeue signal: --preemption-grace) before the job is "
+                            "stopped without a checkpoint (default: Slurm's KillWait, read with "
+                            f"`scontrol show config`, less {preempt.REPORT_SECONDS:g} s for the "
+                            "report before Slurm's SIGKILL, at least half of KillWait; "
+                            f"{preempt.DEFAULT_GRACE_SECONDS:g} when KillWait cannot be read)")
 
 
 def _elastic_options(parser: argparse.ArgumentParser) -> None:
@@ -289,8 +334,40 @@ def _elastic_options(parser: argparse.ArgumentParser) -> None:
                            f"(default {elastic.ELASTIC_TIMEOUT_SECONDS:g}; --timeout bounds it too)")
 
 
+def check_files(opts: Options) -> None:
+    """The checks before launch of what the options and the program name on this host:
+    the program (:func:`~popdist_lite_launcher.launch.command.check_program`), the
+    discovery script (an executable file, or a command on PATH), the timeline's
+    directory, the launch agent (on PATH) when other hosts may be used.
+
+    Raises:
+        LauncherError: one line naming the option (or the program) and the file.
+    """
+    check_program(opts.program, opts.args)
+    script = opts.host_discovery_script
+    if script is not None and "/" not in script:  # run as a command: found on PATH
+        if shutil.which(script) is None:
+            raise LauncherError(f"--host-discovery-script {script}: not found on PATH (./{script} for a file here)")
+    elif script is not None:
+        if not os.path.isfile(script):
+            raise LauncherError(f"--host-discovery-script {script}: no such file")
+        if not os.access(script, os.X_OK):
+            raise LauncherError(f"--host-discovery-script {script} is not executable (chmod +x {script})")
+    if opts.timeline:
+        folder = os.path.dirname(os.path.abspath(opts.timeline))
+        if not os.path.isdir(folder):
+            raise LauncherError(f"--timeline {opts.timeline}: no such directory {os.path.dirname(opts.timeline)}")
+    remote = script is not None or any(not hosts.is_local_host(name) for name in opts.hosts or ())
+    if remote and opts.launcher == allocation.SSH:
+        words = shlex.split(opts.launch_agent)
+        if not words or shutil.which(words[0]) is None:
+            raise LauncherError(f"--launch-agent {opts.launch_agent!r}: "
+                                f"{words[0] if words else 'the agent'} not found on PATH")
+
+
 def parse_args(argv: list[str] | None = None) -> Options:
-    """Parse and cross-check the options (errors exit via ``parser.error``), typed."""
+    """Parse and cross-check the options (errors exit via ``parser.error``, one line
+    each), typed. The files they name are checked by :func:`check_files`."""
     parser = build_parser()
     opts = parser.parse_args(argv)
     try:  # the launcher; hosts, slots and --num-replicas from a Slurm allocation
@@ -325,8 +402,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
                      f"of range (0..{opts.num_instances - 1})")
     try:
         listed = opts.host or (hosts.read_hostfile(opts.hostfile) if opts.hostfile else None)
-    except (OSError, LauncherError) as exc:
-        parser.error(str(exc))
+    except OSError as exc:
+        parser.error(f"--hostfile {opts.hostfile}: {exc.strerror.lower()}")
+    except LauncherError as exc:
+        parser.error(f"--hostfile: {exc}")
     listed = listed or opts.allocation_hosts
     opts.hosts = [name for name, _ in listed] if listed else None
     opts.slots = {name: slots for name, slots in listed or () if slots is not None}
@@ -395,6 +474,11 @@ def main(argv: list[str] | None = None) -> None:
     preemption = loop = None
     try:
         opts = parse_args(argv)
+        try:
+            check_files(opts)
+        except LauncherError as exc:
+            print(f"poprun-lite: error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)
         if opts.preempt.enabled:
             preemption = preempt.Preemption(opts.preempt)  # reads Slurm's KillWait
             preemption.install(early)

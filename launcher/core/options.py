@@ -135,3 +135,77 @@ class Options:
         given = vars(namespace)
         return cls(**{f.name: resolved[f.name] if f.name in resolved else given[f.name]
                       for f in fields(cls) if f.name in resolved or f.name in given})
+
+
+#: What a replica count is called elsewhere (horovodrun's and mpirun's ``-np``), accepted as
+#: an alias of ``--num-replicas``.
+NUM_REPLICAS_ALIASES = ("-np",)
+
+_HOSTS = "-H/--hostfile or a Slurm allocation"
+_OUTPUT = ("every rank's output comes to poprun-lite's own (--tag-output names the rank, "
+           "--only-output-from-instance keeps one); save it with `poprun-lite ... 2>&1 | tee run.log`")
+_IPU = "there are no IPUs here: a replica is one MPI rank on a CPU host; drop it"
+_FUSION = "Horovod's fusion and cache tuning has no counterpart (a collective is one MPI call); drop it"
+
+#: Options of torchrun, horovodrun and PopRun that mean nothing to poprun-lite: ``(flags,
+#: takes a value, hint)``. Each is refused with its hint, ``{value}`` being the value given
+#: (``--nproc-per-node 2: ... use --num-replicas 2``): docs/migration.md has the tables.
+#: A value of ``"?"`` marks options that take one optionally (PopRun's ``--numa-aware=yes``).
+#: No option of one letter: argparse would take ``--mpi-local-args "-x VAR"``'s value for
+#: it (torchrun's ``-m``, horovodrun's ``-p``, ``-i``, ``-x`` are refused by their long names).
+REFUSED_OPTIONS: tuple[tuple[tuple[str, ...], bool | str, str], ...] = (
+    # torchrun (both spellings: torchrun takes --nproc-per-node and --nproc_per_node)
+    (("--nproc-per-node", "--nproc_per_node"), True,
+     "poprun-lite starts one process per replica: use --num-replicas {value} (with -H or a "
+     "Slurm allocation for several hosts)"),
+    (("--nnodes",), True,
+     f"poprun-lite starts every host's processes itself: list the hosts with {_HOSTS} and give "
+     "the total with --num-replicas (MIN:MAX: add --min-replicas)"),
+    (("--node-rank", "--node_rank"), True,
+     f"poprun-lite runs once, for every host, not once per host: list the hosts with {_HOSTS}"),
+    (("--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id",
+      "--rdzv_id", "--rdzv-conf", "--rdzv_conf"), True,
+     f"there is no rendezvous: poprun-lite starts every rank through mpirun; list the hosts with {_HOSTS}"),
+    (("--master-addr", "--master_addr", "--master-port", "--master_port"), True,
+     "poprun-lite exports MASTER_ADDR and MASTER_PORT to every rank (rank 0's host, a free port "
+     "there); to choose them, set MASTER_ADDR/MASTER_PORT in poprun-lite's environment"),
+    (("--standalone",), False, "one host is the default: drop --standalone"),
+    (("--max_restarts",), True, "use --max-restarts {value}"),
+    (("--monitor-interval", "--monitor_interval"), True,
+     "each rank's agent reports to poprun-lite as soon as anything happens; drop it"),
+    (("--start-method", "--start_method"), True, "mpirun starts every rank as a process of its own; drop it"),
+    (("--role",), True, "every rank runs the same program; drop it"),
+    (("--module",), False, "poprun-lite runs the command given: poprun-lite ... python -m MODULE"),
+    (("--no-python", "--no_python", "--run-path", "--run_path"), False,
+     "poprun-lite runs the command given: poprun-lite ... python train.py, or an executable"),
+    (("--log-dir", "--log_dir", "--redirects", "--tee", "--local-ranks-filter",
+      "--local_ranks_filter", "--output-filename"), True, _OUTPUT),
+    (("--local-addr", "--local_addr"), True, "use --network-interface IFACE|CIDR (the job's network)"),
+    # horovodrun
+    (("--num-proc",), True, "use --num-replicas {value} (or -np {value})"),
+    (("--hosts",), True, "use -H {value}"),
+    (("--min-np",), True, "use --min-replicas {value} (an elastic job)"),
+    (("--max-np",), True, "use --num-replicas {value} (an elastic job's most replicas)"),
+    (("--slots-per-host", "--slots"), True, "give the slots with the hosts: -H host0:{value},host1:{value}"),
+    (("--ssh-port",), True, "use --launch-agent 'ssh -p {value}'"),
+    (("--ssh-identity-file",), True, "use --launch-agent 'ssh -i {value}'"),
+    (("--start-timeout",), True,
+     "poprun-lite checks every host before the launch and names one that does not answer; "
+     "--timeout bounds the whole job"),
+    (("--timeline-filename",), True, "use --timeline {value}"),
+    (("--reset-limit",), True, "use --max-restarts {value}"),
+    (("--mpi-args",), True, "use --mpi-global-args '{value}'"),
+    (("--gloo", "--mpi", "--jsrun"), False, "poprun-lite always runs the job with mpirun; drop it"),
+    (("--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity"), True, _FUSION),
+    (("--hierarchical-allreduce", "--hierarchical-allgather", "--autotune", "--disable-cache"), False, _FUSION),
+    # PopRun
+    (("--vipu-server-host", "--vipu-server-port", "--vipu-server-timeout", "--vipu-partition",
+      "--vipu-cluster", "--vipu-allocation"), True, _IPU),
+    (("--reset-partition", "--update-partition", "--remove-partition", "--offline-mode"), "?", _IPU),
+    (("--executable-cache-path",), True, _IPU),
+    (("--num-ilds",), True, f"there are no IPU-Link domains: list the hosts with {_HOSTS}"),
+    (("--numa-aware",), "?",
+     "ranks run unbound (mpirun --bind-to none) and use 1 thread each (OMP_NUM_THREADS=1); drop it"),
+    (("--process-placement",), True,
+     "ranks run unbound (mpirun --bind-to none) and use 1 thread each (OMP_NUM_THREADS=1); drop it"),
+)

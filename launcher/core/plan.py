@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -28,6 +29,35 @@ THREAD_VARS = (
     "VECLIB_MAXIMUM_THREADS",
     "NUMEXPR_NUM_THREADS",
 )
+
+
+#: torchrun's variables (its contract with a worker, which much PyTorch code reads:
+#: ``init_process_group("gloo")``'s ``env://``), set on every replica unless the user's
+#: environment has them: ``RANK`` (the replica), ``WORLD_SIZE`` (the replicas),
+#: ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (on its host), ``MASTER_ADDR`` and
+#: ``MASTER_PORT`` (rank 0's, :func:`popdist_lite_launcher.launch.base.rendezvous`).
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+#: The launcher's terminal size, given to every rank when its stdout is a terminal (Open
+#: MPI gives a rank's stdout a pty of size 0x0, on which tqdm draws nothing).
+TERMINAL_VARS = ("COLUMNS", "LINES")
+
+
+def terminal_env(environ=None, stream=None) -> dict[str, str]:
+    """``COLUMNS`` and ``LINES`` of ``stream``'s terminal (default ``sys.stdout``) when it
+    is one of known size, each unless ``environ`` (default ``os.environ``) has it."""
+    environ = os.environ if environ is None else environ
+    stream = sys.stdout if stream is None else stream
+    try:
+        if not stream.isatty():
+            return {}
+        size = os.get_terminal_size(stream.fileno())
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if size.columns <= 0 or size.lines <= 0:
+        return {}
+    found = {"COLUMNS": str(size.columns), "LINES": str(size.lines)}
+    return {name: value for name, value in found.items() if name not in environ}
 
 
 @dataclass
@@ -95,13 +125,18 @@ def plan_ranks(opts: Options, attempt: int = 0,
     Instance ``i`` drives replica ``i``; instances are placed on the hosts of
     ``membership`` (an elastic job's attempt: its replica count is the attempt's),
     else divided evenly (consecutive blocks) among ``--host`` (:func:`placement`), and
-    ``POPDIST_LOCAL_INSTANCE_INDEX`` counts instances per host. With
+    ``POPDIST_LOCAL_INSTANCE_INDEX`` counts instances per host; a replica also gets
+    torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (each
+    unless the user's environment has it; ``MASTER_ADDR`` and ``MASTER_PORT`` are the
+    attempt's: :func:`popdist_lite_launcher.launch.base.rendezvous`). With
     ``--feeders-per-replica F`` the replicas keep ranks
     ``0..R-1`` and feeder ``k`` of replica ``r`` is rank ``R + r*F + k``, on its
     replica's host, with its replica's environment and MPI arguments plus the role
     variables (``POPDIST_LITE_ROLE=feeder``, ``POPDIST_LITE_FEEDER_OF=r``,
-    ``POPDIST_LITE_FEEDER_INDEX=k``). Every rank gets ``POPDIST_LITE_RESTART_COUNT=attempt``,
-    and ``POPRUN_LITE_STALL_INSPECTOR=1`` when ``--stall-warning`` or ``--stall-timeout``
+    ``POPDIST_LITE_FEEDER_INDEX=k``; not torchrun's :data:`TORCHRUN_VARS`, which a replica
+    gets: a feeder is no rank of the replicas' process group). Every rank gets
+    ``POPDIST_LITE_RESTART_COUNT=attempt``, the launcher's terminal size
+    (:func:`terminal_env`), and ``POPRUN_LITE_STALL_INSPECTOR=1`` when ``--stall-warning`` or ``--stall-timeout``
     is on (its agent then records its progress).
     """
     hosts = membership.hosts if membership is not None else placement(opts)
@@ -111,6 +146,7 @@ def plan_ranks(opts: Options, attempt: int = 0,
     for index, args in opts.instance_mpi_local_args:
         instance_args.setdefault(index, []).extend(args)
     common = default_rank_env()
+    common.update(terminal_env())
     common.update({
         "POPDIST_NUM_TOTAL_REPLICAS": str(n),
         "POPDIST_NUM_IPUS_PER_REPLICA": str(opts.ipus_per_replica),
@@ -132,6 +168,8 @@ def plan_ranks(opts: Options, attempt: int = 0,
         for local in range(count):
             i = len(ranks)
             env = dict(common)
+            torchrun = {"RANK": i, "WORLD_SIZE": n, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": count}
+            env.update({name: str(value) for name, value in torchrun.items() if name not in os.environ})
             env.update({
                 "POPDIST_REPLICA_INDEX_OFFSET": str(i),
                 "POPDIST_LOCAL_INSTANCE_INDEX": str(local),
@@ -142,7 +180,7 @@ def plan_ranks(opts: Options, attempt: int = 0,
     feeders = []
     for replica in ranks:
         for k in range(opts.feeders_per_replica):
-            env = dict(replica.env)
+            env = {name: value for name, value in replica.env.items() if name not in TORCHRUN_VARS}
             env.update({
                 "POPDIST_LITE_ROLE": "feeder",
                 "POPDIST_LITE_FEEDER_OF": str(replica.replica),
@@ -154,7 +192,8 @@ def plan_ranks(opts: Options, attempt: int = 0,
 
 
 def format_topology(ranks: list[RankSpec]) -> str:
-    """A table of replica, instance, rank, host and role, one row per rank; a feeder's
+    """A table of replica, instance, rank, host and role, one row per rank (a rank on
+    this machine under its host name, as the failure report names it); a feeder's
     row reads ``feeder K of replica N`` (the replica it feeds)."""
     rows = [("replica", "instance", "rank", "host", "role")]
     for rank, spec in enumerate(ranks):
@@ -162,7 +201,7 @@ def format_topology(ranks: list[RankSpec]) -> str:
         if role == "feeder":
             role = f"feeder {spec.env.get('POPDIST_LITE_FEEDER_INDEX', '?')} of replica {spec.replica}"
         rows.append((str(spec.replica), str(spec.replica), str(rank),
-                     spec.host or "localhost", role))
+                     spec.host or socket.gethostname(), role))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                      for row in rows)

@@ -20,19 +20,21 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import socket
 import sys
 
 from popdist_lite import records
 
 from . import mpirun
 from .command import EXPORTED_VARS, build_command
-from .address import NodeAddress, launcher_address
-from .remote import check_hosts, clean_hosts, deposit_keys
+from .address import NodeAddress, launcher_address, route_target
+from .remote import HOST_CHECK_TIMEOUT_SECONDS, check_hosts, clean_hosts, deposit_keys, failure, run_on_hosts
 from ..core import channel
 from ..core.api import Attempt, AttemptError, AttemptResult, LauncherError, Outcome
 from ..core.hosts import is_local_host
 from ..core.options import Options
-from ..core.plan import THREAD_VARS, RankSpec, format_topology, plan_ranks, processes_of
+from ..core.plan import (TERMINAL_VARS, THREAD_VARS, TORCHRUN_VARS, RankSpec, format_topology,
+                         plan_ranks, processes_of)
 from ..node import cleanup, hold_signals, keys
 from ..supervise.collector import ENROLMENT_SECONDS, Collector
 from ..supervise.inspector import StallInspector
@@ -73,8 +75,12 @@ class MpirunLauncher:
             address = launcher_address(opts.network_interface, remote, self.node_address) if remote else "127.0.0.1"
             if remote and opts.host_check and not attempt.hosts_checked:
                 check_hosts(opts.launch_agent, remote, address=address)
+            master = rendezvous(ranks[0].host, address, opts.launch_agent, self.node_address)
         except (OSError, LauncherError) as exc:
             raise AttemptError(str(exc)) from None
+        for spec in ranks:
+            if spec.role == "replica":
+                spec.env.update(master)
         mark, key = cleanup.new_mark(), channel.new_key()
         local_keys = None
         try:  # the key files first: the collector's enrolment time starts with it
@@ -109,7 +115,8 @@ class MpirunLauncher:
                 warning=opts.stall_warning, timeout=opts.stall_timeout)
             collector.subscribe("progress", inspector.on_progress)
             collector.subscribe("stack", inspector.on_stack)
-        export = [name for name in (*EXPORTED_VARS, *THREAD_VARS) if name in os.environ]
+        export = [name for name in (*EXPORTED_VARS, *THREAD_VARS, *TORCHRUN_VARS, *TERMINAL_VARS)
+                  if name in os.environ]
         first_args, mpirun_agent = self.remote_launch() if remote else (self.local_launch(), None)
         cmd = build_command(
             self.mpirun, self.implementation, ranks, [opts.program, *opts.args],
@@ -202,3 +209,63 @@ def job_environment(collector: Collector, mark: str, launch_agent: str | None = 
     if launch_agent is not None:
         env[LAUNCH_AGENT_ENV] = launch_agent
     return env
+
+
+def reserve_port() -> int:
+    """A TCP port of this host that stays free for the job's rank 0 (``MASTER_PORT``),
+    without the race of "bind to port 0, close, hope": the port is bound (port 0: the
+    kernel's choice), connected to and closed from the accepting side first, so that it
+    stays in TIME_WAIT for a minute (Linux: 60 s). Meanwhile the kernel gives it to no
+    ``bind`` to port 0 and to no outgoing connection, and a ``bind`` to it fails, except
+    with ``SO_REUSEADDR``, which a server such as torch's TCPStore sets (the method of
+    Yelp's ``ephemeral-port-reserve``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("0.0.0.0", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            accepted, _ = server.accept()
+            accepted.close()  # the server's side closes first: its end is the one in TIME_WAIT
+            client.recv(1)    # its FIN
+    return port
+
+
+def rendezvous(host: str | None, address: str, launch_agent: str,
+               node_address: NodeAddress | None = None) -> dict[str, str]:
+    """torchrun's ``MASTER_ADDR`` and ``MASTER_PORT`` for the replicas, where rank 0 runs
+    on ``host`` (None: this machine), each unless the user's environment has it (mpirun
+    forwards that value by name). ``MASTER_ADDR`` is ``address`` (the launcher's on the
+    job's network, ``127.0.0.1`` for a job on this machine alone) when rank 0 runs here,
+    else rank 0's host's address as the launcher routes to it
+    (:func:`~popdist_lite_launcher.launch.address.route_target`); ``MASTER_PORT`` a
+    port :func:`reserve_port` holds on rank 0's host (on another host: run there through
+    the launch agent, ``python -m popdist_lite_launcher.launch.base reserve-port``).
+
+    Raises:
+        LauncherError: rank 0's host has no address, or the port cannot be reserved there.
+    """
+    wanted = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if not wanted:
+        return {}
+    if is_local_host(host):
+        found = {"MASTER_ADDR": address, "MASTER_PORT": str(reserve_port())}
+    else:
+        found = {"MASTER_ADDR": route_target(host, node_address), "MASTER_PORT": _remote_port(launch_agent, host)}
+    return {name: found[name] for name in wanted}
+
+
+def _remote_port(launch_agent: str, host: str) -> str:
+    """:func:`reserve_port` run on ``host`` through the launch agent."""
+    outcome = run_on_hosts(launch_agent, [host], lambda _host, _index: [sys.executable, "-m", __spec__.name,
+                                                                        "reserve-port"],
+                           timeout=HOST_CHECK_TIMEOUT_SECONDS)[host]
+    problem = failure(outcome)
+    port = outcome.stdout.strip() if problem is None else ""
+    if not port.isdigit():
+        raise LauncherError(f"cannot reserve MASTER_PORT on rank 0's host {host}: {problem or repr(port)}")
+    return port
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["reserve-port"]:
+    print(reserve_port(), flush=True)

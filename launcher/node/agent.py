@@ -72,6 +72,7 @@ import signal
 import socket
 import subprocess
 import sys
+import termios
 import threading
 import time
 
@@ -185,6 +186,18 @@ def _is_shown(environ) -> bool:
     return int(selected) == offset // local
 
 
+def size_terminal(environ, fd: int = 1) -> None:
+    """Give the terminal on ``fd`` (the rank's stdout) the launcher's size, ``COLUMNS`` x
+    ``LINES`` of ``environ``, when it has none: Open MPI gives a rank's stdout a pty of
+    size 0x0, on which tqdm draws nothing."""
+    try:
+        columns, lines = int(environ.get("COLUMNS", "")), int(environ.get("LINES", ""))
+        if columns > 0 and lines > 0 and os.isatty(fd) and os.get_terminal_size(fd) == (0, 0):
+            termios.tcsetwinsize(fd, (lines, columns))
+    except (ValueError, OSError, termios.error):
+        pass
+
+
 def run(program: list[str]) -> int:
     """Run ``program`` under supervision and return the agent's exit code: 0 on
     success, else the child's exit code (128+signum when killed by a signal), 127
@@ -192,6 +205,7 @@ def run(program: list[str]) -> int:
     enrol with the launcher. Sends the records described in the module docstring. Does
     not raise for failures of the program.
     """
+    size_terminal(os.environ)
     agent = _Agent(program, os.environ)
     waits = agent.connect()  # a launcher to enrol with: hold the program until then
     tail_reader = agent.start(waits)

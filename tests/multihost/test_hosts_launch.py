@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,10 @@ def test_topology_across_hosts(hosts, mpich):
     assert all(d["num_replicas"] == 4 and d["role"] == "replica" for d in infos)
     command = proc.stderr.splitlines()[0]
     assert netns_hosts.LAUNCH_AGENT in command
+    # torchrun's variables: rank 0's host's address and a port reserved there, on every replica
+    assert re.findall(r"[ =]RANK[= ](\d+)", command) == ["0", "1", "2", "3"]
+    assert re.findall(r"MASTER_ADDR[= ](\S+)", command) == [socket.gethostbyname("pdlh1")] * 4
+    assert len(set(re.findall(r"MASTER_PORT[= ](\d+)", command))) == 1
     if mpich:  # hydra: -localhost (the launcher's address on the test network), no CIDR
         assert f"-localhost {netns_hosts.LAUNCHER_ADDRESS}" in command
     else:
