@@ -70,7 +70,7 @@ class Timeline:
                 meta[1]["args"]["labels"] = host
                 parts.append(meta)
             parts.append([json.loads(text) for text in self.events])
-        return _library.merge(parts[:-1] + [parts[-1]]) | {"otherData": {
+        return _library.merge(parts) | {"otherData": {
             "producer": "popdist-lite", "replicas": len(self.hosts), "left_out": self.left_out}}
 
     def deliver(self, path: str, partial: str | None = None) -> str:
