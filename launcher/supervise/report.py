@@ -218,10 +218,8 @@ def format_report(failures: list[Failure], exit_code: int, *, reason: str | None
     lines = [f"poprun-lite: {reason or 'job failed'} (exit code {exit_code})"]
     if cause is not None:
         lines.append(cause)
-        if failures:
-            lines.append("stopped ranks:")
-            lines += [f"  {f.title()}: {f.status()} (terminated after the root cause)"
-                      for f in failures]
+        if failures:  # every rank was stopped because of it: how each ended is in the job's log
+            lines.append(f"stopped after it: {', '.join(sorted((f.name() for f in failures), key=_natural))}")
         return "\n".join(lines)
     if not failures:
         if reason:  # stopped on purpose: nothing failed on its own
@@ -246,9 +244,8 @@ def format_report(failures: list[Failure], exit_code: int, *, reason: str | None
             text = f"  {failure.title()}: {failure.status()}"
             if failure.exception:
                 text += f": {failure.exception}: {failure.message}"
-            if failure.terminated and not failure.is_candidate:
-                text += " (terminated after the root cause)" if cause is not None else \
-                    " (terminated)"
+            if failure.terminated and not failure.is_candidate:  # no cause: stopped on purpose
+                text += " (terminated)"
             lines.append(text)
             if failure.is_candidate:  # an independent failure: show its error too
                 if failure.traceback:
@@ -256,8 +253,13 @@ def format_report(failures: list[Failure], exit_code: int, *, reason: str | None
                 elif failure.stderr_tail.strip():
                     lines += indent(failure.stderr_tail, "    ", 15)
     if stopped:  # consequences: how each ended is in the job's log
-        lines.append(f"stopped after it: {', '.join(f.name() for f in stopped)}")
+        lines.append(f"stopped after it: {', '.join(sorted((f.name() for f in stopped), key=_natural))}")
     return "\n".join(lines)
+
+
+def _natural(name: str) -> list:
+    """``replica 10`` after ``replica 2``."""
+    return [int(part) if part.isdigit() else part for part in name.split()]
 
 
 def _error_lines(cause: Failure) -> list[str]:

@@ -194,3 +194,12 @@ def test_the_launchers_timeline_believes_the_agent_not_the_events(tmp_path):
     assert trace.left_out > 0 and trace.size <= 1000
     assert "events left out beyond" in trace.deliver(str(out))
     assert Timeline().deliver(str(out)).startswith("timeline not written (no replica sent events")
+
+
+def test_a_stall_reports_the_ranks_it_stopped_in_one_line():
+    from popdist_lite_launcher.supervise import report
+    stopped = [{"kind": "exit", "rank": r, "replica": r, "role": "replica", "host": "h", "pid": 10 + r, "time": 1.0,
+                "exitcode": None, "signal": "SIGTERM", "stderr_tail": "", "terminated": True} for r in (10, 2)]
+    text = report.format_report(report.merge_records(stopped), 1, reason="job stalled",
+                                cause="root cause: stall: replica 2 has waited 5.2 s")
+    assert text.splitlines()[-1] == "stopped after it: replica 2, replica 10" and "SIGTERM" not in text
