@@ -6,8 +6,9 @@ The agent reads the job's key from its key file and removes the file
 key, only the file's path), starts the program as its child, tees the child's stderr
 while keeping its last lines (holding back a traceback until the program's end shows
 whether it ended it: then the failure report tells it, from the ``error`` record or
-the tail, and the live output does not; :class:`~popdist_lite_launcher.node.tee.HeldTracebacks`), forwards SIGTERM/SIGINT, and keeps ONE authenticated TCP
-connection to the launcher's collector (``POPRUN_LITE_COLLECTOR``;
+the tail, and the live output does not:
+:class:`~popdist_lite_launcher.node.tee.HeldTracebacks`), forwards SIGTERM/SIGINT, and
+keeps ONE authenticated TCP connection to the launcher's collector (``POPRUN_LITE_COLLECTOR``;
 :class:`~popdist_lite_launcher.node.link.Link`, framing and handshake in
 :mod:`popdist_lite_launcher.core.channel`) over which it sends records
 (:mod:`popdist_lite.records`): ``hello``, a ``heartbeat`` every second, the ``error``
@@ -21,8 +22,9 @@ connection, a valid record of :data:`records.TO_AGENT
 <popdist_lite.records.REQUEST_SIGNALS>` to the program; ``stack_request``: answer with
 the program's Python stacks; ``resize_request``: tell the program, with one byte on its
 socket, that the launcher wants it to checkpoint and stop for a resize). The program's
-``resize_stop`` record (its replicas agreed to stop for that resize) is relayed like its
-``error`` record.
+``resize_stop`` record (its replicas agreed to stop for that resize), its
+``checkpoint_saved`` and its ``timeline`` records (its timeline events, under
+``--timeline``) are relayed like its ``error`` record.
 
 With ``POPRUN_LITE_STALL_INSPECTOR=1`` the agent also gives its program a progress slot
 and a stack file on this host (:mod:`popdist_lite_launcher.node.rank_progress`) and sends a
