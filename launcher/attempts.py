@@ -53,7 +53,8 @@ from .core.text import describe_exception, hosts_text, say
 from .core.options import Options
 from .core.plan import RESTART_COUNT_ENV
 from .launch import children
-from .supervise import report
+from .supervise import joblog, report
+from .supervise.timeline import TRACE
 
 #: What the report says of a ``resize_stop`` record no resize was asked for, after its sender.
 UNASKED = "sent resize_stop, but poprun-lite asked for no resize in this attempt"
@@ -243,7 +244,8 @@ class AttemptsLoop:
             record.outcome = f"{hosts_text(lost)} lost: {summary} (exit code {code})"
         else:
             self.failures += 1
-            record.outcome = f"failed: {summary} (exit code {code})"
+            record.outcome = f"failed: {summary}" + ("" if summary.endswith(f"exit code {code}")
+                                                     else f" (exit code {code})")
             final = final or self.failures > opts.max_restarts
         if result.internal_error:
             reason = "job stopped after an internal error in poprun-lite"
@@ -257,7 +259,15 @@ class AttemptsLoop:
         if result.internal_error:
             text += f"\npoprun-lite: internal error: {result.internal_error}"
         if final:
-            print(text + "\n" + format_attempts(self.history), file=sys.stderr, flush=True)
+            text += "\n" + format_attempts(self.history)
+            if joblog.LOG.path is not None:
+                text += f"\nlog (every failed rank's whole error, MPI's messages): {joblog.LOG.path}"
+            if self.opts.timeline:
+                partial = "the job stalled" if result.stall is not None else \
+                    "the job timed out" if result.timed_out else \
+                    "the job was stopped" if result.stop_signal is not None else "the job failed"
+                text += "\n" + TRACE.deliver(os.path.abspath(self.opts.timeline), partial)
+            print(text, file=sys.stderr, flush=True)
             return code, ""
         print(text, file=sys.stderr, flush=True)
         if lost:
@@ -278,11 +288,9 @@ class AttemptsLoop:
         return result
 
     def _print_timeline(self) -> None:
+        """The timeline the replicas sent (:mod:`~popdist_lite_launcher.supervise.timeline`), written."""
         if self.opts.timeline:
-            path = os.path.abspath(self.opts.timeline)
-            state = "written to" if os.path.exists(path) else \
-                "not written (did the program call popdist_lite.init()?):"
-            print(f"poprun-lite: timeline {state} {path}", file=sys.stderr, flush=True)
+            say(TRACE.deliver(os.path.abspath(self.opts.timeline)))
 
     def _print_internal_error(self, exc: Exception) -> None:
         """What is known when the launcher itself failed outside :func:`~popdist_lite_launcher.launch.mpirun.run_mpirun`:

@@ -154,6 +154,9 @@ def _handle(exc_type, exc_value, exc_tb, where: str = "") -> None:
         sys.stderr.flush()
     except Exception:  # noqa: BLE001 - stderr may be closed
         pass
+    timeline = sys.modules.get("popdist_lite.timeline")
+    if timeline is not None:  # under poprun-lite: the events so far reach the launcher's timeline
+        timeline.flush()
     _send_record(exc_type, exc_value, text, rank)
     world = _mpi_world()
     if world is not None and world.Get_size() > 1:

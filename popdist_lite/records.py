@@ -78,6 +78,11 @@ receiver drops what does not match. Kinds (fields besides ``kind``):
     save that began after :func:`popdist_lite.should_checkpoint` answered True (sent by
     :func:`popdist_lite.save_checkpoint`); the launcher says a preempted job's checkpoint
     was saved only when every replica sent one.
+``timeline`` (rank -> agent -> launcher; with ``--timeline``)
+    identity + ``events``: at most :data:`MAX_TIMELINE_EVENTS` of the rank's
+    Chrome-trace events since its last such record (:func:`popdist_lite.timeline.drain`),
+    sent as they are recorded, so that the launcher writes the timeline of a job that
+    failed or stalled too (launcher/supervise/timeline.py).
 ``signalled`` (agent -> launcher; preemption, launcher/node/hold_signals.py)
     identity + ``signal`` (a signal's name, e.g. ``"SIGTERM"``, ``"SIGUSR1"``) and
     ``sender`` (the pid that sent it, None when the kernel did): the agent got that held
@@ -159,6 +164,7 @@ SCHEMA = {
     "resize_stop": {**IDENTITY},
     "checkpoint_saved": {**IDENTITY, "step": "count"},
     "signalled": {**IDENTITY, "signal": "name", "sender": "count?"},
+    "timeline": {**IDENTITY, "events": "events"},
 }
 #: Fields a kind may carry besides those of :data:`SCHEMA` (absent, or of this type):
 #: ``storage`` a dict of exactly :data:`popdist_lite.progress.STORAGE_FIELDS`, counts and
@@ -167,11 +173,12 @@ OPTIONAL = {"progress": {"storage": "storage"}}
 IDENTITY_FIELDS = tuple(IDENTITY)
 FIELDS = {kind: tuple(fields) + tuple(OPTIONAL.get(kind, ())) for kind, fields in SCHEMA.items()}
 #: Kinds an agent may send the launcher after its ``hello``.
-FROM_AGENT = ("heartbeat", "error", "exit", "progress", "stack", "resize_stop", "checkpoint_saved", "signalled")
+FROM_AGENT = ("heartbeat", "error", "exit", "progress", "stack", "resize_stop", "checkpoint_saved", "signalled",
+              "timeline")
 #: Kinds the launcher may send an agent after its ``welcome`` (requests).
 TO_AGENT = ("signal", "stack_request", "resize_request")
 #: Kinds a program may send its agent.
-FROM_PROGRAM = ("error", "resize_stop", "checkpoint_saved")
+FROM_PROGRAM = ("error", "resize_stop", "checkpoint_saved", "timeline")
 #: The bytes an agent writes to its program's socket: one ``ACK`` per line it passed on,
 #: ``RESIZE`` when the launcher asked for a resize (``resize_request``).
 ACK, RESIZE = b"\x06", b"\x05"
@@ -212,11 +219,46 @@ def _conforms(value, kind: str) -> bool:
         return type(value) is str and value in REQUEST_SIGNALS
     if kind == "lane":
         return type(value) is str and LANE_NAME.fullmatch(value) is not None
+    if kind == "events":
+        return type(value) is list and len(value) <= MAX_TIMELINE_EVENTS and all(map(_is_trace_event, value))
     if kind == "storage":
         return (type(value) is dict and len(value) == len(STORAGE_FIELDS) and set(value) == set(STORAGE_FIELDS)
                 and all(_is_count(value[name]) for name in STORAGE_FIELDS[:-1])
                 and _conforms(value["wait_seconds"], "number") and value["wait_seconds"] >= 0)
     return _is_text(value, _LIMITS[kind])
+
+
+#: Chrome-trace events in one ``timeline`` record, at most.
+MAX_TIMELINE_EVENTS = 2000
+#: Categories of the timeline's events (:mod:`popdist_lite.timeline`).
+TRACE_CATEGORIES = ("collective", "phase", "counter", "span", "step")
+_TRACE_NUMBERS = ("pid", "tid")
+
+
+def _is_trace_event(event) -> bool:
+    """One Chrome-trace event as :func:`popdist_lite.timeline.chrome_events` makes them:
+    ``"X"`` (``name``, ``cat``, ``pid``, ``tid``, ``ts``, ``dur`` >= 0, ``args``), ``"C"``
+    (the same without ``dur``) or a thread track's ``"M"`` ``thread_name``; ``args`` at
+    most 16 entries of short names to finite numbers, short strings or None."""
+    if type(event) is not dict:
+        return False
+    ph = event.get("ph")
+    if ph == "M":
+        return (set(event) == {"name", "ph", "pid", "tid", "args"} and event["name"] == "thread_name"
+                and all(_is_count(event[k]) for k in _TRACE_NUMBERS) and type(event["args"]) is dict
+                and set(event["args"]) == {"name"} and _is_text(event["args"]["name"], MAX_NAME_CHARS))
+    fields = {"name", "cat", "ph", "pid", "tid", "ts", "args"} | ({"dur"} if ph == "X" else set())
+    if ph not in ("X", "C") or set(event) != fields:
+        return False
+    if not (_is_text(event["name"], MAX_NAME_CHARS) and event["cat"] in TRACE_CATEGORIES
+            and all(_is_count(event[k]) for k in _TRACE_NUMBERS) and _conforms(event["ts"], "number")):
+        return False
+    if ph == "X" and not (_conforms(event["dur"], "number") and event["dur"] >= 0):
+        return False
+    args = event["args"]
+    return type(args) is dict and len(args) <= 16 and all(
+        _is_text(k, MAX_NAME_CHARS) and (v is None or _conforms(v, "number") or _is_text(v, MAX_NAME_CHARS))
+        for k, v in args.items())
 
 
 def validate(record, kinds=None) -> dict:

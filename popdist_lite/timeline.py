@@ -21,15 +21,18 @@ Three parts, each replaceable: recording (:mod:`popdist_lite.counters` appends o
 per event to ``counters.events``: its docstring gives the layout), conversion
 (:func:`drain` turns the events recorded since the last drain into Chrome-trace events,
 with :func:`metadata_events` naming the replica's track; :func:`merge` joins every
-replica's into one trace) and delivery. The delivery is one gather at exit
+replica's into one trace) and delivery. Under poprun-lite the delivery is a stream:
+every :data:`STREAM_SECONDS` a thread of each rank drains the new events and sends them
+to the rank's agent as ``timeline`` records (:mod:`popdist_lite.records`), which pass
+them to the launcher, which checks them and writes the file at the job's end, whatever
+the end: a job that failed or stalled leaves its events up to the last send
+(launcher/supervise/timeline.py). Under plain mpirun it is one gather at exit
 (``atexit``, before MPI is finalised): every replica sends its events to replica 0 (one
 ``Gather`` of sizes and one ``Gatherv`` of JSON bytes, numbered and counted as
 ``timeline_gather`` and ``timeline_gatherv`` by :func:`popdist_lite.calls.numbered`, so
 the stall inspector names a replica that does not join them: no shared file system
-needed), and replica 0 writes the file (:func:`write`, atomically). Another delivery
-(streaming to the launcher, say) would call :func:`drain` as it goes and :func:`merge`
-what it received. A job that aborts (an uncaught exception on any rank) writes no
-timeline.
+needed), and replica 0 writes the file (:func:`write`, atomically); a job that aborts
+(an uncaught exception on any rank) then writes no timeline.
 
 The file is a JSON object whose ``traceEvents`` hold, per replica ``k``, a
 ``process_name`` metadata event ("replica k"), a ``process_labels`` one (the host the
@@ -58,7 +61,7 @@ from time import perf_counter
 
 import numpy as np
 
-from . import counters
+from . import counters, records
 from .calls import numbered
 
 ENV = "POPDIST_LITE_TIMELINE"
@@ -72,16 +75,31 @@ def enabled() -> bool:
     return counters.events is not None
 
 
+#: Seconds between two sends of a rank's new events to poprun-lite (:func:`_stream`).
+STREAM_SECONDS = 0.5
+_delivery = threading.Lock()  # one drain and send at a time: the stream's or the exit's
+#: Bytes of JSON per ``timeline`` record, about, at most (records' lines are bounded).
+RECORD_BYTES = 256 * 1024
+
+
 def enable(path: str, replica: int, comm) -> None:
-    """Start recording; at exit, gather every replica's events on ``comm`` and have
-    replica 0 write them to ``path``. Called by :func:`popdist_lite.init` when
-    ``POPDIST_LITE_TIMELINE`` is set; collective only at exit."""
+    """Start recording. Under poprun-lite (the rank has an agent), send the events to
+    the launcher as they are recorded (:func:`_stream`), which writes ``path``; else, at
+    exit, gather every replica's events on ``comm`` and have replica 0 write them to
+    ``path``. Called by :func:`popdist_lite.init` when ``POPDIST_LITE_TIMELINE`` is set;
+    collective only at exit, without poprun-lite."""
     if counters.events is not None:
         return
     _state.update(path=os.path.abspath(path), anchor=(time.time() * 1e6, time.perf_counter()),
                   replica=int(replica))
     counters.events = []
-    atexit.register(_write_at_exit, comm)
+    if os.environ.get(records.RECORD_FD_ENV) and os.environ.get(records.COLLECTOR_ENV):
+        _state["streaming"] = True
+        stop = threading.Event()
+        threading.Thread(target=_stream, args=(stop,), name="popdist-lite timeline", daemon=True).start()
+        atexit.register(_send_at_exit, stop)
+    else:
+        atexit.register(_write_at_exit, comm)
 
 
 # ----------------------------------------------------------------------- the user's part
@@ -282,6 +300,59 @@ def write(path: str, trace: dict) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _send(events: list[dict], timeout: float = 0.0) -> None:
+    """Send ``events`` to this rank's agent as ``timeline`` records of at most
+    :data:`records.MAX_TIMELINE_EVENTS <popdist_lite.records.MAX_TIMELINE_EVENTS>` events
+    and about :data:`RECORD_BYTES` bytes each."""
+    ident = records.identity(rank=None, replica=_state["replica"])
+    part, size = [], 0
+    for event in events:
+        part.append(event)
+        size += len(json.dumps(event))
+        if len(part) == records.MAX_TIMELINE_EVENTS or size >= RECORD_BYTES:
+            records.send(records.make("timeline", ident, events=part), timeout=timeout)
+            part, size = [], 0
+    if part:
+        records.send(records.make("timeline", ident, events=part), timeout=timeout)
+
+
+def _stream(stop: threading.Event) -> None:
+    """Under poprun-lite: every :data:`STREAM_SECONDS`, send the events recorded since
+    (so a job that fails or stalls leaves its timeline up to then: the launcher writes
+    it); a daemon thread, until :func:`_send_at_exit`."""
+    while not stop.wait(STREAM_SECONDS):
+        with _delivery:
+            if counters.events is None:
+                return
+            _send(drain())
+
+
+def flush() -> None:
+    """Under poprun-lite, send the events recorded so far at once, the open step ended,
+    waiting until the agent has passed them on: called by the excepthook
+    (:mod:`popdist_lite._excepthook`) before it aborts the job, so the launcher's
+    timeline of a failed job ends at the failure. Nothing otherwise."""
+    if not _state.get("streaming") or not _delivery.acquire(timeout=2.0):
+        return
+    try:
+        if counters.events is not None:
+            _send(drain(final=True), timeout=2.0)
+    finally:
+        _delivery.release()
+
+
+def _send_at_exit(stop: threading.Event) -> None:
+    """At exit under poprun-lite: the last events, the open step ended, waiting until the
+    agent has passed them on."""
+    stop.set()
+    with _delivery:
+        if counters.events is None:
+            return
+        events = drain(final=True)
+        counters.events = None
+        _send(events, timeout=5.0)
 
 
 def _write_at_exit(comm) -> None:

@@ -3,7 +3,8 @@
 :func:`run_mpirun` starts mpirun in a new session (first removing the session
 directories killed mpiruns left: :mod:`~popdist_lite_launcher.launch.session_dirs`), passes its
 stdout and stderr through (keeping stderr's last lines, and ending a line the job left
-unfinished), forwards SIGINT/SIGTERM to it, enforces ``--timeout``, stops the job when the collector has lost a rank's agent (a host went down: mpirun may wait
+unfinished; the MPI library's messages about the job's end go to the job's log instead,
+:mod:`~popdist_lite_launcher.supervise.mpi_messages`, with every failed rank's whole error), forwards SIGINT/SIGTERM to it, enforces ``--timeout``, stops the job when the collector has lost a rank's agent (a host went down: mpirun may wait
 for it for minutes) or when mpirun is still running
 ``FAILED_JOB_STOP_DELAY_SECONDS`` after a rank failed, and if the job is not gone
 ``SESSION_KILL_DELAY_SECONDS`` after being told to stop, SIGKILLs every process of
@@ -32,7 +33,9 @@ from ..node import hold_signals
 from ..node.hold_signals import child_preexec
 from ..node.procfs import stat_fields
 from ..node.tee import Tee
-from ..supervise import report
+from ..supervise import joblog, report
+from ..supervise.mpi_messages import EndMessages
+from ..supervise.timeline import TRACE
 
 #: Seconds between asking mpirun to stop and SIGKILLing every process of its session.
 SESSION_KILL_DELAY_SECONDS = 8.0
@@ -128,6 +131,7 @@ class _Supervision:
 
     def run(self) -> AttemptResult:
         preemption = self.preemption
+        self.collector.subscribe("timeline", TRACE.on_record)  # the ranks' events, kept for the job's end
         # handlers first: a Ctrl-C while starting must not orphan mpirun (its own session)
         handled = dict.fromkeys((signal.SIGINT, signal.SIGTERM, *(preemption.signals if preemption else ())))
         previous = {s: signal.signal(s, self.interrupt) for s in handled}
@@ -147,7 +151,8 @@ class _Supervision:
                 self.stop(self.result.stop_signal)
             self.out = Tee(os.dup(proc.stdout.fileno()), _fileno(sys.stdout, 1), 0)
             proc.stdout.close()
-            self.tail = Tee(os.dup(proc.stderr.fileno()), _fileno(sys.stderr, 2), MPIRUN_TAIL_LINES, drop=b"\0")
+            self.tail = Tee(os.dup(proc.stderr.fileno()), _fileno(sys.stderr, 2), MPIRUN_TAIL_LINES, drop=b"\0",
+                            filter=EndMessages(lambda text: joblog.LOG.section("mpirun's message", text)))
             proc.stderr.close()
             self.supervise()
         except Exception as exc:  # noqa: BLE001 - reported; the finally below ends the job
@@ -244,6 +249,8 @@ class _Supervision:
         try:
             result.returncode = proc.wait(timeout=SESSION_KILL_DELAY_SECONDS)
             session_dirs.remove(proc.pid, self.env)
+            if self.tail is not None:
+                self.tail.finish(failed=False)  # a box that never closed is written as it came
             for copy in (self.out, self.tail):
                 if copy is not None:
                     copy.end_line(timeout=2.0)  # a job ended mid-line: the next output starts a line
@@ -251,6 +258,8 @@ class _Supervision:
             collector.wait_closed(2.0)
             collector.finish()
             result.failures = report.merge_records(collector.failure_records())
+            for failure in result.failures:
+                report.log_failure(joblog.LOG, failure)
             result.saved = {r.get("rank") for r in collector.records("checkpoint_saved")
                             if r.get("role") == "replica"}
         except Exception as exc:  # noqa: BLE001 - report what is known

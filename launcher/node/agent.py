@@ -4,8 +4,11 @@ mpirun starts one agent per rank (like torchrun's per-worker agent) on the rank'
 The agent reads the job's key from its key file and removes the file
 (:func:`popdist_lite_launcher.node.keys.take_key`: no process's environment holds the
 key, only the file's path), starts the program as its child, tees the child's stderr
-while keeping its last lines, forwards SIGTERM/SIGINT, and keeps ONE authenticated TCP
-connection to the launcher's collector (``POPRUN_LITE_COLLECTOR``;
+while keeping its last lines (holding back a traceback until the program's end shows
+whether it ended it: then the failure report tells it, from the ``error`` record or
+the tail, and the live output does not:
+:class:`~popdist_lite_launcher.node.tee.HeldTracebacks`), forwards SIGTERM/SIGINT, and
+keeps ONE authenticated TCP connection to the launcher's collector (``POPRUN_LITE_COLLECTOR``;
 :class:`~popdist_lite_launcher.node.link.Link`, framing and handshake in
 :mod:`popdist_lite_launcher.core.channel`) over which it sends records
 (:mod:`popdist_lite.records`): ``hello``, a ``heartbeat`` every second, the ``error``
@@ -19,8 +22,9 @@ connection, a valid record of :data:`records.TO_AGENT
 <popdist_lite.records.REQUEST_SIGNALS>` to the program; ``stack_request``: answer with
 the program's Python stacks; ``resize_request``: tell the program, with one byte on its
 socket, that the launcher wants it to checkpoint and stop for a resize). The program's
-``resize_stop`` record (its replicas agreed to stop for that resize) is relayed like its
-``error`` record.
+``resize_stop`` record (its replicas agreed to stop for that resize), its
+``checkpoint_saved`` and its ``timeline`` records (its timeline events, under
+``--timeline``) are relayed like its ``error`` record.
 
 With ``POPRUN_LITE_STALL_INSPECTOR=1`` the agent also gives its program a progress slot
 and a stack file on this host (:mod:`popdist_lite_launcher.node.rank_progress`) and sends a
@@ -82,7 +86,7 @@ from . import hold_signals, keys
 from .hold_signals import child_preexec
 from .link import Link, warn
 from .rank_progress import RankProgress
-from .tee import Tee
+from .tee import HeldTracebacks, Tee
 from ..core.text import signal_name
 
 TAIL_LINES = 200
@@ -315,7 +319,9 @@ class _Agent:
             return None
         os.close(write_fd)
         self.theirs.close()
-        tail_reader = Tee(read_fd, sys.stderr.fileno() if self.shown else None, TAIL_LINES)
+        # with a launcher to report to, a traceback that ends the program is its report's to tell
+        held = HeldTracebacks() if self.shown and self.collector_address else None
+        tail_reader = Tee(read_fd, sys.stderr.fileno() if self.shown else None, TAIL_LINES, filter=held)
         self.ident["pid"] = self.child.pid
         self.link.start(self.ident, self.on_request, self.on_lost)
         return tail_reader
@@ -366,6 +372,7 @@ class _Agent:
         # when told to stop, mpirun SIGKILLs us soon: do not wait long for the pipes
         wait = 0.2 if self.signal is not None else 2.0
         relay.join(wait)
+        tail_reader.finish(failed=ended["code"] != 0, timeout=wait)
         return ended["code"], ended["at"], tail_reader.text(timeout=wait)
 
     def report(self, code: int, ended_at: float, tail: str) -> int:

@@ -11,7 +11,8 @@ replicas (and of their feed processes) for their Python stacks, and prints the b
 :data:`STACK_WAIT_SECONDS` later without the ones that did not come. When the wait
 reaches ``timeout`` seconds it asks again and returns the block: the job loop then
 stops the job and reports that block as the root cause (a warning block not yet printed
-for that stall is printed first, so it always precedes the end). A stall that changes (another
+for that stall is printed first, so it always precedes the end, unless the warning comes
+no earlier than the timeout: the report then tells the block once). A stall that changes (another
 call, other replicas missing) is a new stall; one that ends re-arms the warning.
 
 Waits are measured on the launcher's ``time.monotonic()``: from the collector's
@@ -119,9 +120,11 @@ class StallInspector:
         if not self._answered(asked) and now - asked["at"] < STACK_WAIT_SECONDS:
             return None
         stacks = self._collect(asked)
-        if self._warned != stall.key and self.warning is not None:
+        if self._warned != stall.key and self.warning is not None and \
+                (self.timeout is None or self.warning < self.timeout):
             # printed once per stall, also when the timeout came first (its stacks were
-            # still on their way, or the poll was late): the warning always precedes the end
+            # still on their way, or the poll was late): the warning always precedes the
+            # end; not when it is not due before the timeout (the report tells the block)
             self._warned = stall.key
             print(f"poprun-lite: {format_stall(stall, now, stacks)}", file=self.out or sys.stderr,
                   flush=True)

@@ -14,7 +14,8 @@ they feed and ``feeder`` = their index; they are titled ``feeder K of replica N`
 
 The root cause is the earliest failure that is not a consequence of the job being
 stopped; failures within a second of it count as simultaneous, and among those an
-exception, then a signal, then a lost agent wins over a plain exit code. "Earliest" is
+exception, then a signal, then a lost agent wins over a plain exit code (the same error
+on several replicas: the lowest replica's). "Earliest" is
 by the launcher's own clock: the ``received`` stamp the collector puts on every record
 (:mod:`popdist_lite_launcher.supervise.collector`), never the ``time`` a rank's host wrote, which
 may be seconds off on another host. Pure functions on plain dicts: no MPI, no processes.
@@ -92,15 +93,18 @@ class Failure:
                 return 1
         return self.exitcode if self.exitcode and self.exitcode < 256 else 1
 
+    def name(self) -> str:
+        """``replica 1``, ``feeder 0 of replica 1``."""
+        if self.role == "replica":
+            return f"replica {self.replica}"
+        if self.feeder is not None:
+            return f"{self.role} {self.feeder} of replica {self.replica}"
+        return f"{self.role} of replica {self.replica}"
+
     def title(self) -> str:
         """``replica 1 (rank 1, host h, pid 123)``, naming the role if not a replica
         (``feeder 0 of replica 1 (...)``)."""
-        if self.role == "replica":
-            name = f"replica {self.replica}"
-        elif self.feeder is not None:
-            name = f"{self.role} {self.feeder} of replica {self.replica}"
-        else:
-            name = f"{self.role} of replica {self.replica}"
+        name = self.name()
         details = [f"rank {self.rank}" if self.rank is not None else None,
                    f"host {self.host}" if self.host else None,
                    f"pid {self.pid}" if self.pid is not None else None]
@@ -191,14 +195,21 @@ def root_cause(failures: list[Failure]) -> Failure | None:
         return None
     first = candidates[0].time
     close = [f for f in candidates if f.time - first <= SIMULTANEOUS_SECONDS]
-    return min(close, key=lambda f: (_primacy(f), f.time))
+    cause = min(close, key=lambda f: (_primacy(f), f.time))
+    # the same error on several replicas at once (a collective's check raises it on every
+    # one): the lowest names it, whichever record came first
+    return min((f for f in close if f is cause or same_error(f, cause)),
+               key=lambda f: (f.rank if f.rank is not None else -1, f.time))
 
 
 def format_report(failures: list[Failure], exit_code: int, *, reason: str | None = None,
                   mpirun_tail: str = "", cause: str | None = None) -> str:
     """Format the report (no trailing newline).
 
-    ``reason`` replaces "job failed" in the first line (e.g. "job interrupted by
+    The root cause's error is told once (:func:`_error_lines`); another failure with
+    the same error reads ``the same error`` (:func:`same_error`), and the ranks stopped
+    because of the root cause are named in one line (``stopped after it:``; how each
+    ended is in the job's log). ``reason`` replaces "job failed" in the first line (e.g. "job interrupted by
     SIGINT"); ``mpirun_tail`` is shown when there are no records at all. ``cause`` is a
     root cause found by the launcher itself (the stall inspector's block, starting with
     ``root cause:``): it is shown instead of one taken from the records, which then all
@@ -207,10 +218,8 @@ def format_report(failures: list[Failure], exit_code: int, *, reason: str | None
     lines = [f"poprun-lite: {reason or 'job failed'} (exit code {exit_code})"]
     if cause is not None:
         lines.append(cause)
-        if failures:
-            lines.append("stopped ranks:")
-            lines += [f"  {f.title()}: {f.status()} (terminated after the root cause)"
-                      for f in failures]
+        if failures:  # every rank was stopped because of it: how each ended is in the job's log
+            lines.append(f"stopped after it: {', '.join(sorted((f.name() for f in failures), key=_natural))}")
         return "\n".join(lines)
     if not failures:
         if reason:  # stopped on purpose: nothing failed on its own
@@ -222,30 +231,70 @@ def format_report(failures: list[Failure], exit_code: int, *, reason: str | None
     cause = root_cause(failures)
     if cause is not None:
         lines.append(f"root cause: {cause.title()}: {cause.status()}")
-        if cause.traceback:
-            lines.append(f"  {cause.exception}: {cause.message}")
-            lines += indent(cause.traceback)
-        elif cause.stderr_tail.strip():
-            lines += indent(cause.stderr_tail, max_lines=SHOWN_TAIL_LINES)
-        elif cause.has_exit_record:
-            lines.append("  (no output on stderr)")
+        lines += _error_lines(cause)
     others = [f for f in failures if f is not cause]
+    stopped = [f for f in others if cause is not None and not f.is_candidate]
+    others = [f for f in others if f not in stopped]
     if others:
         lines.append("other failures:" if cause is not None else "stopped ranks:")
         for failure in others:
+            if cause is not None and same_error(failure, cause):
+                lines.append(f"  {failure.title()}: the same error")
+                continue
             text = f"  {failure.title()}: {failure.status()}"
             if failure.exception:
                 text += f": {failure.exception}: {failure.message}"
-            if failure.terminated and not failure.is_candidate:
-                text += " (terminated after the root cause)" if cause is not None else \
-                    " (terminated)"
+            if failure.terminated and not failure.is_candidate:  # no cause: stopped on purpose
+                text += " (terminated)"
             lines.append(text)
             if failure.is_candidate:  # an independent failure: show its error too
                 if failure.traceback:
                     lines += indent(failure.traceback, "    ", 15)
                 elif failure.stderr_tail.strip():
                     lines += indent(failure.stderr_tail, "    ", 15)
+    if stopped:  # consequences: how each ended is in the job's log
+        lines.append(f"stopped after it: {', '.join(sorted((f.name() for f in stopped), key=_natural))}")
     return "\n".join(lines)
+
+
+def _natural(name: str) -> list:
+    """``replica 10`` after ``replica 2``."""
+    return [int(part) if part.isdigit() else part for part in name.split()]
+
+
+def _error_lines(cause: Failure) -> list[str]:
+    """The root cause's error, indented, told once: its traceback (which ends with the
+    exception's line; that line first only when the traceback lacks it), else the end
+    of its stderr."""
+    if cause.traceback:
+        said = f"{cause.exception}: {cause.message}" if cause.message else f"{cause.exception}"
+        head = [] if said in cause.traceback else [f"  {said}"]
+        return head + indent(cause.traceback)
+    if cause.stderr_tail.strip():
+        return indent(cause.stderr_tail, max_lines=SHOWN_TAIL_LINES)
+    return ["  (no output on stderr)"] if cause.has_exit_record else []
+
+
+def same_error(failure: Failure, cause: Failure) -> bool:
+    """Whether ``failure`` tells what ``cause`` already told: the same exception and
+    message (a collective's error, raised on every replica), or, without exceptions, the
+    same status and end of stderr (every replica's import error)."""
+    if failure.exception or cause.exception:
+        return failure.raised and cause.raised and \
+            (failure.exception, failure.message) == (cause.exception, cause.message)
+    if failure.signal or failure.status() != cause.status():
+        return False
+    return bool(cause.stderr_tail.strip()) and failure.stderr_tail.strip() == cause.stderr_tail.strip()
+
+
+def log_failure(log, failure: Failure) -> None:
+    """Write ``failure``'s whole error to ``log`` (a :class:`~.joblog.JobLog`): the end
+    of its stderr (:data:`SHOWN_TAIL_LINES` of which the report shows, once), and its
+    traceback when the tail lacks it."""
+    tail, traceback = failure.stderr_tail or "", failure.traceback or ""
+    parts = [traceback] if traceback.strip() and traceback.strip() not in tail else []
+    parts.append(tail if tail.strip() else "(no output on stderr)")
+    log.section(f"{failure.title()}: {failure.status()}", "\n".join(p.rstrip("\n") for p in parts))
 
 
 def summary(failures: list[Failure], *, reason: str | None = None, stalled: bool = False) -> str:

@@ -155,5 +155,21 @@ def format_stall(stall: Stall, now: float, stacks: dict[int, list[tuple[str, str
                 lines.append(f"  Python stack of {who}: not available, {text.strip()}")
                 continue
             lines.append(f"  Python stack of {who}:")
-            lines += indent(text, "    ")
+            lines += indent(without_library_threads(text), "    ")
     return "\n".join(lines)
+
+
+#: The library's own threads, which every rank recording a timeline has and whose stacks
+#: say nothing about a stall: a thread's section of the dump holding all these words is
+#: left out (popdist_lite.timeline's sender).
+LIBRARY_THREADS = (('popdist_lite/timeline.py", line ', " in _stream"),)
+
+
+def without_library_threads(text: str) -> str:
+    """faulthandler's dump ``text`` without the sections (threads, separated by a blank
+    line) of the library's own threads (:data:`LIBRARY_THREADS`); the current thread's
+    is always kept."""
+    sections = text.strip("\n").split("\n\n")
+    kept = [s for s in sections if s.lstrip().startswith("Current thread")
+            or not any(all(word in s for word in words) for words in LIBRARY_THREADS)]
+    return "\n\n".join(kept)

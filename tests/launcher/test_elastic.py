@@ -297,4 +297,4 @@ def test_shrink_after_a_failure_counts_it(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "poprun-lite: job failed (exit code 1)" in proc.stderr
     assert re.search(r"attempts:\n  attempt 1: 4 replicas on this host \(4\); failed: replica 0 \(rank 0, "
-                     r"host \S+, pid \d+\): exit code 1 \(exit code 1\)$", proc.stderr.rstrip()), proc.stderr
+                     r"host \S+, pid \d+\): exit code 1\nlog \(", proc.stderr.rstrip()), proc.stderr

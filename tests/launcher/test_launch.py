@@ -7,6 +7,7 @@ Every subprocess runs under a timeout (subprocess's and the launcher's own
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 from popdist_lite_launcher import __version__
 from popdist_lite_launcher.launch import mpirun
 from popdist_lite_launcher.supervise.collector import Collector
-from helpers import JOB_SECONDS, timeout_for
+from helpers import JOB_SECONDS, ROOT, timeout_for
 from peers import alive, wait_for
 
 pytestmark = timeout_for(1)
@@ -115,27 +116,38 @@ def test_bad_option_values(args, message):
 
 # ---------------------------------------------------------------- failures
 
-def test_exception_under_mpi_aborts_job_and_names_root_cause(tmp_path):
-    prog = program(tmp_path, "boom.py", f"""
-        import time
-        from mpi4py import MPI
-        from popdist_lite import _excepthook as hook   # independent of popdist_lite.init()
-        comm = MPI.COMM_WORLD
-        hook.install(comm.Get_rank())
-        comm.Barrier()
-        if comm.Get_rank() == 1:
-            time.sleep(0.2)
-            1 / 0
-        comm.Barrier()   # the others wait here until the abort ends them
-        time.sleep(600)
-    """)
-    # the others would outlive the job's timeout: not 124 proves the abort ended them
-    proc = launch("--num-replicas", "4", *prog)
-    assert proc.returncode not in (0, 124), proc.stderr
-    report = proc.stderr[proc.stderr.index("poprun-lite: job failed"):]
-    assert "root cause: replica 1 (rank 1" in report
-    assert "ZeroDivisionError: division by zero" in report and "1 / 0" in report
-    assert "popdist-lite: uncaught exception in replica 1" in proc.stderr
+def readme_failure() -> tuple[str, str]:
+    """The README's failing ``train.py`` and what it says poprun-lite prints for it."""
+    section = (ROOT / "README.md").read_text().split("When a rank fails", 1)[1]
+    program = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    shown = re.search(r"prints, and nothing else.*?```\n(.*?)```", section, re.S).group(1)
+    return program, shown
+
+
+def normalised(text: str, directory) -> str:
+    """``text`` without what differs between two runs: pids, the host's name, the run's
+    directory, the log's private directory."""
+    text = text.replace(f"{directory}/", "")
+    text = re.sub(r"pid \d+", "pid N", text)
+    text = re.sub(r"host [^,\s)]+", "host H", text)
+    return re.sub(r"/\S*/poprun-lite-[^/\s]+/job\.log", "LOG", text)
+
+
+def test_the_readmes_failure_report_is_what_a_user_sees(tmp_path):
+    """The README's failing job, run: replica 1 raises after init(), replica 0 waits in
+    all_reduce until the abort ends it (not the job's timeout). Everything on stdout and
+    stderr is the README's report (normalised): the error once, none of the replicas'
+    own tracebacks, no MPI abort box; those are in the log the report names."""
+    program, shown = readme_failure()
+    (tmp_path / "train.py").write_text(program)
+    proc = subprocess.run([*LAUNCHER, "--timeout", str(JOB_SECONDS), "--num-replicas", "2", sys.executable,
+                           "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=JOB_SECONDS + 60,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1, proc.stderr
+    assert normalised(proc.stdout + proc.stderr, tmp_path) == normalised(shown, tmp_path)
+    log = open(re.search(r"(/\S*/poprun-lite-[^/\s]+/job\.log)", proc.stderr).group(1)).read()
+    assert "MPI_ABORT was invoked on rank 1" in log
+    assert "popdist-lite: uncaught exception in replica 1" in log and "KeyError: 'labels'" in log
 
 
 def test_plain_program_exception(tmp_path):

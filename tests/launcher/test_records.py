@@ -40,9 +40,19 @@ def value_of(kind: str):
         values = st.sampled_from(records.REQUEST_SIGNALS)
     elif base == "lane":
         values = st.from_regex(r"[a-z][a-z0-9_]{0,15}", fullmatch=True) | st.text(max_size=20)
+    elif base == "events":
+        values = st.lists(trace_events, max_size=4)
     else:
         values = st.text(max_size=_TEXT_SIZES[base])
     return st.none() | values if kind.endswith("?") else values
+
+
+trace_events = st.fixed_dictionaries({
+    "name": st.text(max_size=20), "cat": st.sampled_from(records.TRACE_CATEGORIES), "ph": st.just("X"),
+    "pid": st.integers(0, 2 ** 20), "tid": st.integers(0, 2 ** 20),
+    "ts": st.floats(0, 2e15), "dur": st.floats(0, 1e9),
+    "args": st.dictionaries(st.text(max_size=8), st.integers(0, 2 ** 40) | st.text(max_size=8) | st.none(),
+                            max_size=3)})
 
 
 def valid_record(kinds=tuple(records.SCHEMA)):
@@ -138,9 +148,34 @@ def test_missing_fields_and_kinds_not_accepted():
     with pytest.raises(ValueError, match="field 'signal' is not signal"):  # not an allowed one
         records.validate({"kind": "signal", "signal": "SIGSTOP"}, records.TO_AGENT)
     # a program reports its own error, its replicas' agreement to stop for a resize and its
-    # save after it, nothing that speaks for its agent or the launcher (exit, lost,
-    # progress, heartbeat, signalled)
-    assert records.FROM_PROGRAM == ("error", "resize_stop", "checkpoint_saved") and "lost" not in records.FROM_AGENT
+    # save after it, and its timeline events; nothing that speaks for its agent or the
+    # launcher (exit, lost, progress, heartbeat, signalled)
+    assert records.FROM_PROGRAM == ("error", "resize_stop", "checkpoint_saved", "timeline") \
+        and "lost" not in records.FROM_AGENT
+
+
+EVENT = {"name": "all_reduce", "cat": "collective", "ph": "X", "pid": 1, "tid": 1, "ts": 1.5e15, "dur": 12.5,
+         "args": {"bytes_sent": 16, "bytes_received": 16, "table": "items"}}
+
+
+@pytest.mark.parametrize("change", [
+    {"ph": "B"}, {"cat": "gpu"}, {"pid": -1}, {"tid": 1.0}, {"ts": float("inf")}, {"dur": -1.0},
+    {"name": "x" * (records.MAX_NAME_CHARS + 1)}, {"args": {"k": [1]}}, {"args": {str(i): i for i in range(17)}},
+    {"args": "x"}, {"extra": 1}, {"ph": "M"},
+])
+def test_timeline_events_are_checked(change):
+    """A ``timeline`` record carries at most MAX_TIMELINE_EVENTS Chrome-trace events of
+    the timeline's own shapes; an event of any other shape or size refuses the record."""
+    ident = records.identity(rank=1, replica=1, pid=7)
+    good = records.make("timeline", ident, events=[EVENT, {**EVENT, "ph": "C", "cat": "counter", "dur": None},
+                                                  {"name": "thread_name", "ph": "M", "pid": 1, "tid": 100001,
+                                                   "args": {"name": "replica 1: loader"}}])
+    good["events"][1].pop("dur")
+    assert records.decode(records.encode(good), records.FROM_PROGRAM) == good
+    with pytest.raises(ValueError, match="field 'events' is not events"):
+        records.validate({**good, "events": [{**EVENT, **change}]}, records.FROM_PROGRAM)
+    with pytest.raises(ValueError, match="field 'events' is not events"):
+        records.validate({**good, "events": [EVENT] * (records.MAX_TIMELINE_EVENTS + 1)}, records.FROM_PROGRAM)
 
 
 @pytest.mark.parametrize("line", [

@@ -139,6 +139,21 @@ def test_a_timeout_before_the_warning_prints_the_warning_first():
     assert inspector.poll(NOW + 4.2) is not None and out.getvalue() == printed  # printed once
 
 
+def test_a_timeout_shorter_than_the_warning_tells_the_block_once():
+    """--stall-timeout 5 with the default --stall-warning 60: the warning is never due
+    before the end, so only the report's root cause tells the block."""
+    asked = []
+    inspector, out = make_inspector(asked, warning=60.0, timeout=5.0)
+    for r, call in ((0, 4), (1, 3), (2, 4)):
+        inspector.on_progress(progress_record(r, call, "all_reduce", NOW))
+    assert inspector.poll(NOW + 5.5) is None  # waiting for the stacks
+    for rank, request in asked:
+        inspector.on_stack({"kind": "stack", "rank": rank, "request": request, "text": f"stack of rank {rank}"})
+    block = inspector.poll(NOW + 5.6)
+    assert block.startswith("root cause: stall: replicas 0, 2 have waited 5.6 s in all_reduce")
+    assert out.getvalue() == ""
+
+
 def test_lanes_are_compared_apart():
     """Replica 1 stopped before a call on the jax lane while every replica is in step on
     the main lane (its numbers there are higher): the stall is named on the jax lane.

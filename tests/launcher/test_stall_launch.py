@@ -14,6 +14,7 @@ written that it is in its stalling function (an event, not a delay). So the only
 there is to see is the real one, and --stall-timeout can be a few seconds after the
 warning (the inspector prints the warning block before ending the job in any case)."""
 
+import json
 import os
 import re
 import subprocess
@@ -259,7 +260,8 @@ def block_of(text, title="poprun-lite: stall:"):
 
 
 def test_replica_sleeping_before_an_all_reduce(tmp_path):
-    err, delay, code = run_stalled(tmp_path, SLEEP, replicas=3)
+    trace = tmp_path / "trace.json"
+    err, delay, code = run_stalled(tmp_path, SLEEP, "--timeline", str(trace), replicas=3)
     assert delay is not None and delay >= WARNING, err
     block = block_of(err)
     assert re.search(r"^poprun-lite: stall: replicas (0, 2|2, 0) have waited", block)  # longest wait first
@@ -273,6 +275,13 @@ def test_replica_sleeping_before_an_all_reduce(tmp_path):
     cause = block_of(err, "root cause: stall:")
     assert "in all_reduce (collective call #2) for replica 1" in cause
     assert "in sleep_before_all_reduce" in cause
+    assert "in _stream" not in block  # the timeline's sender thread is the library's, left out
+    # the stalled job's timeline, written by poprun-lite from what the replicas sent before
+    # the stall: each replica's all_reduce #0 and broadcast #1
+    assert err.rstrip().endswith(f"\ntimeline (partial: the job stalled) {trace}"), err
+    events = json.loads(trace.read_text())["traceEvents"]
+    for name in ("all_reduce", "broadcast"):
+        assert {e["pid"] for e in events if e["ph"] == "X" and e["name"] == name} == {0, 1, 2}, events
 
 
 def test_replica_sleeping_before_a_ddp_backward(tmp_path):
