@@ -46,8 +46,8 @@ def test_sbatch(cluster, mpi):
     output = out.read_text() if out.exists() else ""
     assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{output}"
     check_run(output, mpi)
-    # the timeline (written by replica 0 on pdls1, gathered over MPI): each replica's
-    # track labelled with the node it ran on, as the replicas reported it
+    # the timeline (written by poprun-lite on pdls1 from the agents' timeline records):
+    # each replica's track labelled with the node it ran on, as the replicas reported it
     events = json.loads(trace.read_text())["traceEvents"]
     labels = {e["pid"]: e["args"]["labels"] for e in events if e["name"] == "process_labels"}
     assert labels == {int(r): host for r, host in REPORT.findall(output)}, labels
