@@ -258,8 +258,9 @@ def format_report(failures: list[Failure], exit_code: int, *, reason: str | None
 
 
 def _natural(name: str) -> list:
-    """``replica 10`` after ``replica 2``."""
-    return [int(part) if part.isdigit() else part for part in name.split()]
+    """``replica 10`` after ``replica 2``; a word and a number compare (numbers first), so
+    any two names sort, whatever the records called their ranks."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split()]
 
 
 def _error_lines(cause: Failure) -> list[str]:
