@@ -122,7 +122,8 @@ def run_mpi(n: int, args: list[str], timeout: float = JOB_SECONDS, env: dict | N
 def run_on_a_terminal(args: list[str], rows: int, columns: int, timeout: float = JOB_SECONDS) -> tuple[int, str]:
     """Run ``args`` (in ROOT, a clean environment) with stdout and stderr on a new pty
     of ``rows`` x ``columns`` (0 x 0: a size unknown, as Open MPI gives its ranks);
-    ``(exit code, everything it wrote)``."""
+    ``(exit code, everything it wrote)``. ``COLUMNS`` and ``LINES`` are left out of the
+    environment (pytest-xdist's workers export 80 x 24): the pty's size is the terminal's."""
     import fcntl
     import pty
     import struct
@@ -131,7 +132,8 @@ def run_on_a_terminal(args: list[str], rows: int, columns: int, timeout: float =
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     try:
-        p = subprocess.Popen(args, stdout=slave, stderr=subprocess.STDOUT, env=clean_env(), cwd=ROOT)
+        env = {k: v for k, v in clean_env().items() if k not in ("COLUMNS", "LINES")}
+        p = subprocess.Popen(args, stdout=slave, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         os.close(slave)
         chunks = []
         while True:
