@@ -396,18 +396,10 @@ def main(argv=None) -> int:
 
     # Everything a resumed run needs to continue exactly (docs/checkpoint.md, docs/torch.md).
     state = {"step": 0, "model": ddp, "optimizer": optimizer, "feed": feed}
-    first = 0
-    if args.resume:
-        latest = pl.latest_checkpoint(args.checkpoint_dir)
-        if latest is None:
-            log(f"no checkpoint in {args.checkpoint_dir}; starting from step 0")
-        else:
-            pl.load_checkpoint(latest, state)
-            first = state["step"]
-            log(f"resumed from {latest} (step {first})")
-
     checkpoints = run_log.Checkpoints(run, args.checkpoint_dir, args.checkpoint_keep, args.checkpoint_async)
     committed = checkpoints.committed  # waits for a background save, then says it is saved
+    first = checkpoints.resume(state) if args.resume else 0
+
 
     def save(step: int) -> None:
         state["step"] = step

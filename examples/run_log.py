@@ -259,6 +259,18 @@ class Checkpoints:
         if not self.background:
             self.run.checkpoint(*self._pending.pop())
 
+    def resume(self, state: dict) -> int:
+        """Load the newest checkpoint in the directory into ``state`` (collective; a
+        ``"step"`` entry among them) and return the step to start from: 0, said so, when
+        there is none."""
+        latest = popdist_lite.latest_checkpoint(self.directory)
+        if latest is None:
+            self.run.say(f"no checkpoint in {self.directory}; starting from step 0")
+            return 0
+        popdist_lite.load_checkpoint(latest, state)
+        self.run.say(f"resumed from {latest} (step {state['step']})")
+        return state["step"]
+
     def committed(self) -> None:
         """Wait for a background save, if any, then say it is saved."""
         popdist_lite.wait_checkpoint()

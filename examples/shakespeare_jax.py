@@ -329,22 +329,13 @@ def main(argv=None) -> int:
     # Everything a resumed run needs to continue exactly (docs/checkpoint.md, docs/jax.md).
     dense = plj.PytreeState({"params": job.params, "opt_state": job.opt_state})
     state = {"step": 0, "dense": dense, "embedding": embeddings, "feed": dataset}
-    first = 0
-    if args.resume:
-        latest = popdist_lite.latest_checkpoint(args.checkpoint_dir)
-        if latest is None:
-            log(f"no checkpoint in {args.checkpoint_dir}; starting from step 0")
-        else:
-            popdist_lite.load_checkpoint(latest, state)
-            job.params, job.opt_state = dense.tree["params"], dense.tree["opt_state"]
-            first = state["step"]
-            log(f"resumed from {latest} (step {first})")
+    checkpoints = run_log.Checkpoints(run, args.checkpoint_dir, args.checkpoint_keep, args.checkpoint_async)
+    committed = checkpoints.committed  # waits for a background save, then says it is saved
+    first = checkpoints.resume(state) if args.resume else 0
+    job.params, job.opt_state = dense.tree["params"], dense.tree["opt_state"]  # the loaded trees, if resumed
 
     def saves_after(step: int) -> bool:
         return bool(args.checkpoint_every) and (step + 1) % args.checkpoint_every == 0
-
-    checkpoints = run_log.Checkpoints(run, args.checkpoint_dir, args.checkpoint_keep, args.checkpoint_async)
-    committed = checkpoints.committed  # waits for a background save, then says it is saved
 
     def save(step: int) -> None:
         dense.tree = {"params": job.params, "opt_state": job.opt_state}
