@@ -400,7 +400,6 @@ def main(argv=None) -> int:
     committed = checkpoints.committed  # waits for a background save, then says it is saved
     first = checkpoints.resume(state) if args.resume else 0
 
-
     def save(step: int) -> None:
         state["step"] = step
         checkpoints.save(state, step)
