@@ -47,7 +47,7 @@ def unavailable() -> str | None:
     for tool in ("ip", "unshare", "mount"):
         if shutil.which(tool) is None:
             return f"multi-host tests need `{tool}` (iproute2, util-linux)"
-    probe = f"{PREFIX}probe"
+    probe = f"{PREFIX}probe{os.getpid()}"  # its own: the multi-host and Slurm groups probe at once
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     if made.returncode != 0:
