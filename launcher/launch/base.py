@@ -262,7 +262,7 @@ def _remote_port(launch_agent: str, host: str) -> str:
                            timeout=HOST_CHECK_TIMEOUT_SECONDS)[host]
     problem = failure(outcome)
     port = outcome.stdout.strip() if problem is None else ""
-    if not port.isdigit():
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):  # another host's word
         raise LauncherError(f"cannot reserve MASTER_PORT on rank 0's host {host}: {problem or repr(port)}")
     return port
 

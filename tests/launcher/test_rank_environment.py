@@ -15,7 +15,8 @@ import pytest
 
 from popdist_lite_launcher import cli
 from popdist_lite_launcher.core.plan import TORCHRUN_VARS, format_topology, plan_ranks, terminal_env
-from popdist_lite_launcher.launch.base import rendezvous, reserve_port
+from popdist_lite_launcher.core.api import LauncherError
+from popdist_lite_launcher.launch.base import _remote_port, rendezvous, reserve_port
 from popdist_lite_launcher.node.agent import size_terminal
 from helpers import JOB_SECONDS, run_on_a_terminal, timeout_for
 
@@ -69,6 +70,24 @@ def test_rank_zero_here_gets_the_launchers_address_and_a_reserved_port(no_torchr
         server.bind(("0.0.0.0", port))
         server.listen(1)
     assert reserve_port() != reserve_port()
+
+
+@pytest.mark.parametrize("answer", ["70000", "0", "\u00b2", "29500 extra", ""])
+def test_a_remote_port_is_checked_as_another_hosts_word(tmp_path, answer):
+    """rank 0's host answers the reservation through the launch agent: only a port number
+    (1-65535, ASCII digits) becomes MASTER_PORT; anything else is a one-line error."""
+    agent = tmp_path / "agent"
+    agent.write_text(f"#!/bin/sh\nprintf '%s\\n' '{answer}'\n")
+    agent.chmod(0o755)
+    with pytest.raises(LauncherError, match="cannot reserve MASTER_PORT on rank 0's host h1"):
+        _remote_port(str(agent), "h1")
+
+
+def test_a_remote_port_number_is_taken(tmp_path):
+    agent = tmp_path / "agent"
+    agent.write_text("#!/bin/sh\necho 29500\n")
+    agent.chmod(0o755)
+    assert _remote_port(str(agent), "h1") == "29500"
 
 
 def test_terminal_size_only_from_a_terminal_and_not_over_the_users(no_torchrun_env, monkeypatch):
