@@ -117,7 +117,7 @@ def _host_list(text: str) -> list[tuple[str, int | None]]:
 
 def _instance_args(text: str) -> tuple[int, list[str]]:
     index, sep, args = text.partition(":")
-    if not sep or not index.strip().isdigit():
+    if not sep or not index.strip().isdecimal():
         raise argparse.ArgumentTypeError(f"expected IDX:\"ARGS\", got {text!r}")
     return int(index), shlex.split(args)
 

@@ -315,7 +315,7 @@ def env_rank(environ=None) -> int | None:
     environ = os.environ if environ is None else environ
     for name in RANK_VARS:
         value = environ.get(name, "")
-        if value.isdigit():
+        if value.isdecimal():
             return int(value)
     return None
 
@@ -331,7 +331,7 @@ def env_identity(environ=None, pid: int | None = None) -> dict:
     if role == "feeder":
         replica = int(environ.get("POPDIST_LITE_FEEDER_OF") or replica)
         index = environ.get("POPDIST_LITE_FEEDER_INDEX", "")
-        feeder = int(index) if index.isdigit() else None
+        feeder = int(index) if index.isdecimal() else None
     return identity(rank=env_rank(environ), replica=replica, role=role, feeder=feeder, pid=pid)
 
 
@@ -443,7 +443,7 @@ _channel: dict = {"sock": None, "fd": None, "lock": threading.Lock(), "sent": 0,
 def _agent_socket():
     """This process's socket to its agent (from :data:`RECORD_FD_ENV`), or None."""
     value = os.environ.get(RECORD_FD_ENV, "")
-    if not value.isdigit():
+    if not value.isdecimal():
         return None
     if _channel["fd"] != value:
         try:

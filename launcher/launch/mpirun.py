@@ -52,7 +52,7 @@ def session_pids(sid: int) -> list[int]:
     except OSError:
         return pids
     for entry in entries:
-        fields = stat_fields(int(entry)) if entry.isdigit() else None
+        fields = stat_fields(int(entry)) if entry.isdecimal() else None
         if fields and len(fields) > 3 and fields[3] == str(sid):  # state ppid pgrp session ...
             pids.append(int(entry))
     return pids

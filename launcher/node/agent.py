@@ -241,7 +241,7 @@ class _Agent:
         self.child_env[records.RECORD_FD_ENV] = str(self.theirs.fileno())
         self.pass_fds = [self.theirs.fileno()]
         pmi_fd = environ.get("PMI_FD")
-        if pmi_fd and pmi_fd.isdigit():
+        if pmi_fd and pmi_fd.isdecimal():
             self.pass_fds.append(int(pmi_fd))
         self.signal: int | None = None      # the first signal that told the agent to stop
         self.stopped_at: float | None = None  # when (monotonic)

@@ -64,7 +64,7 @@ def _ancestors() -> set[int]:
     while pid > 1 and pid not in found:
         found.add(pid)
         fields = stat_fields(pid)
-        if not fields or len(fields) < 2 or not fields[1].isdigit():
+        if not fields or len(fields) < 2 or not fields[1].isdecimal():
             break
         pid = int(fields[1])
     return found
@@ -77,7 +77,7 @@ def marked(mark: str) -> list[int]:
     spared, uid = _ancestors(), os.getuid()
     pids = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) not in spared:
+        if entry.isdecimal() and int(entry) not in spared:
             try:
                 if os.stat(f"/proc/{entry}").st_uid != uid:
                     continue

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     code 0, or 2 (a bad argument or no key on standard input, nothing written) or 1 (the
     files cannot be written)."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) < 2 or not _MARK.fullmatch(args[0]) or not all(a.isdigit() and len(a) < 10 for a in args[1:]):
+    if len(args) < 2 or not _MARK.fullmatch(args[0]) or not all(a.isdecimal() and len(a) < 10 for a in args[1:]):
         print("usage: python -m popdist_lite_launcher.node.keys MARK RANK... (the key on standard input)",
               file=sys.stderr)
         return 2

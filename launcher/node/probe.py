@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the probe (see the module docstring); returns the exit code."""
     args = sys.argv[1:] if argv is None else argv
     host = socket.gethostname()
-    if len(args) != 2 or not args[1].isdigit():
+    if len(args) != 2 or not args[1].isdecimal():
         print("usage: python -m popdist_lite_launcher.node.probe HOST:PORT INDEX", file=sys.stderr)
         return 2
     address, index = args[0], int(args[1])

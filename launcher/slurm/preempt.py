@@ -113,7 +113,7 @@ def parse_signal(text: str) -> int:
     """
     name = text.strip().upper()
     try:
-        sig = signal.Signals(int(name)) if name.isdigit() else \
+        sig = signal.Signals(int(name)) if name.isdecimal() else \
             signal.Signals[name if name.startswith("SIG") else "SIG" + name]
     except (KeyError, ValueError):
         raise ValueError(f"not a signal name or number: {text!r}") from None

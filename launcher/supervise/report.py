@@ -260,7 +260,7 @@ def format_report(failures: list[Failure], exit_code: int, *, reason: str | None
 def _natural(name: str) -> list:
     """``replica 10`` after ``replica 2``; a word and a number compare (numbers first), so
     any two names sort, whatever the records called their ranks."""
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split()]
+    return [(0, int(part), "") if part.isdecimal() else (1, 0, part) for part in name.split()]
 
 
 def _error_lines(cause: Failure) -> list[str]:

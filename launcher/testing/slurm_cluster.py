@@ -406,7 +406,7 @@ def _read_pid(path: Path) -> int | None:
         text = path.read_text().strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() and int(text) > 1 else None
+    return int(text) if text.isdecimal() and int(text) > 1 else None
 
 
 def _is_daemon(pid: int) -> bool:
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     NODES nodes (default 2), print how to use it, keep it until SIGINT or SIGTERM, then
     remove it. Exit code 0, or 1 when it cannot be made here (the reason printed)."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) > 1 or (args and not (args[0].isdigit() and 1 <= int(args[0]) <= 8)):
+    if len(args) > 1 or (args and not (args[0].isdecimal() and 1 <= int(args[0]) <= 8)):
         print("usage: python -m popdist_lite_launcher.testing.slurm_cluster [NODES (1-8, default 2)]",
               file=sys.stderr)
         return 2

@@ -282,7 +282,7 @@ class OptimizerState:
         if not isinstance(values, dict):
             raise ValueError(f"{where}: the checkpoint's non-tensor state is not a dict")
         for key, found in (*values.items(), *state_dict.get("tensors", {}).items()):
-            if not key.isdigit() or int(key) >= len(params) or not isinstance(found, dict):
+            if not key.isdecimal() or int(key) >= len(params) or not isinstance(found, dict):
                 raise ValueError(f"{where}: the checkpoint holds state for parameter {key!r}; the optimizer has "
                                  f"{len(params)} parameters")
         for key, found in values.items():
